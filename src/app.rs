@@ -1,0 +1,69 @@
+//! Shared state and start-up order: config → store and index → upstreams →
+//! listener.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+
+use crate::cache::Cache;
+use crate::config::Config;
+use crate::upstream::Upstreams;
+
+pub struct App {
+    pub config: Config,
+    pub upstreams: Upstreams,
+    pub cache: Arc<Cache>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("opening the cache in {dir}: {source}")]
+    Cache {
+        dir: String,
+        source: crate::error::Error,
+    },
+    #[error("{0}")]
+    Upstream(String),
+    #[error("listening on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+}
+
+/// A started server: its bound address, and the future that serves it.
+pub struct Started {
+    pub addr: SocketAddr,
+    pub serve: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
+}
+
+pub async fn start(config: Config) -> Result<Started, StartError> {
+    let cache = Cache::open(config.cache.clone())
+        .await
+        .map_err(|source| StartError::Cache {
+            dir: config.cache.dir.display().to_string(),
+            source,
+        })?;
+    let upstreams = Upstreams::new(&config).map_err(StartError::Upstream)?;
+    let listener = TcpListener::bind(config.server.listen)
+        .await
+        .map_err(|source| StartError::Listen {
+            addr: config.server.listen,
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(|source| StartError::Listen {
+        addr: config.server.listen,
+        source,
+    })?;
+    let app = Arc::new(App {
+        config,
+        upstreams,
+        cache,
+    });
+    tracing::info!(%addr, cache_dir = %app.config.cache.dir.display(), "larder listening");
+    Ok(Started {
+        addr,
+        serve: Box::pin(crate::server::serve(listener, app)),
+    })
+}

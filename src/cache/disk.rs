@@ -1,0 +1,71 @@
+//! The content-addressed files: `blobs/sha256/<2 hex>/<64 hex>` for
+//! committed blobs, `tmp/` for fills in progress. Synchronous `std::fs`
+//! code, run only inside `spawn_blocking`.
+
+use std::fs::File;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use tempfile::NamedTempFile;
+
+use crate::oci::Digest;
+
+#[derive(Clone)]
+pub struct Store {
+    root: PathBuf,
+}
+
+impl Store {
+    /// Creates the folders and removes temp files a previous run left
+    /// behind (a crash mid-fill): nothing in `tmp/` was ever committed.
+    pub fn open(root: &Path) -> io::Result<Store> {
+        let store = Store {
+            root: root.to_owned(),
+        };
+        std::fs::create_dir_all(store.root.join("blobs/sha256"))?;
+        let tmp = store.tmp_dir();
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp)?;
+        }
+        std::fs::create_dir_all(&tmp)?;
+        Ok(store)
+    }
+
+    fn tmp_dir(&self) -> PathBuf {
+        self.root.join("tmp")
+    }
+
+    pub fn index_path(&self) -> PathBuf {
+        self.root.join("index.redb")
+    }
+
+    pub fn blob_path(&self, digest: &Digest) -> PathBuf {
+        let hex = digest.hex();
+        self.root.join("blobs/sha256").join(&hex[..2]).join(hex)
+    }
+
+    /// A new temp file for a fill; it deletes itself when dropped uncommitted.
+    pub fn create_temp(&self) -> io::Result<NamedTempFile> {
+        tempfile::Builder::new()
+            .prefix("fill-")
+            .tempfile_in(self.tmp_dir())
+    }
+
+    /// Makes a verified temp file the blob for `digest`: data fsynced,
+    /// renamed into place, and the folder fsynced so the rename survives a
+    /// crash. The caller inserts the index row afterwards.
+    pub fn commit(&self, temp: NamedTempFile, digest: &Digest) -> io::Result<()> {
+        temp.as_file().sync_all()?;
+        let path = self.blob_path(digest);
+        let parent = path
+            .parent()
+            .ok_or_else(|| io::Error::other("blob path has no parent"))?;
+        std::fs::create_dir_all(parent)?;
+        temp.persist(&path).map_err(|e| e.error)?;
+        File::open(parent)?.sync_all()
+    }
+
+    pub fn open_blob(&self, digest: &Digest) -> io::Result<File> {
+        File::open(self.blob_path(digest))
+    }
+}

@@ -1,0 +1,317 @@
+//! Blob fills: one upstream GET per digest however many clients ask. The
+//! fill runs in its own task, writes to a temp file while hashing, and
+//! publishes how far it got through a `watch` channel. Every client, the
+//! first included, is a reader of that file: it reads with `pread` up to
+//! the published offset, so a slow reader never slows the fill or anyone
+//! else, and memory does not grow with the number of readers or their
+//! backlog. A client that disconnects drops only its reader; the fill goes
+//! on and commits, so the next pull is warm.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use futures_util::FutureExt;
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::{Frame, Incoming};
+use tokio::sync::watch;
+
+use super::blocking;
+use crate::body::Body;
+use crate::error::{Error, UpstreamError};
+use crate::oci::{Digest, Hasher};
+
+/// Bytes gathered from upstream before one write to the temp file. Frames
+/// that are already buffered are batched up to this; a trickling upstream
+/// is written (and published to readers) as it arrives.
+pub const WRITE_CHUNK: usize = 256 << 10;
+/// Largest read a client's body stream makes from a blob file at once
+/// (tokio's default 4 KiB reads are several times slower).
+pub const READ_CHUNK: usize = 256 << 10;
+
+/// How far a fill is, as its readers see it.
+#[derive(Clone, Debug)]
+pub enum Progress {
+    /// Waiting for upstream's response headers.
+    Connecting,
+    /// Bytes `0..written` of the temp file are final; `size` is upstream's
+    /// `Content-Length` if it sent one.
+    Streaming {
+        file: Arc<File>,
+        size: Option<u64>,
+        written: u64,
+    },
+    /// Verified and committed.
+    Complete { file: Arc<File>, size: u64 },
+    /// Nothing was committed; readers abort their responses.
+    Failed(Error),
+}
+
+/// The fills in flight, by digest.
+#[derive(Default)]
+pub struct Fills {
+    // A std Mutex, held only for map lookups and inserts, never across `.await`.
+    inflight: Mutex<HashMap<Digest, watch::Receiver<Progress>>>,
+}
+
+impl Fills {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Digest, watch::Receiver<Progress>>> {
+        self.inflight.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The fill in flight for `digest`, if any.
+    pub fn get(&self, digest: &Digest) -> Option<watch::Receiver<Progress>> {
+        self.lock().get(digest).cloned()
+    }
+
+    /// Joins the fill for `digest`, or registers a new one and calls
+    /// `start` with its sender. `recently_committed` is checked under the
+    /// same lock, so a fill that finished a moment ago is not started again.
+    pub fn join_or_start(
+        &self,
+        digest: Digest,
+        recently_committed: impl FnOnce() -> bool,
+        start: impl FnOnce(watch::Sender<Progress>),
+    ) -> Option<(watch::Receiver<Progress>, bool)> {
+        let mut map = self.lock();
+        if let Some(rx) = map.get(&digest) {
+            return Some((rx.clone(), false));
+        }
+        if recently_committed() {
+            return None;
+        }
+        let (tx, rx) = watch::channel(Progress::Connecting);
+        map.insert(digest, rx.clone());
+        start(tx);
+        Some((rx, true))
+    }
+
+    pub fn remove(&self, digest: &Digest) {
+        self.lock().remove(digest);
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Waits until the fill has response headers (or failed): the file to read
+/// and the size if known.
+pub async fn wait_for_headers(
+    rx: &mut watch::Receiver<Progress>,
+) -> Result<(Arc<File>, Option<u64>), Error> {
+    loop {
+        match &*rx.borrow_and_update() {
+            Progress::Connecting => {}
+            Progress::Streaming { file, size, .. } => return Ok((Arc::clone(file), *size)),
+            Progress::Complete { file, size } => return Ok((Arc::clone(file), Some(*size))),
+            Progress::Failed(e) => return Err(e.clone()),
+        }
+        if rx.changed().await.is_err() {
+            return Err(Error::Internal("fill ended without a result".into()));
+        }
+    }
+}
+
+/// The temp file being written and the hash of what was written so far.
+/// Moved into `spawn_blocking` for each write and back.
+pub struct Writer {
+    temp: tempfile::NamedTempFile,
+    hasher: Hasher,
+    written: u64,
+}
+
+impl Writer {
+    pub fn new(temp: tempfile::NamedTempFile) -> Writer {
+        Writer {
+            temp,
+            hasher: Hasher::default(),
+            written: 0,
+        }
+    }
+
+    pub fn written(&self) -> u64 {
+        self.written
+    }
+
+    pub async fn write(mut self, chunk: Bytes) -> Result<Writer, Error> {
+        blocking(move || {
+            self.temp.as_file_mut().write_all(&chunk)?;
+            self.hasher.update(&chunk);
+            self.written += chunk.len() as u64;
+            Ok(self)
+        })
+        .await
+    }
+
+    pub fn finish(self) -> (tempfile::NamedTempFile, Digest, u64) {
+        (self.temp, self.hasher.finish(), self.written)
+    }
+}
+
+/// Streams a blob body from upstream into `writer`, publishing progress,
+/// and checks the length against `declared`. Returns the writer at EOF.
+pub async fn copy_body(
+    mut body: Incoming,
+    mut writer: Writer,
+    declared: Option<u64>,
+    idle: Duration,
+    tx: &watch::Sender<Progress>,
+) -> Result<Writer, Error> {
+    loop {
+        let (chunk, eof) = next_chunk(&mut body, idle).await?;
+        if !chunk.is_empty() {
+            let after = writer.written() + chunk.len() as u64;
+            if declared.is_some_and(|d| after > d) {
+                return Err(UpstreamError::Protocol(
+                    "blob body is longer than its Content-Length".into(),
+                )
+                .into());
+            }
+            writer = writer.write(chunk).await?;
+            let written = writer.written();
+            tx.send_modify(|p| {
+                if let Progress::Streaming { written: w, .. } = p {
+                    *w = written;
+                }
+            });
+        }
+        if eof {
+            break;
+        }
+    }
+    if let Some(d) = declared.filter(|d| *d != writer.written()) {
+        let got = writer.written();
+        return Err(
+            UpstreamError::Protocol(format!("blob body ended after {got} of {d} bytes")).into(),
+        );
+    }
+    Ok(writer)
+}
+
+/// Waits for the next data frame, then takes the frames already buffered
+/// behind it, up to [`WRITE_CHUNK`]. Returns the bytes and whether the body ended.
+async fn next_chunk(body: &mut Incoming, idle: Duration) -> Result<(Bytes, bool), Error> {
+    let mut buf = BytesMut::new();
+    let first = match tokio::time::timeout(idle, body.frame()).await {
+        Err(_) => return Err(UpstreamError::Timeout("blob body stalled").into()),
+        Ok(frame) => frame,
+    };
+    let mut next = Some(first);
+    while let Some(frame) = next.take() {
+        match frame {
+            None => return Ok((buf.freeze(), true)),
+            Some(Err(e)) => return Err(UpstreamError::Protocol(format!("blob body: {e}")).into()),
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    if buf.is_empty() && data.len() >= WRITE_CHUNK {
+                        return Ok((data, false));
+                    }
+                    buf.extend_from_slice(&data);
+                }
+            }
+        }
+        if buf.len() < WRITE_CHUNK {
+            // Dropping a pending `frame()` future loses nothing.
+            next = body.frame().now_or_never();
+        }
+    }
+    Ok((buf.freeze(), false))
+}
+
+/// A response body reading `file` from `start` to `end` (exclusive; `None`:
+/// to the end of the blob, learnt from the fill). With `progress`, the file
+/// is a fill in flight: reads stop at the published offset and wait for
+/// more; a failed fill ends the body with an error, which aborts the
+/// client's connection.
+pub fn read_body(
+    file: Arc<File>,
+    progress: Option<watch::Receiver<Progress>>,
+    start: u64,
+    end: Option<u64>,
+) -> Body {
+    let state = Reader {
+        file,
+        progress,
+        offset: start,
+        end,
+    };
+    let stream = futures_util::stream::try_unfold(state, |mut reader| async move {
+        match reader.next().await? {
+            Some(bytes) => Ok(Some((Frame::data(bytes), reader))),
+            None => Ok(None),
+        }
+    });
+    StreamBody::new(stream).boxed_unsync()
+}
+
+struct Reader {
+    file: Arc<File>,
+    progress: Option<watch::Receiver<Progress>>,
+    offset: u64,
+    end: Option<u64>,
+}
+
+impl Reader {
+    /// The next chunk, `None` at the end of the range. While the fill is
+    /// not verified, a range that reaches the blob's end is held back by
+    /// its final byte: an HTTP/1 client that got all `Content-Length`
+    /// bytes would take the blob as complete even if the connection is
+    /// then aborted, so the last byte goes out only after the digest matched.
+    async fn next(&mut self) -> Result<Option<Bytes>, crate::body::BoxError> {
+        loop {
+            let (available, total, verified) = match &mut self.progress {
+                None => (self.end.unwrap_or(0), self.end, true),
+                Some(rx) => match &*rx.borrow_and_update() {
+                    Progress::Connecting => (0, None, false),
+                    Progress::Streaming { written, size, .. } => (*written, *size, false),
+                    Progress::Complete { size, .. } => (*size, Some(*size), true),
+                    Progress::Failed(e) => return Err(Box::new(e.clone())),
+                },
+            };
+            let end = self.end.or(total);
+            let reaches_blob_end = end.is_none() || end == total;
+            let done = end.is_some_and(|e| self.offset >= e);
+            if done && (verified || !reaches_blob_end) {
+                return Ok(None);
+            }
+            let mut limit = end.map_or(available, |e| e.min(available));
+            if !verified && reaches_blob_end && total.is_some_and(|t| limit >= t) {
+                limit = limit.saturating_sub(1);
+            }
+            if self.offset < limit {
+                let len = (limit - self.offset).min(READ_CHUNK as u64) as usize;
+                let (file, offset) = (Arc::clone(&self.file), self.offset);
+                let bytes = blocking(move || {
+                    let mut buf = vec![0u8; len];
+                    file.read_exact_at(&mut buf, offset)?;
+                    Ok(Bytes::from(buf))
+                })
+                .await?;
+                self.offset += len as u64;
+                return Ok(Some(bytes));
+            }
+            let Some(rx) = self.progress.as_mut().filter(|_| !verified) else {
+                // Verified, yet the range ends past the blob: ranges are
+                // validated against the size first, but never spin on it.
+                return Err("blob ended before the requested range".into());
+            };
+            if rx.changed().await.is_err()
+                && !matches!(
+                    &*rx.borrow(),
+                    Progress::Complete { .. } | Progress::Failed(_)
+                )
+            {
+                return Err("fill ended without a result".into());
+            }
+        }
+    }
+}

@@ -1,0 +1,154 @@
+//! The redb index of what the store holds. Synchronous, like redb itself:
+//! call it only from `spawn_blocking` (the facade's `blocking` helper).
+
+use std::path::Path;
+
+use redb::{Database, ReadableDatabase, TableDefinition};
+
+use crate::oci::{Digest, MediaType};
+
+/// Committed blobs: digest hex → size in bytes.
+const BLOBS: TableDefinition<&str, u64> = TableDefinition::new("blobs");
+/// Manifests by digest hex → (media type, exact bytes).
+const MANIFESTS: TableDefinition<&str, (&str, &[u8])> = TableDefinition::new("manifests");
+/// Tags: "upstream\0repo\0tag" → (digest, unix millis when upstream last confirmed it).
+const TAGS: TableDefinition<&str, (&str, u64)> = TableDefinition::new("tags");
+
+pub struct Index {
+    db: Database,
+}
+
+pub struct TagRow {
+    pub digest: Digest,
+    pub confirmed_ms: u64,
+}
+
+impl Index {
+    pub fn open(path: &Path) -> Result<Index, redb::Error> {
+        let db = Database::create(path)?;
+        // Create the tables up front so read transactions never miss them.
+        let txn = db.begin_write()?;
+        txn.open_table(BLOBS)?;
+        txn.open_table(MANIFESTS)?;
+        txn.open_table(TAGS)?;
+        txn.commit()?;
+        Ok(Index { db })
+    }
+
+    pub fn blob_size(&self, digest: &Digest) -> Result<Option<u64>, redb::Error> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(BLOBS)?;
+        Ok(table.get(digest.hex().as_str())?.map(|v| v.value()))
+    }
+
+    pub fn insert_blob(&self, digest: &Digest, size: u64) -> Result<(), redb::Error> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(BLOBS)?.insert(digest.hex().as_str(), size)?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    pub fn remove_blob(&self, digest: &Digest) -> Result<(), redb::Error> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(BLOBS)?.remove(digest.hex().as_str())?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    pub fn manifest(&self, digest: &Digest) -> Result<Option<(MediaType, Vec<u8>)>, redb::Error> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(MANIFESTS)?;
+        let Some(row) = table.get(digest.hex().as_str())? else {
+            return Ok(None);
+        };
+        let (media, bytes) = row.value();
+        // A row whose media type is unknown would be from a newer larder;
+        // treat it as absent rather than serve it wrongly.
+        Ok(MediaType::parse(media).map(|m| (m, bytes.to_vec())))
+    }
+
+    /// Stores a manifest and, for a tag, its mapping, in one transaction.
+    pub fn insert_manifest(
+        &self,
+        digest: &Digest,
+        media_type: MediaType,
+        bytes: &[u8],
+        tag: Option<(&str, u64)>,
+    ) -> Result<(), redb::Error> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(MANIFESTS)?
+            .insert(digest.hex().as_str(), (media_type.as_str(), bytes))?;
+        if let Some((key, confirmed_ms)) = tag {
+            txn.open_table(TAGS)?
+                .insert(key, (digest.to_string().as_str(), confirmed_ms))?;
+        }
+        txn.commit()?;
+        Ok(())
+    }
+
+    pub fn tag(&self, key: &str) -> Result<Option<TagRow>, redb::Error> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(TAGS)?;
+        let Some(row) = table.get(key)? else {
+            return Ok(None);
+        };
+        let (digest, confirmed_ms) = row.value();
+        Ok(digest.parse().ok().map(|digest| TagRow {
+            digest,
+            confirmed_ms,
+        }))
+    }
+
+    pub fn set_tag(
+        &self,
+        key: &str,
+        digest: &Digest,
+        confirmed_ms: u64,
+    ) -> Result<(), redb::Error> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(TAGS)?
+            .insert(key, (digest.to_string().as_str(), confirmed_ms))?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    pub fn remove_tag(&self, key: &str) -> Result<(), redb::Error> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(TAGS)?.remove(key)?;
+        txn.commit()?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_survive_reopening() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("index.redb");
+        let d = Digest::of(b"blob");
+        let m = Digest::of(b"{}");
+        {
+            let index = Index::open(&path).unwrap();
+            assert_eq!(index.blob_size(&d).unwrap(), None);
+            index.insert_blob(&d, 4).unwrap();
+            index
+                .insert_manifest(&m, MediaType::OciManifest, b"{}", Some(("u\0r\0t", 42)))
+                .unwrap();
+        }
+        let index = Index::open(&path).unwrap();
+        assert_eq!(index.blob_size(&d).unwrap(), Some(4));
+        assert_eq!(
+            index.manifest(&m).unwrap(),
+            Some((MediaType::OciManifest, b"{}".to_vec()))
+        );
+        let tag = index.tag("u\0r\0t").unwrap().unwrap();
+        assert_eq!((tag.digest, tag.confirmed_ms), (m, 42));
+        index.remove_blob(&d).unwrap();
+        index.remove_tag("u\0r\0t").unwrap();
+        assert_eq!(index.blob_size(&d).unwrap(), None);
+        assert!(index.tag("u\0r\0t").unwrap().is_none());
+    }
+}

@@ -1,0 +1,114 @@
+//! The memory tier: manifests by digest (exact bytes plus the header
+//! values every response needs, built once) and tag mappings, in moka
+//! caches bounded by the `cache.memory` budget.
+
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use bytes::Bytes;
+use http::HeaderValue;
+
+use crate::oci::{Digest, MediaType};
+
+/// A manifest ready to serve.
+#[derive(Debug)]
+pub struct StoredManifest {
+    pub bytes: Bytes,
+    pub media_type: MediaType,
+    pub digest: Digest,
+    pub content_type: HeaderValue,
+    pub digest_header: HeaderValue,
+}
+
+impl StoredManifest {
+    pub fn new(bytes: Bytes, media_type: MediaType, digest: Digest) -> StoredManifest {
+        let digest_header =
+            HeaderValue::from_str(&digest.to_string()).expect("a digest is a valid header value");
+        StoredManifest {
+            content_type: HeaderValue::from_static(media_type.as_str()),
+            bytes,
+            media_type,
+            digest,
+            digest_header,
+        }
+    }
+}
+
+/// Where upstream last confirmed a tag to point.
+#[derive(Clone, Copy, Debug)]
+pub struct TagEntry {
+    pub digest: Digest,
+    pub confirmed: SystemTime,
+}
+
+/// Rough per-entry overhead counted against the memory budget.
+const ENTRY_OVERHEAD: u32 = 256;
+/// Tenths of the memory budget for manifests; the rest holds tags and blob sizes.
+const MANIFEST_TENTHS: u64 = 8;
+
+pub struct Memory {
+    manifests: moka::sync::Cache<Digest, Arc<StoredManifest>>,
+    tags: moka::sync::Cache<String, TagEntry>,
+    /// Sizes of committed blobs, so a hit needs no index read.
+    blob_sizes: moka::sync::Cache<Digest, u64>,
+}
+
+impl Memory {
+    pub fn new(budget: u64) -> Memory {
+        let manifest_budget = budget / 10 * MANIFEST_TENTHS;
+        let small_budget = (budget - manifest_budget) / 2;
+        Memory {
+            manifests: moka::sync::Cache::builder()
+                .weigher(|_, m: &Arc<StoredManifest>| {
+                    u32::try_from(m.bytes.len())
+                        .unwrap_or(u32::MAX)
+                        .saturating_add(ENTRY_OVERHEAD)
+                })
+                .max_capacity(manifest_budget)
+                .build(),
+            tags: moka::sync::Cache::builder()
+                .weigher(|k: &String, _| {
+                    u32::try_from(k.len())
+                        .unwrap_or(u32::MAX)
+                        .saturating_add(ENTRY_OVERHEAD)
+                })
+                .max_capacity(small_budget)
+                .build(),
+            blob_sizes: moka::sync::Cache::builder()
+                .max_capacity(small_budget / u64::from(ENTRY_OVERHEAD))
+                .build(),
+        }
+    }
+
+    pub fn manifest(&self, digest: &Digest) -> Option<Arc<StoredManifest>> {
+        self.manifests.get(digest)
+    }
+
+    pub fn insert_manifest(&self, m: Arc<StoredManifest>) {
+        self.manifests.insert(m.digest, m);
+    }
+
+    pub fn tag(&self, key: &str) -> Option<TagEntry> {
+        self.tags.get(key)
+    }
+
+    pub fn insert_tag(&self, key: String, entry: TagEntry) {
+        self.tags.insert(key, entry);
+    }
+
+    pub fn remove_tag(&self, key: &str) {
+        self.tags.invalidate(key);
+    }
+
+    pub fn blob_size(&self, digest: &Digest) -> Option<u64> {
+        self.blob_sizes.get(digest)
+    }
+
+    pub fn insert_blob_size(&self, digest: Digest, size: u64) {
+        self.blob_sizes.insert(digest, size);
+    }
+
+    pub fn remove_blob_size(&self, digest: &Digest) {
+        self.blob_sizes.invalidate(digest);
+    }
+}

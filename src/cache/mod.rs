@@ -1,0 +1,452 @@
+//! The cache facade: memory tier → disk tier → fill in flight → upstream.
+//! Handlers ask it for a manifest or a blob and get back something to
+//! serve plus how it was served (hit, miss, coalesced, stale).
+
+mod disk;
+pub mod fill;
+mod index;
+mod memory;
+
+use std::fs::File;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use tokio::sync::watch;
+
+pub use memory::StoredManifest;
+
+use crate::coalesce::{Joined, SingleFlight};
+use crate::config::CacheConfig;
+use crate::error::{Error, UpstreamError};
+use crate::oci::{Digest, Reference, RepoName, Tag};
+use crate::upstream::{FetchedManifest, Opened, Upstream, content_length};
+use disk::Store;
+use fill::{Fills, Progress, Writer};
+use index::Index;
+use memory::{Memory, TagEntry};
+
+/// How a request was served; a label for metrics and logs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheResult {
+    Hit,
+    Miss,
+    /// Joined a fetch or fill another request had started.
+    Coalesced,
+    /// Served past its TTL because upstream failed.
+    Stale,
+}
+
+impl CacheResult {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CacheResult::Hit => "hit",
+            CacheResult::Miss => "miss",
+            CacheResult::Coalesced => "coalesced",
+            CacheResult::Stale => "stale",
+        }
+    }
+
+    fn of(joined: Joined) -> CacheResult {
+        match joined {
+            Joined::Leader => CacheResult::Miss,
+            Joined::Follower => CacheResult::Coalesced,
+        }
+    }
+}
+
+/// A blob to serve: committed on disk, or a fill in flight.
+pub enum BlobSource {
+    Committed { file: Arc<File>, size: u64 },
+    Filling(watch::Receiver<Progress>),
+}
+
+pub struct Cache {
+    config: CacheConfig,
+    store: Store,
+    index: Arc<Index>,
+    memory: Memory,
+    fills: Fills,
+    /// One upstream manifest GET per (upstream, repo, reference).
+    manifest_fetches: SingleFlight<String, Arc<StoredManifest>>,
+    /// One upstream HEAD per tag being revalidated.
+    revalidations: SingleFlight<String, Option<Digest>>,
+}
+
+/// Runs blocking work (redb, `std::fs`) on tokio's blocking pool.
+pub async fn blocking<T, F>(f: F) -> Result<T, Error>
+where
+    F: FnOnce() -> Result<T, Error> + Send + 'static,
+    T: Send + 'static,
+{
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Internal(format!("blocking task failed: {e}")))?
+}
+
+fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn tag_key(upstream: &str, repo: &RepoName, tag: &Tag) -> String {
+    format!("{upstream}\0{repo}\0{tag}")
+}
+
+impl Cache {
+    /// Opens (or creates) the store under `config.dir`.
+    pub async fn open(config: CacheConfig) -> Result<Arc<Cache>, Error> {
+        let dir = config.dir.clone();
+        let (store, index) = blocking(move || {
+            let store = Store::open(&dir)?;
+            let index = Index::open(&store.index_path())?;
+            Ok((store, index))
+        })
+        .await?;
+        Ok(Arc::new(Cache {
+            memory: Memory::new(config.memory),
+            config,
+            store,
+            index: Arc::new(index),
+            fills: Fills::default(),
+            manifest_fetches: SingleFlight::default(),
+            revalidations: SingleFlight::default(),
+        }))
+    }
+
+    /// Number of blob fills in flight.
+    pub fn fills_in_flight(&self) -> usize {
+        self.fills.len()
+    }
+
+    // ---- manifests -------------------------------------------------------
+
+    pub async fn manifest(
+        self: &Arc<Self>,
+        upstream: &Arc<Upstream>,
+        repo: &RepoName,
+        reference: &Reference,
+    ) -> Result<(Arc<StoredManifest>, CacheResult), Error> {
+        match reference {
+            Reference::Digest(digest) => match self.stored_manifest(digest).await? {
+                Some(m) => Ok((m, CacheResult::Hit)),
+                None => self.fetch_manifest(upstream, repo, reference).await,
+            },
+            Reference::Tag(tag) => self.manifest_by_tag(upstream, repo, tag).await,
+        }
+    }
+
+    async fn stored_manifest(&self, digest: &Digest) -> Result<Option<Arc<StoredManifest>>, Error> {
+        if let Some(m) = self.memory.manifest(digest) {
+            return Ok(Some(m));
+        }
+        let (index, d) = (Arc::clone(&self.index), *digest);
+        let row = blocking(move || Ok(index.manifest(&d)?)).await?;
+        Ok(row.map(|(media_type, bytes)| {
+            let m = Arc::new(StoredManifest::new(Bytes::from(bytes), media_type, d));
+            self.memory.insert_manifest(Arc::clone(&m));
+            m
+        }))
+    }
+
+    async fn tag_entry(&self, key: &str) -> Result<Option<TagEntry>, Error> {
+        if let Some(e) = self.memory.tag(key) {
+            return Ok(Some(e));
+        }
+        let (index, k) = (Arc::clone(&self.index), key.to_owned());
+        let row = blocking(move || Ok(index.tag(&k)?)).await?;
+        Ok(row.map(|r| {
+            let e = TagEntry {
+                digest: r.digest,
+                confirmed: UNIX_EPOCH + Duration::from_millis(r.confirmed_ms),
+            };
+            self.memory.insert_tag(key.to_owned(), e);
+            e
+        }))
+    }
+
+    async fn set_tag(&self, key: String, digest: Digest) -> Result<(), Error> {
+        let now = SystemTime::now();
+        self.memory.insert_tag(
+            key.clone(),
+            TagEntry {
+                digest,
+                confirmed: now,
+            },
+        );
+        let index = Arc::clone(&self.index);
+        blocking(move || Ok(index.set_tag(&key, &digest, unix_ms(now))?)).await
+    }
+
+    /// A tag within its TTL is served from the cache. Past it, one `HEAD`
+    /// asks upstream where the tag points now: unchanged renews the TTL,
+    /// changed fetches the new digest, and an upstream failure serves the
+    /// old mapping for up to `stale_if_error`.
+    async fn manifest_by_tag(
+        self: &Arc<Self>,
+        upstream: &Arc<Upstream>,
+        repo: &RepoName,
+        tag: &Tag,
+    ) -> Result<(Arc<StoredManifest>, CacheResult), Error> {
+        let key = tag_key(upstream.name(), repo, tag);
+        let Some(entry) = self.tag_entry(&key).await? else {
+            return self
+                .fetch_manifest(upstream, repo, &Reference::Tag(tag.clone()))
+                .await;
+        };
+        let Some(cached) = self.stored_manifest(&entry.digest).await? else {
+            return self
+                .fetch_manifest(upstream, repo, &Reference::Tag(tag.clone()))
+                .await;
+        };
+        let age = SystemTime::now()
+            .duration_since(entry.confirmed)
+            .unwrap_or_default();
+        let ttl = upstream.config.tag_ttl(&self.config);
+        if age < ttl || upstream.config.tag_is_immutable(tag.as_str()) {
+            return Ok((cached, CacheResult::Hit));
+        }
+        let head = {
+            let (upstream, repo, tag) = (Arc::clone(upstream), repo.clone(), tag.clone());
+            move || async move {
+                upstream
+                    .head_manifest(&repo, &tag)
+                    .await
+                    .map_err(Error::Upstream)
+            }
+        };
+        match self.revalidations.run(key.clone(), head).await.0 {
+            Ok(Some(digest)) if digest == entry.digest => {
+                self.set_tag(key, digest).await?;
+                Ok((cached, CacheResult::Hit))
+            }
+            Ok(Some(digest)) => {
+                let (m, result) = self
+                    .fetch_manifest(upstream, repo, &Reference::Digest(digest))
+                    .await?;
+                self.set_tag(key, digest).await?;
+                Ok((m, result))
+            }
+            Ok(None) => {
+                self.memory.remove_tag(&key);
+                let index = Arc::clone(&self.index);
+                blocking(move || Ok(index.remove_tag(&key)?)).await?;
+                Err(Error::ManifestUnknown)
+            }
+            Err(Error::Upstream(e)) if age < ttl + self.config.stale_if_error => {
+                tracing::warn!(upstream = upstream.name(), %repo, %tag, error = %e, "serving stale tag");
+                Ok((cached, CacheResult::Stale))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Fetches a manifest from upstream (one GET per reference however many
+    /// ask), stores it, and for a tag records the mapping.
+    async fn fetch_manifest(
+        self: &Arc<Self>,
+        upstream: &Arc<Upstream>,
+        repo: &RepoName,
+        reference: &Reference,
+    ) -> Result<(Arc<StoredManifest>, CacheResult), Error> {
+        let key = format!("{}\0{repo}\0{reference}", upstream.name());
+        let fetch = {
+            let (cache, upstream, repo, reference) = (
+                Arc::clone(self),
+                Arc::clone(upstream),
+                repo.clone(),
+                reference.clone(),
+            );
+            move || async move {
+                let fetched = upstream
+                    .get_manifest(&repo, &reference)
+                    .await?
+                    .ok_or(Error::ManifestUnknown)?;
+                let tag = match &reference {
+                    Reference::Tag(t) => Some(tag_key(upstream.name(), &repo, t)),
+                    Reference::Digest(_) => None,
+                };
+                cache.store_manifest(fetched, tag).await
+            }
+        };
+        let (result, joined) = self.manifest_fetches.run(key, fetch).await;
+        Ok((result?, CacheResult::of(joined)))
+    }
+
+    async fn store_manifest(
+        &self,
+        m: FetchedManifest,
+        tag: Option<String>,
+    ) -> Result<Arc<StoredManifest>, Error> {
+        let stored = Arc::new(StoredManifest::new(m.bytes.clone(), m.media_type, m.digest));
+        let now = SystemTime::now();
+        let index = Arc::clone(&self.index);
+        let tag_row = tag.clone();
+        blocking(move || {
+            let tag = tag_row.as_deref().map(|k| (k, unix_ms(now)));
+            Ok(index.insert_manifest(&m.digest, m.media_type, &m.bytes, tag)?)
+        })
+        .await?;
+        self.memory.insert_manifest(Arc::clone(&stored));
+        if let Some(key) = tag {
+            self.memory.insert_tag(
+                key,
+                TagEntry {
+                    digest: stored.digest,
+                    confirmed: now,
+                },
+            );
+        }
+        Ok(stored)
+    }
+
+    // ---- blobs -----------------------------------------------------------
+
+    /// A committed blob, checked against its index row: a row whose file is
+    /// missing or has the wrong size is dropped and reported as absent.
+    async fn committed_blob(&self, digest: &Digest) -> Result<Option<(Arc<File>, u64)>, Error> {
+        let size = match self.memory.blob_size(digest) {
+            Some(size) => Some(size),
+            None => {
+                let (index, d) = (Arc::clone(&self.index), *digest);
+                blocking(move || Ok(index.blob_size(&d)?)).await?
+            }
+        };
+        let Some(size) = size else { return Ok(None) };
+        let (store, index, d) = (self.store.clone(), Arc::clone(&self.index), *digest);
+        let file = blocking(move || match store.open_blob(&d) {
+            Ok(f) if f.metadata()?.len() == size => Ok(Some(f)),
+            Ok(_) | Err(_) => {
+                tracing::warn!(digest = %d, "index row without a matching blob file; dropping it");
+                index.remove_blob(&d)?;
+                Ok(None)
+            }
+        })
+        .await?;
+        match file {
+            Some(f) => {
+                self.memory.insert_blob_size(*digest, size);
+                Ok(Some((Arc::new(f), size)))
+            }
+            None => {
+                self.memory.remove_blob_size(digest);
+                Ok(None)
+            }
+        }
+    }
+
+    /// Only committed blobs: for `HEAD`, which never starts a fill.
+    pub async fn blob_size(&self, digest: &Digest) -> Result<Option<u64>, Error> {
+        if let Some(rx) = self.fills.get(digest) {
+            if let Progress::Streaming {
+                size: Some(size), ..
+            }
+            | Progress::Complete { size, .. } = &*rx.borrow()
+            {
+                return Ok(Some(*size));
+            }
+        }
+        Ok(self.committed_blob(digest).await?.map(|(_, size)| size))
+    }
+
+    /// A blob to serve: committed, joined to the fill in flight, or a new
+    /// fill from `upstream`.
+    pub async fn blob(
+        self: &Arc<Self>,
+        upstream: &Arc<Upstream>,
+        repo: &RepoName,
+        digest: Digest,
+    ) -> Result<(BlobSource, CacheResult), Error> {
+        if let Some(rx) = self.fills.get(&digest) {
+            return Ok((BlobSource::Filling(rx), CacheResult::Coalesced));
+        }
+        loop {
+            if let Some((file, size)) = self.committed_blob(&digest).await? {
+                return Ok((BlobSource::Committed { file, size }, CacheResult::Hit));
+            }
+            let started = self.fills.join_or_start(
+                digest,
+                || self.memory.blob_size(&digest).is_some(),
+                |tx| self.spawn_fill(Arc::clone(upstream), repo.clone(), digest, tx),
+            );
+            match started {
+                Some((rx, true)) => return Ok((BlobSource::Filling(rx), CacheResult::Miss)),
+                Some((rx, false)) => return Ok((BlobSource::Filling(rx), CacheResult::Coalesced)),
+                // Committed between our index read and the lock: read it again.
+                None => continue,
+            }
+        }
+    }
+
+    fn spawn_fill(
+        self: &Arc<Self>,
+        upstream: Arc<Upstream>,
+        repo: RepoName,
+        digest: Digest,
+        tx: watch::Sender<Progress>,
+    ) {
+        let cache = Arc::clone(self);
+        tokio::spawn(async move {
+            match cache.fill(&upstream, &repo, digest, &tx).await {
+                Ok((file, size)) => {
+                    cache.memory.insert_blob_size(digest, size);
+                    tx.send_replace(Progress::Complete { file, size });
+                    tracing::debug!(%digest, size, upstream = upstream.name(), "fill committed");
+                }
+                Err(e) => {
+                    tracing::warn!(%digest, upstream = upstream.name(), %repo, error = %e, "fill failed");
+                    tx.send_replace(Progress::Failed(e));
+                }
+            }
+            cache.fills.remove(&digest);
+        });
+    }
+
+    /// Streams one blob from upstream into a temp file, verifies size and
+    /// digest, and commits it: fsync, rename, then the index row.
+    async fn fill(
+        &self,
+        upstream: &Upstream,
+        repo: &RepoName,
+        digest: Digest,
+        tx: &watch::Sender<Progress>,
+    ) -> Result<(Arc<File>, u64), Error> {
+        let Opened { response, permit } = upstream
+            .get_blob(repo, &digest)
+            .await?
+            .ok_or(Error::BlobUnknown(digest))?;
+        let declared = content_length(response.headers());
+        let store = self.store.clone();
+        let temp = blocking(move || Ok(store.create_temp()?)).await?;
+        let file = Arc::new(temp.as_file().try_clone()?);
+        tx.send_replace(Progress::Streaming {
+            file: Arc::clone(&file),
+            size: declared,
+            written: 0,
+        });
+        let writer = fill::copy_body(
+            response.into_body(),
+            Writer::new(temp),
+            declared,
+            upstream.body_idle_timeout(),
+            tx,
+        )
+        .await?;
+        drop(permit);
+        let (temp, actual, size) = writer.finish();
+        if actual != digest {
+            return Err(UpstreamError::DigestMismatch {
+                expected: digest,
+                actual: actual.to_string(),
+            }
+            .into());
+        }
+        let (store, index) = (self.store.clone(), Arc::clone(&self.index));
+        blocking(move || {
+            store.commit(temp, &digest)?;
+            Ok(index.insert_blob(&digest, size)?)
+        })
+        .await?;
+        Ok((file, size))
+    }
+}

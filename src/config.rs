@@ -1,0 +1,619 @@
+//! Configuration: raw serde structs (`deny_unknown_fields`) parsed from
+//! TOML, then `validate()` into typed values. Every error names the file and
+//! the key. Secrets are read here and kept in a redacting [`Secret`].
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::num::NonZeroUsize;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use regex::Regex;
+use serde::Deserialize;
+
+/// The configuration used when `larder` runs without `--config`.
+pub const EMBEDDED_DEFAULT: &str = include_str!("../config/default.toml");
+const EMBEDDED_NAME: &str = "<embedded default config>";
+
+/// Default number of open upstream requests per upstream.
+pub const DEFAULT_MAX_CONCURRENCY: usize = 32;
+/// Default time allowed to establish an upstream connection (TCP + TLS).
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default wait for upstream response headers. containerd gives up on a
+/// mirror after 30 s without headers, so larder must answer well before.
+pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(20);
+/// Default longest pause between two chunks of an upstream body.
+pub const DEFAULT_BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub cache: CacheConfig,
+    pub upstreams: Vec<UpstreamConfig>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+}
+
+#[derive(Debug, Clone)]
+pub struct CacheConfig {
+    pub dir: PathBuf,
+    /// Disk budget for cached content, in bytes.
+    pub max_size: u64,
+    /// Memory budget of the in-memory manifest tier, in bytes.
+    pub memory: u64,
+    /// How long a tag → digest mapping is trusted before a `HEAD` revalidates it.
+    pub tag_ttl: Duration,
+    /// How long past its TTL a tag may still be served when upstream fails.
+    pub stale_if_error: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct UpstreamConfig {
+    /// Lookup key for `?ns=` and the `/v2/<name>/…` path prefix.
+    pub name: String,
+    pub aliases: Vec<String>,
+    /// Scheme and authority of the registry; larder only ever dials this.
+    pub url: http::Uri,
+    pub default: bool,
+    /// Docker Hub keeps one-component names under `library/`.
+    pub library_namespace: bool,
+    pub credentials: Option<Credentials>,
+    pub tag_ttl: Option<Duration>,
+    pub immutable_tags: Vec<Regex>,
+    /// Open upstream requests allowed at once; further requests wait in order.
+    pub max_concurrency: NonZeroUsize,
+    pub ca_file: Option<PathBuf>,
+    pub connect_timeout: Duration,
+    pub response_timeout: Duration,
+    pub body_idle_timeout: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct Credentials {
+    pub username: String,
+    pub password: Secret,
+}
+
+/// A secret string whose `Debug` and `Display` never show the value.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Secret {
+        Secret(s.into())
+    }
+    /// The secret itself; call only where it is sent to its destination.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{file}: cannot read: {source}")]
+    Read {
+        file: String,
+        source: std::io::Error,
+    },
+    #[error("{file}: {message}")]
+    Parse { file: String, message: String },
+    #[error("{file}: `{key}`: {message}")]
+    Invalid {
+        file: String,
+        key: String,
+        message: String,
+    },
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    server: Option<RawServer>,
+    cache: Option<RawCache>,
+    #[serde(default)]
+    upstream: Vec<RawUpstream>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawServer {
+    listen: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawCache {
+    dir: Option<String>,
+    max_size: Option<String>,
+    memory: Option<String>,
+    tag_ttl: Option<String>,
+    stale_if_error: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawUpstream {
+    name: String,
+    url: String,
+    #[serde(default)]
+    default: bool,
+    #[serde(default)]
+    aliases: Vec<String>,
+    library_namespace: Option<bool>,
+    username: Option<String>,
+    password: Option<String>,
+    password_file: Option<String>,
+    password_env: Option<String>,
+    tag_ttl: Option<String>,
+    #[serde(default)]
+    immutable_tags: Vec<String>,
+    max_concurrency: Option<usize>,
+    ca_file: Option<String>,
+    connect_timeout: Option<String>,
+    response_timeout: Option<String>,
+    body_idle_timeout: Option<String>,
+}
+
+impl Config {
+    /// Reads and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            file: file.clone(),
+            source,
+        })?;
+        Config::parse(&text, &file, path.parent())
+    }
+
+    /// The embedded default configuration.
+    pub fn embedded_default() -> Result<Config, ConfigError> {
+        Config::parse(EMBEDDED_DEFAULT, EMBEDDED_NAME, None)
+    }
+
+    /// Parses config text. `file` names it in errors; relative paths in it
+    /// are resolved against `base_dir` (the file's folder) when given.
+    pub fn parse(text: &str, file: &str, base_dir: Option<&Path>) -> Result<Config, ConfigError> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            file: file.to_owned(),
+            message: e.to_string(),
+        })?;
+        Validator { file, base_dir }.config(raw)
+    }
+
+    pub fn default_upstream(&self) -> Option<&UpstreamConfig> {
+        self.upstreams.iter().find(|u| u.default)
+    }
+}
+
+impl UpstreamConfig {
+    pub fn tag_ttl(&self, cache: &CacheConfig) -> Duration {
+        self.tag_ttl.unwrap_or(cache.tag_ttl)
+    }
+
+    /// Whether a tag matches one of the `immutable_tags` patterns.
+    pub fn tag_is_immutable(&self, tag: &str) -> bool {
+        self.immutable_tags.iter().any(|r| r.is_match(tag))
+    }
+
+    /// The host (and port) larder dials for this upstream.
+    pub fn authority(&self) -> &str {
+        self.url.authority().map(|a| a.as_str()).unwrap_or_default()
+    }
+}
+
+struct Validator<'a> {
+    file: &'a str,
+    base_dir: Option<&'a Path>,
+}
+
+impl Validator<'_> {
+    fn err(&self, key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+        ConfigError::Invalid {
+            file: self.file.to_owned(),
+            key: key.into(),
+            message: message.into(),
+        }
+    }
+
+    fn path(&self, p: &str) -> PathBuf {
+        match self.base_dir {
+            Some(base) if Path::new(p).is_relative() && !base.as_os_str().is_empty() => {
+                base.join(p)
+            }
+            _ => PathBuf::from(p),
+        }
+    }
+
+    fn duration(
+        &self,
+        key: &str,
+        v: Option<&str>,
+        default: Duration,
+    ) -> Result<Duration, ConfigError> {
+        match v {
+            None => Ok(default),
+            Some(s) => humantime::parse_duration(s).map_err(|e| {
+                self.err(
+                    key,
+                    format!("{s:?} is not a duration like \"30s\", \"5m\" or \"7d\": {e}"),
+                )
+            }),
+        }
+    }
+
+    fn size(&self, key: &str, v: Option<&str>, default: u64) -> Result<u64, ConfigError> {
+        match v {
+            None => Ok(default),
+            Some(s) => s
+                .parse::<bytesize::ByteSize>()
+                .map(|b| b.as_u64())
+                .map_err(|e| {
+                    self.err(
+                        key,
+                        format!("{s:?} is not a size like \"256MiB\" or \"50GiB\": {e}"),
+                    )
+                }),
+        }
+    }
+
+    fn addr(&self, key: &str, v: &str) -> Result<SocketAddr, ConfigError> {
+        v.parse().map_err(|_| {
+            self.err(
+                key,
+                format!("{v:?} is not an address like \"0.0.0.0:5000\""),
+            )
+        })
+    }
+
+    fn config(&self, raw: RawConfig) -> Result<Config, ConfigError> {
+        let rs = raw.server.unwrap_or_default();
+        let server = ServerConfig {
+            listen: self.addr(
+                "server.listen",
+                rs.listen.as_deref().unwrap_or("0.0.0.0:5000"),
+            )?,
+        };
+        let rc = raw.cache.unwrap_or_default();
+        let cache = CacheConfig {
+            dir: self.path(rc.dir.as_deref().unwrap_or("./larder-data")),
+            max_size: self.size("cache.max_size", rc.max_size.as_deref(), 50 << 30)?,
+            memory: self.size("cache.memory", rc.memory.as_deref(), 256 << 20)?,
+            tag_ttl: self.duration(
+                "cache.tag_ttl",
+                rc.tag_ttl.as_deref(),
+                Duration::from_secs(300),
+            )?,
+            stale_if_error: self.duration(
+                "cache.stale_if_error",
+                rc.stale_if_error.as_deref(),
+                Duration::from_secs(7 * 86400),
+            )?,
+        };
+        if raw.upstream.is_empty() {
+            return Err(self.err("upstream", "at least one [[upstream]] is required"));
+        }
+        let upstreams = raw
+            .upstream
+            .into_iter()
+            .enumerate()
+            .map(|(i, u)| self.upstream(i, u))
+            .collect::<Result<Vec<_>, _>>()?;
+
+        let mut seen = std::collections::HashSet::new();
+        for (i, u) in upstreams.iter().enumerate() {
+            for key in std::iter::once(&u.name).chain(&u.aliases) {
+                if !seen.insert(key.clone()) {
+                    return Err(self.err(
+                        format!("upstream[{i}]"),
+                        format!("name or alias {key:?} is used twice"),
+                    ));
+                }
+            }
+        }
+        if upstreams.iter().filter(|u| u.default).count() > 1 {
+            return Err(self.err(
+                "upstream.default",
+                "only one upstream can be `default = true`",
+            ));
+        }
+        Ok(Config {
+            server,
+            cache,
+            upstreams,
+        })
+    }
+
+    fn upstream(&self, i: usize, u: RawUpstream) -> Result<UpstreamConfig, ConfigError> {
+        let key = |k: &str| format!("upstream[{i}].{k}");
+        for (k, host) in
+            std::iter::once(("name", &u.name)).chain(u.aliases.iter().map(|a| ("aliases", a)))
+        {
+            if !valid_host(host) {
+                return Err(self.err(
+                    key(k),
+                    format!("{host:?} is not a registry host name like \"ghcr.io\""),
+                ));
+            }
+        }
+        let url: http::Uri = u
+            .url
+            .parse()
+            .map_err(|e| self.err(key("url"), format!("{:?} is not a URL: {e}", u.url)))?;
+        let scheme_ok = matches!(url.scheme_str(), Some("http" | "https"));
+        let path_ok = matches!(url.path(), "" | "/") && url.query().is_none();
+        if !scheme_ok || url.authority().is_none() || !path_ok {
+            return Err(self.err(key("url"), "must be http(s)://host[:port] with no path"));
+        }
+        let host = url.host().unwrap_or_default().to_ascii_lowercase();
+        let library_namespace = u.library_namespace.unwrap_or(matches!(
+            host.as_str(),
+            "registry-1.docker.io" | "index.docker.io" | "docker.io"
+        ));
+
+        let password = match (&u.password, &u.password_file, &u.password_env) {
+            (None, None, None) => None,
+            (Some(p), None, None) => Some(Secret::new(p.clone())),
+            (None, Some(f), None) => {
+                let path = self.path(f);
+                let text = std::fs::read_to_string(&path).map_err(|e| {
+                    self.err(
+                        key("password_file"),
+                        format!("cannot read {}: {e}", path.display()),
+                    )
+                })?;
+                Some(Secret::new(text.trim_end_matches(['\r', '\n'])))
+            }
+            (None, None, Some(var)) => Some(Secret::new(std::env::var(var).map_err(|_| {
+                self.err(
+                    key("password_env"),
+                    format!("environment variable {var} is not set"),
+                )
+            })?)),
+            _ => {
+                return Err(self.err(
+                    key("password"),
+                    "set only one of password, password_file, password_env",
+                ));
+            }
+        };
+        let credentials = match (u.username, password) {
+            (None, None) => None,
+            (Some(username), Some(password)) => Some(Credentials { username, password }),
+            (Some(_), None) => {
+                return Err(self.err(key("username"), "a username needs a password source"));
+            }
+            (None, Some(_)) => return Err(self.err(key("password"), "a password needs a username")),
+        };
+
+        let immutable_tags = u
+            .immutable_tags
+            .iter()
+            .enumerate()
+            .map(|(j, p)| {
+                Regex::new(p).map_err(|e| {
+                    self.err(format!("upstream[{i}].immutable_tags[{j}]"), e.to_string())
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        let max_concurrency =
+            NonZeroUsize::new(u.max_concurrency.unwrap_or(DEFAULT_MAX_CONCURRENCY))
+                .ok_or_else(|| self.err(key("max_concurrency"), "must be at least 1"))?;
+        let ca_file = u.ca_file.as_deref().map(|f| self.path(f));
+        if let Some(ca) = &ca_file {
+            if !ca.is_file() {
+                return Err(self.err(
+                    key("ca_file"),
+                    format!("{} is not a readable file", ca.display()),
+                ));
+            }
+        }
+        Ok(UpstreamConfig {
+            name: u.name,
+            aliases: u.aliases,
+            url,
+            default: u.default,
+            library_namespace,
+            credentials,
+            tag_ttl: u
+                .tag_ttl
+                .as_deref()
+                .map(|t| self.duration(&key("tag_ttl"), Some(t), Duration::ZERO))
+                .transpose()?,
+            immutable_tags,
+            max_concurrency,
+            ca_file,
+            connect_timeout: self.duration(
+                &key("connect_timeout"),
+                u.connect_timeout.as_deref(),
+                DEFAULT_CONNECT_TIMEOUT,
+            )?,
+            response_timeout: self.duration(
+                &key("response_timeout"),
+                u.response_timeout.as_deref(),
+                DEFAULT_RESPONSE_TIMEOUT,
+            )?,
+            body_idle_timeout: self.duration(
+                &key("body_idle_timeout"),
+                u.body_idle_timeout.as_deref(),
+                DEFAULT_BODY_IDLE_TIMEOUT,
+            )?,
+        })
+    }
+}
+
+/// A registry host as clients name it: DNS labels, optionally `:port`.
+fn valid_host(s: &str) -> bool {
+    let (host, port) = match s.rsplit_once(':') {
+        Some((h, p)) => (h, Some(p)),
+        None => (s, None),
+    };
+    let port_ok =
+        port.is_none_or(|p| !p.is_empty() && p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit()));
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+            && l.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+    };
+    port_ok && !host.is_empty() && host.len() <= 253 && host.split('.').all(label_ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse(text, "test.toml", None)
+    }
+
+    const MINIMAL: &str = r#"
+        [[upstream]]
+        name = "docker.io"
+        url = "https://registry-1.docker.io"
+        default = true
+    "#;
+
+    #[test]
+    fn embedded_default_is_valid() {
+        let c = Config::embedded_default().unwrap();
+        let names: Vec<_> = c.upstreams.iter().map(|u| u.name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["docker.io", "ghcr.io", "quay.io", "registry.k8s.io"]
+        );
+        assert_eq!(c.default_upstream().unwrap().name, "docker.io");
+        assert!(c.default_upstream().unwrap().library_namespace);
+        assert_eq!(c.cache.dir, PathBuf::from("./larder-data"));
+    }
+
+    #[test]
+    fn every_example_in_config_dir_loads() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+        let mut n = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "toml") {
+                Config::load(&path).unwrap_or_else(|e| panic!("{e}"));
+                n += 1;
+            }
+        }
+        assert!(
+            n >= 3,
+            "expected the documented examples in config/, found {n}"
+        );
+    }
+
+    #[test]
+    fn defaults_and_human_values() {
+        let c = parse(&format!(
+            "[cache]\nmax_size = \"2GiB\"\ntag_ttl = \"90s\"\n{MINIMAL}"
+        ))
+        .unwrap();
+        assert_eq!(c.cache.max_size, 2 << 30);
+        assert_eq!(c.cache.tag_ttl, Duration::from_secs(90));
+        assert_eq!(c.cache.stale_if_error, Duration::from_secs(7 * 86400));
+        assert_eq!(
+            c.upstreams[0].max_concurrency.get(),
+            DEFAULT_MAX_CONCURRENCY
+        );
+        assert_eq!(c.server.listen, "0.0.0.0:5000".parse().unwrap());
+    }
+
+    #[test]
+    fn unknown_keys_are_errors_naming_file_and_key() {
+        let e = parse(&format!("[cache]\nttl = \"5m\"\n{MINIMAL}"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("test.toml:"), "{e}");
+        assert!(e.contains("ttl"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let cases = [
+            ("[cache]\ntag_ttl = \"soon\"\n", "cache.tag_ttl"),
+            ("[cache]\nmax_size = \"lots\"\n", "cache.max_size"),
+            ("[server]\nlisten = \"nowhere\"\n", "server.listen"),
+        ];
+        for (prefix, key) in cases {
+            let e = parse(&format!("{prefix}{MINIMAL}"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("`{key}`")), "{e}");
+        }
+        let e = parse("[[upstream]]\nname = \"x.io\"\nurl = \"ftp://x.io\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`upstream[0].url`"), "{e}");
+        let e = parse("[[upstream]]\nname = \"X IO\"\nurl = \"https://x.io\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`upstream[0].name`"), "{e}");
+        let e = parse(&format!("{MINIMAL}\n[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nmax_concurrency = 0\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`upstream[1].max_concurrency`"), "{e}");
+        let e = parse(&format!("{MINIMAL}\n[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nimmutable_tags = [\"(\"]\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`upstream[1].immutable_tags[0]`"), "{e}");
+    }
+
+    #[test]
+    fn duplicate_names_and_defaults_are_refused() {
+        let twice = format!("{MINIMAL}{MINIMAL}");
+        assert!(
+            parse(&twice)
+                .unwrap_err()
+                .to_string()
+                .contains("used twice")
+        );
+        let two_defaults = format!(
+            "{MINIMAL}\n[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\ndefault = true\n"
+        );
+        assert!(
+            parse(&two_defaults)
+                .unwrap_err()
+                .to_string()
+                .contains("only one upstream")
+        );
+        assert!(parse("").unwrap_err().to_string().contains("at least one"));
+    }
+
+    #[test]
+    fn credentials_from_a_file_are_redacted() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("pw"), "hunter2\n").unwrap();
+        let text = "[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nusername = \"bob\"\npassword_file = \"pw\"\n";
+        let c = Config::parse(text, "t.toml", Some(dir.path())).unwrap();
+        let creds = c.upstreams[0].credentials.as_ref().unwrap();
+        assert_eq!(creds.password.expose(), "hunter2");
+        assert!(!format!("{c:?}").contains("hunter2"));
+        let missing = "[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nusername = \"bob\"\npassword_file = \"nope\"\n";
+        let e = Config::parse(missing, "t.toml", Some(dir.path()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`upstream[0].password_file`"), "{e}");
+    }
+
+    #[test]
+    fn immutable_tags_and_per_upstream_ttl() {
+        let text = "[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\ntag_ttl = \"1s\"\nimmutable_tags = ['^v?\\d+\\.\\d+\\.\\d+$']\n";
+        let c = parse(text).unwrap();
+        let u = &c.upstreams[0];
+        assert_eq!(u.tag_ttl(&c.cache), Duration::from_secs(1));
+        assert!(u.tag_is_immutable("v1.2.3"));
+        assert!(!u.tag_is_immutable("latest"));
+    }
+}

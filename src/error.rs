@@ -1,0 +1,230 @@
+//! Errors, and the one place that turns them into HTTP responses with the
+//! OCI error envelope `{"errors":[{"code","message","detail"}]}`.
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+
+use crate::body::{self, Body};
+use crate::oci::{Digest, DigestError, NameError};
+
+/// Everything a request can fail with. Client-caused errors carry what the
+/// client sent wrong; upstream failures say how upstream failed, so that the
+/// status tells a client whether to retry (502/503/504/429), and an upstream
+/// failure is never reported as "not found".
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    #[error("invalid repository name: {0}")]
+    NameInvalid(NameError),
+    #[error("no upstream is configured for {0:?}")]
+    UnknownUpstream(String),
+    #[error("repository not known upstream")]
+    NameUnknown,
+    #[error("manifest unknown")]
+    ManifestUnknown,
+    #[error("blob unknown")]
+    BlobUnknown(Digest),
+    #[error("invalid digest: {0}")]
+    DigestInvalid(DigestError),
+    #[error("requested range is not satisfiable")]
+    RangeNotSatisfiable { size: u64 },
+    #[error("this is a read-only mirror")]
+    Unsupported,
+    #[error("no such endpoint")]
+    NotFound,
+    #[error("the manifest's media type is not acceptable to the client")]
+    NotAcceptable,
+    #[error(transparent)]
+    Upstream(#[from] UpstreamError),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// How talking to an upstream registry failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum UpstreamError {
+    #[error("cannot connect to upstream: {0}")]
+    Connect(String),
+    #[error("upstream timed out: {0}")]
+    Timeout(&'static str),
+    #[error("upstream answered {status}")]
+    Status {
+        status: u16,
+        retry_after: Option<String>,
+    },
+    #[error("upstream denied access")]
+    Denied,
+    #[error("upstream is rate limiting")]
+    RateLimited { retry_after: Option<String> },
+    #[error("upstream sent an invalid response: {0}")]
+    Protocol(String),
+    #[error("upstream content does not match digest {expected} (got {actual})")]
+    DigestMismatch { expected: Digest, actual: String },
+    #[error("upstream token service failed: {0}")]
+    Auth(String),
+}
+
+impl From<std::io::Error> for Error {
+    fn from(e: std::io::Error) -> Error {
+        Error::Internal(format!("i/o: {e}"))
+    }
+}
+
+impl From<redb::Error> for Error {
+    fn from(e: redb::Error) -> Error {
+        Error::Internal(format!("index: {e}"))
+    }
+}
+
+impl Error {
+    /// Status, OCI error code, and extra headers for this error.
+    fn classify(
+        &self,
+    ) -> (
+        StatusCode,
+        &'static str,
+        Option<(header::HeaderName, String)>,
+    ) {
+        use StatusCode as S;
+        match self {
+            Error::NameInvalid(_) => (S::BAD_REQUEST, "NAME_INVALID", None),
+            Error::UnknownUpstream(_) | Error::NameUnknown => (S::NOT_FOUND, "NAME_UNKNOWN", None),
+            Error::ManifestUnknown | Error::NotAcceptable => {
+                (S::NOT_FOUND, "MANIFEST_UNKNOWN", None)
+            }
+            Error::BlobUnknown(_) => (S::NOT_FOUND, "BLOB_UNKNOWN", None),
+            Error::DigestInvalid(_) => (S::BAD_REQUEST, "DIGEST_INVALID", None),
+            Error::RangeNotSatisfiable { size } => (
+                S::RANGE_NOT_SATISFIABLE,
+                "RANGE_INVALID",
+                Some((header::CONTENT_RANGE, format!("bytes */{size}"))),
+            ),
+            Error::Unsupported => (S::METHOD_NOT_ALLOWED, "UNSUPPORTED", None),
+            Error::NotFound => (S::NOT_FOUND, "NOT_FOUND", None),
+            Error::Upstream(u) => match u {
+                UpstreamError::Connect(_) => (S::SERVICE_UNAVAILABLE, "UNAVAILABLE", None),
+                UpstreamError::Timeout(_) => (S::GATEWAY_TIMEOUT, "UNAVAILABLE", None),
+                UpstreamError::Status {
+                    status: 503,
+                    retry_after,
+                } => (
+                    S::SERVICE_UNAVAILABLE,
+                    "UNAVAILABLE",
+                    retry_after.clone().map(|r| (header::RETRY_AFTER, r)),
+                ),
+                UpstreamError::Denied => (S::FORBIDDEN, "DENIED", None),
+                UpstreamError::RateLimited { retry_after } => (
+                    S::TOO_MANY_REQUESTS,
+                    "TOOMANYREQUESTS",
+                    retry_after.clone().map(|r| (header::RETRY_AFTER, r)),
+                ),
+                UpstreamError::Status { .. }
+                | UpstreamError::Protocol(_)
+                | UpstreamError::DigestMismatch { .. }
+                | UpstreamError::Auth(_) => (S::BAD_GATEWAY, "UNAVAILABLE", None),
+            },
+            Error::Internal(_) => (S::INTERNAL_SERVER_ERROR, "UNKNOWN", None),
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        self.classify().0
+    }
+
+    /// The response for this error. `head` omits the body (HEAD requests).
+    pub fn into_response(self, head: bool) -> Response<Body> {
+        let (status, code, extra) = self.classify();
+        let detail = match &self {
+            Error::BlobUnknown(d) => serde_json::json!({ "digest": d.to_string() }),
+            Error::UnknownUpstream(ns) => serde_json::json!({ "ns": ns }),
+            _ => serde_json::Value::Null,
+        };
+        let envelope = serde_json::json!({
+            "errors": [{ "code": code, "message": self.to_string(), "detail": detail }]
+        });
+        let bytes = Bytes::from(envelope.to_string());
+        let mut builder = Response::builder()
+            .status(status)
+            .header(header::CONTENT_TYPE, "application/json")
+            .header(header::CONTENT_LENGTH, bytes.len())
+            .header("Docker-Distribution-API-Version", "registry/2.0");
+        if let Some((name, value)) = extra {
+            if let Ok(v) = HeaderValue::from_str(&value) {
+                builder = builder.header(name, v);
+            }
+        }
+        let body = if head {
+            body::empty()
+        } else {
+            body::full(bytes)
+        };
+        builder
+            .body(body)
+            .unwrap_or_else(|_| Response::new(body::empty()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    async fn json(e: Error) -> (StatusCode, serde_json::Value) {
+        let r = e.into_response(false);
+        let status = r.status();
+        let bytes = r.into_body().collect().await.unwrap().to_bytes();
+        (status, serde_json::from_slice(&bytes).unwrap())
+    }
+
+    #[tokio::test]
+    async fn envelope_has_code_message_detail() {
+        let (status, v) = json(Error::ManifestUnknown).await;
+        assert_eq!(status, 404);
+        assert_eq!(v["errors"][0]["code"], "MANIFEST_UNKNOWN");
+        assert!(v["errors"][0]["message"].is_string());
+        assert!(v["errors"][0].get("detail").is_some());
+    }
+
+    #[tokio::test]
+    async fn upstream_failures_are_never_404() {
+        let cases = [
+            (UpstreamError::Connect("refused".into()), 503),
+            (UpstreamError::Timeout("headers"), 504),
+            (
+                UpstreamError::Status {
+                    status: 500,
+                    retry_after: None,
+                },
+                502,
+            ),
+            (
+                UpstreamError::Status {
+                    status: 503,
+                    retry_after: None,
+                },
+                503,
+            ),
+            (
+                UpstreamError::RateLimited {
+                    retry_after: Some("30".into()),
+                },
+                429,
+            ),
+            (UpstreamError::Protocol("junk".into()), 502),
+        ];
+        for (e, want) in cases {
+            assert_eq!(Error::Upstream(e).status(), want);
+        }
+        let r = Error::Upstream(UpstreamError::RateLimited {
+            retry_after: Some("30".into()),
+        })
+        .into_response(false);
+        assert_eq!(r.headers()["retry-after"], "30");
+    }
+
+    #[tokio::test]
+    async fn range_errors_carry_content_range() {
+        let r = Error::RangeNotSatisfiable { size: 2048 }.into_response(false);
+        assert_eq!(r.status(), 416);
+        assert_eq!(r.headers()["content-range"], "bytes */2048");
+    }
+}

@@ -1,0 +1,19 @@
+//! larder: a pull-through caching proxy for OCI/Docker registries.
+//!
+//! A request flows listener → [`server::routes`] (parse) → [`server::handlers`]
+//! → [`cache`] (memory tier, disk tier, fill in flight) → [`upstream`].
+
+#![forbid(unsafe_code)]
+
+pub mod app;
+pub mod body;
+pub mod cache;
+pub mod coalesce;
+pub mod config;
+pub mod error;
+pub mod oci;
+pub mod server;
+pub mod upstream;
+
+/// Sent upstream as `User-Agent`.
+pub const USER_AGENT: &str = concat!("larder/", env!("CARGO_PKG_VERSION"));

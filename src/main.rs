@@ -1,0 +1,101 @@
+//! The `larder` command: parse the CLI, load the config, set up logs, run.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use larder::config::Config;
+
+#[derive(Parser)]
+#[command(
+    version,
+    about = "A pull-through caching proxy for OCI/Docker registries"
+)]
+struct Cli {
+    /// Config file (TOML). Without it, larder runs its embedded default.
+    #[arg(long, global = true)]
+    config: Option<PathBuf>,
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the proxy (the default).
+    Run,
+    /// Validate a config file and exit.
+    CheckConfig,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+fn load(path: Option<&PathBuf>) -> Result<Config, larder::config::ConfigError> {
+    match path {
+        Some(p) => Config::load(p),
+        None => Config::embedded_default(),
+    }
+}
+
+fn init_logs(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("larder=info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let config = match load(cli.config.as_ref()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("larder: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Some(Command::CheckConfig) = cli.command {
+        let source = cli
+            .config
+            .as_ref()
+            .map_or("embedded default config".to_owned(), |p| {
+                p.display().to_string()
+            });
+        println!("{source}: ok ({} upstreams)", config.upstreams.len());
+        return ExitCode::SUCCESS;
+    }
+    init_logs(cli.log_format);
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("larder: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async {
+        let started = match larder::app::start(config).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start");
+                return ExitCode::FAILURE;
+            }
+        };
+        tokio::select! {
+            () = started.serve => ExitCode::SUCCESS,
+            _ = tokio::signal::ctrl_c() => {
+                tracing::info!("interrupted; exiting");
+                ExitCode::SUCCESS
+            }
+        }
+    })
+}

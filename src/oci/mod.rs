@@ -1,0 +1,13 @@
+//! The OCI distribution vocabulary: digests, repository names, references
+//! and media types. Pure parsing, no I/O: everything past the router works
+//! on these types, never on raw path segments.
+
+mod digest;
+mod manifest;
+mod media;
+mod reference;
+
+pub use digest::{Digest, DigestError, Hasher};
+pub use manifest::{MAX_MANIFEST_SIZE, ManifestRefs, inspect as inspect_manifest};
+pub use media::{Accept, MediaType};
+pub use reference::{NameError, Reference, RepoName, Tag};

@@ -1,0 +1,201 @@
+//! One small function per endpoint: ask the cache facade, build the response.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::{ACCEPT_RANGES, CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE, LINK, RANGE};
+use http::{HeaderMap, HeaderValue, Method, Response, StatusCode};
+
+use super::range::ByteRange;
+use super::routes::Route;
+use crate::app::App;
+use crate::body::{self, Body};
+use crate::cache::fill::{read_body, wait_for_headers};
+use crate::cache::{BlobSource, CacheResult};
+use crate::error::Error;
+use crate::oci::{Accept, Digest, Reference};
+
+const API_VERSION: (&str, &str) = ("Docker-Distribution-API-Version", "registry/2.0");
+
+fn response(status: StatusCode) -> http::response::Builder {
+    Response::builder()
+        .status(status)
+        .header(API_VERSION.0, API_VERSION.1)
+}
+
+fn built(r: Result<Response<Body>, http::Error>) -> Result<Response<Body>, Error> {
+    r.map_err(|e| Error::Internal(format!("building response: {e}")))
+}
+
+/// `GET /v2/`: the API version check.
+pub fn base(method: &Method) -> Result<Response<Body>, Error> {
+    let body = if method == Method::HEAD {
+        body::empty()
+    } else {
+        body::full(Bytes::from_static(b"{}"))
+    };
+    built(
+        response(StatusCode::OK)
+            .header(CONTENT_TYPE, "application/json")
+            .header(CONTENT_LENGTH, 2)
+            .body(body),
+    )
+}
+
+/// `GET/HEAD /v2/<name>/manifests/<reference>`
+pub async fn manifest(
+    app: &App,
+    route: &Route,
+    reference: &Reference,
+    method: &Method,
+    headers: &HeaderMap,
+) -> Result<(Response<Body>, CacheResult), Error> {
+    let (m, result) = app
+        .cache
+        .manifest(&route.upstream, &route.repo, reference)
+        .await?;
+    // A client that only speaks Docker v2 must never get an OCI index it
+    // cannot read (distribution answers MANIFEST_UNKNOWN there too). By
+    // digest, the client asked for exactly these bytes.
+    if matches!(reference, Reference::Tag(_)) && !Accept::from_headers(headers).allows(m.media_type)
+    {
+        return Err(Error::NotAcceptable);
+    }
+    let body = if method == Method::HEAD {
+        body::empty()
+    } else {
+        body::full(m.bytes.clone())
+    };
+    let resp = response(StatusCode::OK)
+        .header(CONTENT_TYPE, m.content_type.clone())
+        .header(CONTENT_LENGTH, m.bytes.len())
+        .header("Docker-Content-Digest", m.digest_header.clone())
+        .header(http::header::ETAG, format!("\"{}\"", m.digest))
+        .body(body);
+    Ok((built(resp)?, result))
+}
+
+/// `GET/HEAD /v2/<name>/blobs/<digest>`, with `Range`.
+pub async fn blob(
+    app: &App,
+    route: &Route,
+    digest: Digest,
+    method: &Method,
+    headers: &HeaderMap,
+) -> Result<(Response<Body>, CacheResult), Error> {
+    let range = headers.get(RANGE).map(ByteRange::parse);
+    if method == Method::HEAD {
+        return blob_head(app, route, digest).await;
+    }
+    let (source, result) = app.cache.blob(&route.upstream, &route.repo, digest).await?;
+    let (file, size, progress) = match source {
+        BlobSource::Committed { file, size } => (file, Some(size), None),
+        BlobSource::Filling(mut rx) => {
+            let (file, size) = wait_for_headers(&mut rx).await?;
+            (file, size, Some(rx))
+        }
+    };
+    let digest_header =
+        HeaderValue::from_str(&digest.to_string()).map_err(|e| Error::Internal(e.to_string()))?;
+    let builder = response(StatusCode::OK)
+        .header(CONTENT_TYPE, "application/octet-stream")
+        .header("Docker-Content-Digest", digest_header)
+        .header(ACCEPT_RANGES, "bytes")
+        .header(http::header::ETAG, format!("\"{digest}\""));
+    // Without a known size (upstream sent no Content-Length) a Range cannot
+    // be resolved before the fill ends; RFC 9110 lets a server ignore Range,
+    // so the whole blob is sent.
+    let resp = match (range, size) {
+        (Some(range), Some(size)) => {
+            let (start, end) = range
+                .ok()
+                .and_then(|r| r.resolve(size))
+                .ok_or(Error::RangeNotSatisfiable { size })?;
+            builder
+                .status(StatusCode::PARTIAL_CONTENT)
+                .header(CONTENT_RANGE, format!("bytes {start}-{}/{size}", end - 1))
+                .header(CONTENT_LENGTH, end - start)
+                .body(read_body(file, progress, start, Some(end)))
+        }
+        (_, Some(size)) => {
+            builder
+                .header(CONTENT_LENGTH, size)
+                .body(read_body(file, progress, 0, Some(size)))
+        }
+        (_, None) => builder.body(read_body(file, progress, 0, None)),
+    };
+    Ok((built(resp)?, result))
+}
+
+/// `HEAD` of a blob: answered from the cache, or by a `HEAD` upstream; it
+/// never starts a fill.
+async fn blob_head(
+    app: &App,
+    route: &Route,
+    digest: Digest,
+) -> Result<(Response<Body>, CacheResult), Error> {
+    let (size, result) = match app.cache.blob_size(&digest).await? {
+        Some(size) => (size, CacheResult::Hit),
+        None => (
+            route
+                .upstream
+                .head_blob(&route.repo, &digest)
+                .await?
+                .ok_or(Error::BlobUnknown(digest))?,
+            CacheResult::Miss,
+        ),
+    };
+    let resp = response(StatusCode::OK)
+        .header(CONTENT_TYPE, "application/octet-stream")
+        .header(CONTENT_LENGTH, size)
+        .header("Docker-Content-Digest", digest.to_string())
+        .header(ACCEPT_RANGES, "bytes")
+        .body(body::empty());
+    Ok((built(resp)?, result))
+}
+
+/// `GET /v2/<name>/tags/list`: forwarded with the pagination parameters.
+pub async fn tags(
+    route: &Route,
+    query: Option<&str>,
+    method: &Method,
+) -> Result<Response<Body>, Error> {
+    let page = route
+        .upstream
+        .get_tags(&route.repo, query)
+        .await?
+        .ok_or(Error::NameUnknown)?;
+    let mut builder = response(StatusCode::OK)
+        .header(CONTENT_TYPE, "application/json")
+        .header(CONTENT_LENGTH, page.body.len());
+    if let Some(link) = page.link {
+        builder = builder.header(LINK, link);
+    }
+    let body = if method == Method::HEAD {
+        body::empty()
+    } else {
+        body::full(page.body)
+    };
+    built(builder.body(body))
+}
+
+/// Dispatches a parsed route to its handler.
+pub async fn route(
+    app: &Arc<App>,
+    route: Route,
+    method: &Method,
+    headers: &HeaderMap,
+) -> Result<(Response<Body>, Option<CacheResult>), Error> {
+    use super::routes::Endpoint;
+    match &route.endpoint {
+        Endpoint::Manifest(reference) => {
+            let (r, c) = manifest(app, &route, reference, method, headers).await?;
+            Ok((r, Some(c)))
+        }
+        Endpoint::Blob(digest) => {
+            let (r, c) = blob(app, &route, *digest, method, headers).await?;
+            Ok((r, Some(c)))
+        }
+        Endpoint::TagsList(query) => Ok((tags(&route, query.as_deref(), method).await?, None)),
+    }
+}

@@ -1,0 +1,106 @@
+//! The registry API listener: HTTP/1.1 and cleartext HTTP/2 on one port
+//! (hyper-util's auto builder), one task per connection.
+
+pub mod handlers;
+pub mod range;
+pub mod routes;
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+
+use crate::app::App;
+use crate::body::Body;
+use routes::Parsed;
+
+/// Open client connections at most; further connections wait in the
+/// kernel's accept queue until one closes.
+pub const MAX_CONNECTIONS: usize = 8192;
+/// Time a client has to send a request's headers.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// HTTP/2 streams a client may have open on one connection.
+pub const MAX_CONCURRENT_STREAMS: u32 = 256;
+
+/// Accepts connections until the task is dropped.
+pub async fn serve(listener: TcpListener, app: Arc<App>) {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(MAX_CONCURRENT_STREAMS);
+    let builder = Arc::new(builder);
+    let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        // The permit is taken before accept: backpressure, not a queue in memory.
+        let Ok(permit) = Arc::clone(&permits).acquire_owned().await else {
+            return;
+        };
+        let (stream, peer) = match listener.accept().await {
+            Ok(conn) => conn,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let (app, builder) = (Arc::clone(&app), Arc::clone(&builder));
+        tokio::spawn(async move {
+            let service = service_fn(move |req| {
+                let app = Arc::clone(&app);
+                async move { Ok::<_, Infallible>(handle(app, req).await) }
+            });
+            if let Err(e) = builder
+                .serve_connection(TokioIo::new(stream), service)
+                .await
+            {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+            drop(permit);
+        });
+    }
+}
+
+/// Routes a request, runs its handler, maps any error to its OCI response,
+/// and logs one line.
+pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
+    let started = Instant::now();
+    let (parts, _body) = req.into_parts();
+    let head = parts.method == http::Method::HEAD;
+    let outcome = match routes::parse(&parts.method, &parts.uri, &app.upstreams) {
+        Ok(Parsed::Base) => handlers::base(&parts.method).map(|r| (r, None)),
+        Ok(Parsed::Repo(route)) => {
+            handlers::route(&app, route, &parts.method, &parts.headers).await
+        }
+        Err(e) => Err(e),
+    };
+    let (resp, cache, error) = match outcome {
+        Ok((resp, cache)) => (resp, cache, None),
+        Err(e) => {
+            let message = e.to_string();
+            (e.into_response(head), None, Some(message))
+        }
+    };
+    tracing::info!(
+        method = %parts.method,
+        path = parts.uri.path(),
+        status = resp.status().as_u16(),
+        cache = cache.map(|c| c.as_str()),
+        error = error.as_deref(),
+        ms = started.elapsed().as_millis() as u64,
+        "request"
+    );
+    resp
+}

@@ -1,0 +1,129 @@
+//! The HTTP client larder dials upstreams with: hyper-util's pooled client
+//! over rustls (web PKI roots plus an optional CA file), ALPN h2/http1.1,
+//! with the connect and response-header timeouts applied to every request.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper::body::Incoming;
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use crate::config::UpstreamConfig;
+use crate::error::UpstreamError;
+
+/// How long an idle pooled upstream connection is kept.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+
+#[derive(Clone)]
+pub struct HttpClient {
+    inner: Client<HttpsConnector<HttpConnector>, Empty<Bytes>>,
+    response_timeout: Duration,
+    body_idle_timeout: Duration,
+}
+
+impl HttpClient {
+    pub fn new(config: &UpstreamConfig) -> Result<HttpClient, String> {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+        if let Some(path) = &config.ca_file {
+            let pem = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+            let mut added = 0;
+            for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
+                let cert = cert.map_err(|e| format!("{}: {e}", path.display()))?;
+                roots
+                    .add(cert)
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                added += 1;
+            }
+            if added == 0 {
+                return Err(format!("{}: no PEM certificates found", path.display()));
+            }
+        }
+        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        http.set_nodelay(true);
+        http.set_connect_timeout(Some(config.connect_timeout));
+        let https = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .enable_http2()
+            .wrap_connector(http);
+        let inner = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            .build(https);
+        Ok(HttpClient {
+            inner,
+            response_timeout: config.response_timeout,
+            body_idle_timeout: config.body_idle_timeout,
+        })
+    }
+
+    pub fn body_idle_timeout(&self) -> Duration {
+        self.body_idle_timeout
+    }
+
+    /// Sends a request and waits for the response headers, at most the
+    /// configured response timeout.
+    pub async fn send(
+        &self,
+        req: Request<Empty<Bytes>>,
+    ) -> Result<Response<Incoming>, UpstreamError> {
+        match tokio::time::timeout(self.response_timeout, self.inner.request(req)).await {
+            Err(_) => Err(UpstreamError::Timeout("response headers")),
+            Ok(Err(e)) if e.is_connect() => Err(UpstreamError::Connect(error_chain(&e))),
+            Ok(Err(e)) => Err(UpstreamError::Protocol(error_chain(&e))),
+            Ok(Ok(resp)) => Ok(resp),
+        }
+    }
+
+    /// Reads a whole (small) body, refusing more than `limit` bytes and
+    /// pauses longer than the body idle timeout.
+    pub async fn read_body(&self, body: Incoming, limit: usize) -> Result<Bytes, UpstreamError> {
+        let mut body = Limited::new(body, limit);
+        let mut out = bytes::BytesMut::new();
+        loop {
+            match tokio::time::timeout(self.body_idle_timeout, body.frame()).await {
+                Err(_) => return Err(UpstreamError::Timeout("response body")),
+                Ok(None) => return Ok(out.freeze()),
+                Ok(Some(Err(e))) => {
+                    return Err(UpstreamError::Protocol(format!(
+                        "reading body (limit {limit} bytes): {e}"
+                    )));
+                }
+                Ok(Some(Ok(frame))) => {
+                    if let Ok(data) = frame.into_data() {
+                        out.extend_from_slice(&data);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// An error and its sources on one line ("client error (Connect): tcp
+/// connect error: Connection refused").
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(inner) = source {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        source = inner.source();
+    }
+    s
+}

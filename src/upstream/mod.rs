@@ -1,0 +1,401 @@
+//! One configured upstream registry: the only hosts larder ever dials are
+//! the `url`s of these (plus token realms and redirect targets they name,
+//! under the rules in [`auth`] and [`Upstream::open`]).
+
+mod auth;
+mod challenge;
+mod client;
+mod upstreams;
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::{
+    ACCEPT, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, LINK, LOCATION, USER_AGENT,
+};
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri};
+use http_body_util::Empty;
+use hyper::body::Incoming;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+pub use challenge::Challenge;
+pub use client::error_chain;
+pub use upstreams::Upstreams;
+
+use crate::config::UpstreamConfig;
+use crate::error::{Error, UpstreamError};
+use crate::oci::{Digest, MAX_MANIFEST_SIZE, ManifestRefs, MediaType, Reference, RepoName, Tag};
+use auth::Auth;
+use client::HttpClient;
+
+/// Redirects followed for one request (blob GETs go to a CDN); more is an error.
+pub const MAX_REDIRECTS: usize = 5;
+/// Largest `tags/list` page read from upstream.
+pub const MAX_TAGS_PAGE: usize = 4 << 20;
+
+pub struct Upstream {
+    pub config: UpstreamConfig,
+    http: HttpClient,
+    auth: Auth,
+    /// `max_concurrency` permits; one is held while an upstream request is
+    /// open (until its body is read or dropped). Waiters are served in order.
+    permits: Arc<Semaphore>,
+}
+
+/// An upstream response whose body is still open, with the concurrency
+/// permit it holds.
+pub struct Opened {
+    pub response: Response<Incoming>,
+    pub permit: OwnedSemaphorePermit,
+}
+
+/// A manifest as upstream sent it, checked: its digest is the hash of the
+/// exact bytes, and it agrees with the reference and `Docker-Content-Digest`.
+#[derive(Clone, Debug)]
+pub struct FetchedManifest {
+    pub bytes: Bytes,
+    pub media_type: MediaType,
+    pub digest: Digest,
+    pub refs: ManifestRefs,
+}
+
+/// One page of `tags/list`.
+pub struct TagsPage {
+    pub body: Bytes,
+    pub link: Option<HeaderValue>,
+}
+
+impl Upstream {
+    pub fn new(config: UpstreamConfig) -> Result<Upstream, String> {
+        let http = HttpClient::new(&config)?;
+        let auth = Auth::new(
+            config.credentials.clone(),
+            config.url.host().unwrap_or_default(),
+        );
+        let permits = Arc::new(Semaphore::new(config.max_concurrency.get()));
+        Ok(Upstream {
+            config,
+            http,
+            auth,
+            permits,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.config.name
+    }
+
+    pub fn body_idle_timeout(&self) -> std::time::Duration {
+        self.http.body_idle_timeout()
+    }
+
+    fn url(&self, path_and_query: &str) -> Result<Uri, UpstreamError> {
+        let base = &self.config.url;
+        format!(
+            "{}://{}{path_and_query}",
+            base.scheme_str().unwrap_or("https"),
+            self.config.authority()
+        )
+        .parse()
+        .map_err(|e| UpstreamError::Protocol(format!("building upstream URL: {e}")))
+    }
+
+    fn is_upstream_origin(&self, uri: &Uri) -> bool {
+        uri.scheme() == self.config.url.scheme() && uri.authority() == self.config.url.authority()
+    }
+
+    /// Sends one request for `repo` and returns the final response: a 401
+    /// is answered once through [`Auth`], redirects are followed up to
+    /// [`MAX_REDIRECTS`]. Credentials are only ever sent to the upstream's
+    /// own scheme and authority, never to a redirect target elsewhere.
+    async fn open(
+        &self,
+        method: Method,
+        path_and_query: &str,
+        repo: &RepoName,
+        accept: Option<&'static str>,
+    ) -> Result<Opened, UpstreamError> {
+        let permit = Arc::clone(&self.permits)
+            .acquire_owned()
+            .await
+            .map_err(|_| UpstreamError::Connect("upstream is shutting down".into()))?;
+        let scope = format!("repository:{repo}:pull");
+        let mut authorization = self.auth.cached_header(&scope);
+        let mut url = self.url(path_and_query)?;
+        let mut answered_challenge = false;
+        let mut redirects = 0;
+        loop {
+            let own_origin = self.is_upstream_origin(&url);
+            let mut req = Request::builder()
+                .method(method.clone())
+                .uri(url.clone())
+                .header(USER_AGENT, crate::USER_AGENT);
+            if let Some(accept) = accept {
+                req = req.header(ACCEPT, accept);
+            }
+            if let (true, Some(a)) = (own_origin, &authorization) {
+                req = req.header(AUTHORIZATION, a.clone());
+            }
+            let req = req
+                .body(Empty::<Bytes>::new())
+                .map_err(|e| UpstreamError::Protocol(format!("building request: {e}")))?;
+            let resp = self.http.send(req).await?;
+            let status = resp.status();
+            if status == StatusCode::UNAUTHORIZED && own_origin && !answered_challenge {
+                let challenge =
+                    Challenge::from_headers(resp.headers()).ok_or(UpstreamError::Denied)?;
+                answered_challenge = true;
+                authorization = Some(self.auth.authorize(&self.http, challenge, &scope).await?);
+                continue;
+            }
+            let redirect = matches!(status.as_u16(), 301 | 302 | 303 | 307 | 308);
+            if let (true, Some(location)) = (redirect, resp.headers().get(LOCATION)) {
+                redirects += 1;
+                if redirects > MAX_REDIRECTS {
+                    return Err(UpstreamError::Protocol(format!(
+                        "more than {MAX_REDIRECTS} redirects"
+                    )));
+                }
+                url = resolve_location(&url, location)?;
+                continue;
+            }
+            return Ok(Opened {
+                response: resp,
+                permit,
+            });
+        }
+    }
+
+    /// GET a manifest. `Ok(None)`: upstream says it does not exist.
+    pub async fn get_manifest(
+        &self,
+        repo: &RepoName,
+        reference: &Reference,
+    ) -> Result<Option<FetchedManifest>, UpstreamError> {
+        let path = format!("/v2/{repo}/manifests/{reference}");
+        let opened = self
+            .open(Method::GET, &path, repo, Some(MediaType::upstream_accept()))
+            .await?;
+        let resp = opened.response;
+        if resp.status() == StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        if resp.status() != StatusCode::OK {
+            return Err(failure(resp.status(), resp.headers()));
+        }
+        let declared = header_str(resp.headers(), CONTENT_TYPE.as_str()).and_then(MediaType::parse);
+        let header_digest = header_str(resp.headers(), "docker-content-digest")
+            .and_then(|d| d.parse::<Digest>().ok());
+        if let Some(len) = content_length(resp.headers()) {
+            if len > MAX_MANIFEST_SIZE as u64 {
+                return Err(UpstreamError::Protocol(format!(
+                    "manifest of {len} bytes exceeds {MAX_MANIFEST_SIZE}"
+                )));
+            }
+        }
+        let bytes = self
+            .http
+            .read_body(resp.into_body(), MAX_MANIFEST_SIZE)
+            .await?;
+        drop(opened.permit);
+
+        let digest = Digest::of(&bytes);
+        let expected = match reference {
+            Reference::Digest(d) => Some(*d),
+            Reference::Tag(_) => header_digest,
+        };
+        if let Some(expected) = expected {
+            if expected != digest {
+                return Err(UpstreamError::DigestMismatch {
+                    expected,
+                    actual: digest.to_string(),
+                });
+            }
+        }
+        let (media_type, refs) =
+            crate::oci::inspect_manifest(&bytes, declared).map_err(UpstreamError::Protocol)?;
+        Ok(Some(FetchedManifest {
+            bytes,
+            media_type,
+            digest,
+            refs,
+        }))
+    }
+
+    /// HEAD a tag: the digest it points at now. `Ok(None)`: the tag is gone.
+    pub async fn head_manifest(
+        &self,
+        repo: &RepoName,
+        tag: &Tag,
+    ) -> Result<Option<Digest>, UpstreamError> {
+        let path = format!("/v2/{repo}/manifests/{tag}");
+        let opened = self
+            .open(
+                Method::HEAD,
+                &path,
+                repo,
+                Some(MediaType::upstream_accept()),
+            )
+            .await?;
+        let resp = opened.response;
+        match resp.status() {
+            StatusCode::NOT_FOUND => Ok(None),
+            StatusCode::OK => header_str(resp.headers(), "docker-content-digest")
+                .and_then(|d| d.parse().ok())
+                .map(Some)
+                .ok_or_else(|| {
+                    UpstreamError::Protocol("HEAD manifest without Docker-Content-Digest".into())
+                }),
+            status => Err(failure(status, resp.headers())),
+        }
+    }
+
+    /// GET a blob; the body is left open for the caller to stream.
+    /// `Ok(None)`: upstream says it does not exist.
+    pub async fn get_blob(
+        &self,
+        repo: &RepoName,
+        digest: &Digest,
+    ) -> Result<Option<Opened>, UpstreamError> {
+        let opened = self
+            .open(
+                Method::GET,
+                &format!("/v2/{repo}/blobs/{digest}"),
+                repo,
+                None,
+            )
+            .await?;
+        match opened.response.status() {
+            StatusCode::OK => Ok(Some(opened)),
+            StatusCode::NOT_FOUND => Ok(None),
+            status => Err(failure(status, opened.response.headers())),
+        }
+    }
+
+    /// HEAD a blob: its size if upstream has it in `repo`.
+    pub async fn head_blob(
+        &self,
+        repo: &RepoName,
+        digest: &Digest,
+    ) -> Result<Option<u64>, UpstreamError> {
+        let opened = self
+            .open(
+                Method::HEAD,
+                &format!("/v2/{repo}/blobs/{digest}"),
+                repo,
+                None,
+            )
+            .await?;
+        let resp = opened.response;
+        match resp.status() {
+            StatusCode::OK => Ok(Some(content_length(resp.headers()).unwrap_or(0))),
+            StatusCode::NOT_FOUND => Ok(None),
+            status => Err(failure(status, resp.headers())),
+        }
+    }
+
+    /// GET one page of `tags/list`, with the client's pagination query.
+    pub async fn get_tags(
+        &self,
+        repo: &RepoName,
+        query: Option<&str>,
+    ) -> Result<Option<TagsPage>, Error> {
+        let path = match query {
+            Some(q) => format!("/v2/{repo}/tags/list?{q}"),
+            None => format!("/v2/{repo}/tags/list"),
+        };
+        let opened = self.open(Method::GET, &path, repo, None).await?;
+        let resp = opened.response;
+        match resp.status() {
+            StatusCode::OK => {}
+            StatusCode::NOT_FOUND => return Ok(None),
+            status => return Err(failure(status, resp.headers()).into()),
+        }
+        let link = resp.headers().get(LINK).cloned();
+        let body = self.http.read_body(resp.into_body(), MAX_TAGS_PAGE).await?;
+        Ok(Some(TagsPage { body, link }))
+    }
+}
+
+/// Maps an unexpected upstream status to the error a client should see.
+fn failure(status: StatusCode, headers: &HeaderMap) -> UpstreamError {
+    match status.as_u16() {
+        401 | 403 => UpstreamError::Denied,
+        429 => UpstreamError::RateLimited {
+            retry_after: retry_after(headers),
+        },
+        s => UpstreamError::Status {
+            status: s,
+            retry_after: retry_after(headers),
+        },
+    }
+}
+
+fn retry_after(headers: &HeaderMap) -> Option<String> {
+    header_str(headers, "retry-after").map(str::to_owned)
+}
+
+fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers.get(name).and_then(|v| v.to_str().ok())
+}
+
+/// `Content-Length` of a response, if present and valid.
+pub fn content_length(headers: &HeaderMap) -> Option<u64> {
+    header_str(headers, CONTENT_LENGTH.as_str()).and_then(|v| v.trim().parse().ok())
+}
+
+/// Resolves a `Location` header (absolute or relative) against the request URL.
+fn resolve_location(base: &Uri, location: &HeaderValue) -> Result<Uri, UpstreamError> {
+    let bad = |m: String| UpstreamError::Protocol(format!("redirect: {m}"));
+    let location = location.to_str().map_err(|e| bad(e.to_string()))?;
+    let base = url::Url::parse(&base.to_string()).map_err(|e| bad(e.to_string()))?;
+    let target = base
+        .join(location)
+        .map_err(|e| bad(format!("{location:?}: {e}")))?;
+    if !matches!(target.scheme(), "http" | "https") {
+        return Err(bad(format!("{location:?} is not http(s)")));
+    }
+    target
+        .as_str()
+        .parse()
+        .map_err(|e| bad(format!("{location:?}: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_and_absolute_locations() {
+        let base: Uri = "https://r.example/v2/a/blobs/sha256:x".parse().unwrap();
+        let abs = resolve_location(
+            &base,
+            &HeaderValue::from_static("https://cdn.example/p?sig=1"),
+        )
+        .unwrap();
+        assert_eq!(abs.to_string(), "https://cdn.example/p?sig=1");
+        let rel = resolve_location(&base, &HeaderValue::from_static("/storage/abc")).unwrap();
+        assert_eq!(rel.to_string(), "https://r.example/storage/abc");
+        let rel2 = resolve_location(&base, &HeaderValue::from_static("y")).unwrap();
+        assert_eq!(rel2.to_string(), "https://r.example/v2/a/blobs/y");
+        assert!(resolve_location(&base, &HeaderValue::from_static("file:///etc/passwd")).is_err());
+    }
+
+    #[test]
+    fn failures_map_by_status() {
+        let mut h = HeaderMap::new();
+        h.insert("retry-after", HeaderValue::from_static("7"));
+        assert!(matches!(
+            failure(StatusCode::TOO_MANY_REQUESTS, &h),
+            UpstreamError::RateLimited { retry_after: Some(r) } if r == "7"
+        ));
+        assert!(matches!(
+            failure(StatusCode::FORBIDDEN, &h),
+            UpstreamError::Denied
+        ));
+        assert!(matches!(
+            failure(StatusCode::BAD_GATEWAY, &h),
+            UpstreamError::Status { status: 502, .. }
+        ));
+    }
+}
