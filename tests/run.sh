@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# larder's whole test suite, runnable on a fresh Debian machine:
+#   1. installs the real peers the integration tests use, if missing
+#      (distribution as the origin registry, skopeo, containerd, dockerd);
+#      nothing is started through systemd: each test starts its own;
+#   2. checks formatting and lints;
+#   3. runs every unit and integration test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+command -v docker-registry >/dev/null || need+=(docker-registry)
+command -v skopeo >/dev/null || need+=(skopeo)
+command -v containerd >/dev/null || need+=(containerd)
+command -v dockerd >/dev/null || need+=(docker.io)
+if ((${#need[@]})); then
+  echo "tests/run.sh: installing ${need[*]}"
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+cargo fmt --all -- --check
+cargo clippy --all-targets --locked -- -D warnings
+cargo test --all-targets --locked "$@"
