@@ -19,51 +19,51 @@ pub struct App {
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     #[error("opening the cache in {dir}: {source}")]
-    Cache {
-        dir: String,
-        source: crate::error::Error,
-    },
+    Cache { dir: String, source: crate::error::Error },
     #[error("{0}")]
     Upstream(String),
     #[error("listening on {addr}: {source}")]
-    Listen {
-        addr: SocketAddr,
-        source: std::io::Error,
-    },
+    Listen { addr: SocketAddr, source: std::io::Error },
 }
 
 /// A started server: its bound address, and the future that serves it.
 pub struct Started {
     pub addr: SocketAddr,
+    pub admin_addr: Option<SocketAddr>,
     pub serve: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
 }
 
 pub async fn start(config: Config) -> Result<Started, StartError> {
     let cache = Cache::open(config.cache.clone())
         .await
-        .map_err(|source| StartError::Cache {
-            dir: config.cache.dir.display().to_string(),
-            source,
-        })?;
+        .map_err(|source| StartError::Cache { dir: config.cache.dir.display().to_string(), source })?;
     let upstreams = Upstreams::new(&config).map_err(StartError::Upstream)?;
     let listener = TcpListener::bind(config.server.listen)
         .await
-        .map_err(|source| StartError::Listen {
-            addr: config.server.listen,
-            source,
-        })?;
-    let addr = listener.local_addr().map_err(|source| StartError::Listen {
-        addr: config.server.listen,
-        source,
-    })?;
-    let app = Arc::new(App {
-        config,
-        upstreams,
-        cache,
-    });
-    tracing::info!(%addr, cache_dir = %app.config.cache.dir.display(), "larder listening");
-    Ok(Started {
-        addr,
-        serve: Box::pin(crate::server::serve(listener, app)),
-    })
+        .map_err(|source| StartError::Listen { addr: config.server.listen, source })?;
+    let addr = listener.local_addr().map_err(|source| StartError::Listen { addr: config.server.listen, source })?;
+    let admin = match config.server.admin_listen {
+        Some(admin_addr) => Some(
+            TcpListener::bind(admin_addr).await.map_err(|source| StartError::Listen { addr: admin_addr, source })?,
+        ),
+        None => None,
+    };
+    let admin_addr = admin.as_ref().and_then(|l| l.local_addr().ok());
+    let app = Arc::new(App { config, upstreams, cache });
+    tracing::info!(%addr, admin = ?admin_addr, cache_dir = %app.config.cache.dir.display(), "larder listening");
+    let serve = {
+        let app = Arc::clone(&app);
+        async move {
+            match admin {
+                Some(admin) => {
+                    tokio::join!(
+                        crate::server::serve(listener, Arc::clone(&app)),
+                        crate::server::admin::serve(admin, app)
+                    );
+                }
+                None => crate::server::serve(listener, app).await,
+            }
+        }
+    };
+    Ok(Started { addr, admin_addr, serve: Box::pin(serve) })
 }

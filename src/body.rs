@@ -11,13 +11,9 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type Body = UnsyncBoxBody<Bytes, BoxError>;
 
 pub fn empty() -> Body {
-    Empty::<Bytes>::new()
-        .map_err(|never| match never {})
-        .boxed_unsync()
+    Empty::<Bytes>::new().map_err(|never| match never {}).boxed_unsync()
 }
 
 pub fn full(bytes: Bytes) -> Body {
-    Full::new(bytes)
-        .map_err(|never| match never {})
-        .boxed_unsync()
+    Full::new(bytes).map_err(|never| match never {}).boxed_unsync()
 }

@@ -33,9 +33,7 @@ pub struct SingleFlight<K, T> {
 
 impl<K, T> Default for SingleFlight<K, T> {
     fn default() -> Self {
-        SingleFlight {
-            inflight: Arc::default(),
-        }
+        SingleFlight { inflight: Arc::default() }
     }
 }
 
@@ -61,16 +59,11 @@ where
                     let fut = work();
                     let task = tokio::spawn(async move {
                         let result = fut.await;
-                        inflight
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .remove(&task_key);
+                        inflight.lock().unwrap_or_else(|p| p.into_inner()).remove(&task_key);
                         result
                     });
                     let flight = async move {
-                        task.await.unwrap_or_else(|e| {
-                            Err(Error::Internal(format!("single-flight task failed: {e}")))
-                        })
+                        task.await.unwrap_or_else(|e| Err(Error::Internal(format!("single-flight task failed: {e}"))))
                     }
                     .boxed()
                     .shared();

@@ -35,6 +35,8 @@ pub struct Config {
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     pub listen: SocketAddr,
+    /// `/metrics`, `/healthz`, `/readyz`; none when not configured.
+    pub admin_listen: Option<SocketAddr>,
 }
 
 #[derive(Debug, Clone)]
@@ -100,18 +102,11 @@ impl fmt::Debug for Secret {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("{file}: cannot read: {source}")]
-    Read {
-        file: String,
-        source: std::io::Error,
-    },
+    Read { file: String, source: std::io::Error },
     #[error("{file}: {message}")]
     Parse { file: String, message: String },
     #[error("{file}: `{key}`: {message}")]
-    Invalid {
-        file: String,
-        key: String,
-        message: String,
-    },
+    Invalid { file: String, key: String, message: String },
 }
 
 #[derive(Deserialize)]
@@ -127,6 +122,7 @@ struct RawConfig {
 #[serde(deny_unknown_fields)]
 struct RawServer {
     listen: Option<String>,
+    admin_listen: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -167,10 +163,7 @@ impl Config {
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let file = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            file: file.clone(),
-            source,
-        })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { file: file.clone(), source })?;
         Config::parse(&text, &file, path.parent())
     }
 
@@ -182,10 +175,8 @@ impl Config {
     /// Parses config text. `file` names it in errors; relative paths in it
     /// are resolved against `base_dir` (the file's folder) when given.
     pub fn parse(text: &str, file: &str, base_dir: Option<&Path>) -> Result<Config, ConfigError> {
-        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
-            file: file.to_owned(),
-            message: e.to_string(),
-        })?;
+        let raw: RawConfig =
+            toml::from_str(text).map_err(|e| ConfigError::Parse { file: file.to_owned(), message: e.to_string() })?;
         Validator { file, base_dir }.config(raw)
     }
 
@@ -217,36 +208,21 @@ struct Validator<'a> {
 
 impl Validator<'_> {
     fn err(&self, key: impl Into<String>, message: impl Into<String>) -> ConfigError {
-        ConfigError::Invalid {
-            file: self.file.to_owned(),
-            key: key.into(),
-            message: message.into(),
-        }
+        ConfigError::Invalid { file: self.file.to_owned(), key: key.into(), message: message.into() }
     }
 
     fn path(&self, p: &str) -> PathBuf {
         match self.base_dir {
-            Some(base) if Path::new(p).is_relative() && !base.as_os_str().is_empty() => {
-                base.join(p)
-            }
+            Some(base) if Path::new(p).is_relative() && !base.as_os_str().is_empty() => base.join(p),
             _ => PathBuf::from(p),
         }
     }
 
-    fn duration(
-        &self,
-        key: &str,
-        v: Option<&str>,
-        default: Duration,
-    ) -> Result<Duration, ConfigError> {
+    fn duration(&self, key: &str, v: Option<&str>, default: Duration) -> Result<Duration, ConfigError> {
         match v {
             None => Ok(default),
-            Some(s) => humantime::parse_duration(s).map_err(|e| {
-                self.err(
-                    key,
-                    format!("{s:?} is not a duration like \"30s\", \"5m\" or \"7d\": {e}"),
-                )
-            }),
+            Some(s) => humantime::parse_duration(s)
+                .map_err(|e| self.err(key, format!("{s:?} is not a duration like \"30s\", \"5m\" or \"7d\": {e}"))),
         }
     }
 
@@ -256,42 +232,26 @@ impl Validator<'_> {
             Some(s) => s
                 .parse::<bytesize::ByteSize>()
                 .map(|b| b.as_u64())
-                .map_err(|e| {
-                    self.err(
-                        key,
-                        format!("{s:?} is not a size like \"256MiB\" or \"50GiB\": {e}"),
-                    )
-                }),
+                .map_err(|e| self.err(key, format!("{s:?} is not a size like \"256MiB\" or \"50GiB\": {e}"))),
         }
     }
 
     fn addr(&self, key: &str, v: &str) -> Result<SocketAddr, ConfigError> {
-        v.parse().map_err(|_| {
-            self.err(
-                key,
-                format!("{v:?} is not an address like \"0.0.0.0:5000\""),
-            )
-        })
+        v.parse().map_err(|_| self.err(key, format!("{v:?} is not an address like \"0.0.0.0:5000\"")))
     }
 
     fn config(&self, raw: RawConfig) -> Result<Config, ConfigError> {
         let rs = raw.server.unwrap_or_default();
         let server = ServerConfig {
-            listen: self.addr(
-                "server.listen",
-                rs.listen.as_deref().unwrap_or("0.0.0.0:5000"),
-            )?,
+            listen: self.addr("server.listen", rs.listen.as_deref().unwrap_or("0.0.0.0:5000"))?,
+            admin_listen: rs.admin_listen.as_deref().map(|a| self.addr("server.admin_listen", a)).transpose()?,
         };
         let rc = raw.cache.unwrap_or_default();
         let cache = CacheConfig {
             dir: self.path(rc.dir.as_deref().unwrap_or("./larder-data")),
             max_size: self.size("cache.max_size", rc.max_size.as_deref(), 50 << 30)?,
             memory: self.size("cache.memory", rc.memory.as_deref(), 256 << 20)?,
-            tag_ttl: self.duration(
-                "cache.tag_ttl",
-                rc.tag_ttl.as_deref(),
-                Duration::from_secs(300),
-            )?,
+            tag_ttl: self.duration("cache.tag_ttl", rc.tag_ttl.as_deref(), Duration::from_secs(300))?,
             stale_if_error: self.duration(
                 "cache.stale_if_error",
                 rc.stale_if_error.as_deref(),
@@ -301,88 +261,57 @@ impl Validator<'_> {
         if raw.upstream.is_empty() {
             return Err(self.err("upstream", "at least one [[upstream]] is required"));
         }
-        let upstreams = raw
-            .upstream
-            .into_iter()
-            .enumerate()
-            .map(|(i, u)| self.upstream(i, u))
-            .collect::<Result<Vec<_>, _>>()?;
+        let upstreams =
+            raw.upstream.into_iter().enumerate().map(|(i, u)| self.upstream(i, u)).collect::<Result<Vec<_>, _>>()?;
 
         let mut seen = std::collections::HashSet::new();
         for (i, u) in upstreams.iter().enumerate() {
             for key in std::iter::once(&u.name).chain(&u.aliases) {
                 if !seen.insert(key.clone()) {
-                    return Err(self.err(
-                        format!("upstream[{i}]"),
-                        format!("name or alias {key:?} is used twice"),
-                    ));
+                    return Err(self.err(format!("upstream[{i}]"), format!("name or alias {key:?} is used twice")));
                 }
             }
         }
         if upstreams.iter().filter(|u| u.default).count() > 1 {
-            return Err(self.err(
-                "upstream.default",
-                "only one upstream can be `default = true`",
-            ));
+            return Err(self.err("upstream.default", "only one upstream can be `default = true`"));
         }
-        Ok(Config {
-            server,
-            cache,
-            upstreams,
-        })
+        Ok(Config { server, cache, upstreams })
     }
 
     fn upstream(&self, i: usize, u: RawUpstream) -> Result<UpstreamConfig, ConfigError> {
         let key = |k: &str| format!("upstream[{i}].{k}");
-        for (k, host) in
-            std::iter::once(("name", &u.name)).chain(u.aliases.iter().map(|a| ("aliases", a)))
-        {
+        for (k, host) in std::iter::once(("name", &u.name)).chain(u.aliases.iter().map(|a| ("aliases", a))) {
             if !valid_host(host) {
-                return Err(self.err(
-                    key(k),
-                    format!("{host:?} is not a registry host name like \"ghcr.io\""),
-                ));
+                return Err(self.err(key(k), format!("{host:?} is not a registry host name like \"ghcr.io\"")));
             }
         }
-        let url: http::Uri = u
-            .url
-            .parse()
-            .map_err(|e| self.err(key("url"), format!("{:?} is not a URL: {e}", u.url)))?;
+        let url: http::Uri =
+            u.url.parse().map_err(|e| self.err(key("url"), format!("{:?} is not a URL: {e}", u.url)))?;
         let scheme_ok = matches!(url.scheme_str(), Some("http" | "https"));
         let path_ok = matches!(url.path(), "" | "/") && url.query().is_none();
         if !scheme_ok || url.authority().is_none() || !path_ok {
             return Err(self.err(key("url"), "must be http(s)://host[:port] with no path"));
         }
         let host = url.host().unwrap_or_default().to_ascii_lowercase();
-        let library_namespace = u.library_namespace.unwrap_or(matches!(
-            host.as_str(),
-            "registry-1.docker.io" | "index.docker.io" | "docker.io"
-        ));
+        let library_namespace = u
+            .library_namespace
+            .unwrap_or(matches!(host.as_str(), "registry-1.docker.io" | "index.docker.io" | "docker.io"));
 
         let password = match (&u.password, &u.password_file, &u.password_env) {
             (None, None, None) => None,
             (Some(p), None, None) => Some(Secret::new(p.clone())),
             (None, Some(f), None) => {
                 let path = self.path(f);
-                let text = std::fs::read_to_string(&path).map_err(|e| {
-                    self.err(
-                        key("password_file"),
-                        format!("cannot read {}: {e}", path.display()),
-                    )
-                })?;
+                let text = std::fs::read_to_string(&path)
+                    .map_err(|e| self.err(key("password_file"), format!("cannot read {}: {e}", path.display())))?;
                 Some(Secret::new(text.trim_end_matches(['\r', '\n'])))
             }
-            (None, None, Some(var)) => Some(Secret::new(std::env::var(var).map_err(|_| {
-                self.err(
-                    key("password_env"),
-                    format!("environment variable {var} is not set"),
-                )
-            })?)),
+            (None, None, Some(var)) => Some(Secret::new(
+                std::env::var(var)
+                    .map_err(|_| self.err(key("password_env"), format!("environment variable {var} is not set")))?,
+            )),
             _ => {
-                return Err(self.err(
-                    key("password"),
-                    "set only one of password, password_file, password_env",
-                ));
+                return Err(self.err(key("password"), "set only one of password, password_file, password_env"));
             }
         };
         let credentials = match (u.username, password) {
@@ -399,21 +328,15 @@ impl Validator<'_> {
             .iter()
             .enumerate()
             .map(|(j, p)| {
-                Regex::new(p).map_err(|e| {
-                    self.err(format!("upstream[{i}].immutable_tags[{j}]"), e.to_string())
-                })
+                Regex::new(p).map_err(|e| self.err(format!("upstream[{i}].immutable_tags[{j}]"), e.to_string()))
             })
             .collect::<Result<_, _>>()?;
-        let max_concurrency =
-            NonZeroUsize::new(u.max_concurrency.unwrap_or(DEFAULT_MAX_CONCURRENCY))
-                .ok_or_else(|| self.err(key("max_concurrency"), "must be at least 1"))?;
+        let max_concurrency = NonZeroUsize::new(u.max_concurrency.unwrap_or(DEFAULT_MAX_CONCURRENCY))
+            .ok_or_else(|| self.err(key("max_concurrency"), "must be at least 1"))?;
         let ca_file = u.ca_file.as_deref().map(|f| self.path(f));
         if let Some(ca) = &ca_file {
             if !ca.is_file() {
-                return Err(self.err(
-                    key("ca_file"),
-                    format!("{} is not a readable file", ca.display()),
-                ));
+                return Err(self.err(key("ca_file"), format!("{} is not a readable file", ca.display())));
             }
         }
         Ok(UpstreamConfig {
@@ -456,15 +379,13 @@ fn valid_host(s: &str) -> bool {
         Some((h, p)) => (h, Some(p)),
         None => (s, None),
     };
-    let port_ok =
-        port.is_none_or(|p| !p.is_empty() && p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit()));
+    let port_ok = port.is_none_or(|p| !p.is_empty() && p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit()));
     let label_ok = |l: &str| {
         !l.is_empty()
             && l.len() <= 63
             && !l.starts_with('-')
             && !l.ends_with('-')
-            && l.bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
     };
     port_ok && !host.is_empty() && host.len() <= 253 && host.split('.').all(label_ok)
 }
@@ -488,10 +409,7 @@ mod tests {
     fn embedded_default_is_valid() {
         let c = Config::embedded_default().unwrap();
         let names: Vec<_> = c.upstreams.iter().map(|u| u.name.as_str()).collect();
-        assert_eq!(
-            names,
-            ["docker.io", "ghcr.io", "quay.io", "registry.k8s.io"]
-        );
+        assert_eq!(names, ["docker.io", "ghcr.io", "quay.io", "registry.k8s.io"]);
         assert_eq!(c.default_upstream().unwrap().name, "docker.io");
         assert!(c.default_upstream().unwrap().library_namespace);
         assert_eq!(c.cache.dir, PathBuf::from("./larder-data"));
@@ -508,33 +426,22 @@ mod tests {
                 n += 1;
             }
         }
-        assert!(
-            n >= 3,
-            "expected the documented examples in config/, found {n}"
-        );
+        assert!(n >= 3, "expected the documented examples in config/, found {n}");
     }
 
     #[test]
     fn defaults_and_human_values() {
-        let c = parse(&format!(
-            "[cache]\nmax_size = \"2GiB\"\ntag_ttl = \"90s\"\n{MINIMAL}"
-        ))
-        .unwrap();
+        let c = parse(&format!("[cache]\nmax_size = \"2GiB\"\ntag_ttl = \"90s\"\n{MINIMAL}")).unwrap();
         assert_eq!(c.cache.max_size, 2 << 30);
         assert_eq!(c.cache.tag_ttl, Duration::from_secs(90));
         assert_eq!(c.cache.stale_if_error, Duration::from_secs(7 * 86400));
-        assert_eq!(
-            c.upstreams[0].max_concurrency.get(),
-            DEFAULT_MAX_CONCURRENCY
-        );
+        assert_eq!(c.upstreams[0].max_concurrency.get(), DEFAULT_MAX_CONCURRENCY);
         assert_eq!(c.server.listen, "0.0.0.0:5000".parse().unwrap());
     }
 
     #[test]
     fn unknown_keys_are_errors_naming_file_and_key() {
-        let e = parse(&format!("[cache]\nttl = \"5m\"\n{MINIMAL}"))
-            .unwrap_err()
-            .to_string();
+        let e = parse(&format!("[cache]\nttl = \"5m\"\n{MINIMAL}")).unwrap_err().to_string();
         assert!(e.starts_with("test.toml:"), "{e}");
         assert!(e.contains("ttl"), "{e}");
     }
@@ -547,47 +454,33 @@ mod tests {
             ("[server]\nlisten = \"nowhere\"\n", "server.listen"),
         ];
         for (prefix, key) in cases {
-            let e = parse(&format!("{prefix}{MINIMAL}"))
-                .unwrap_err()
-                .to_string();
+            let e = parse(&format!("{prefix}{MINIMAL}")).unwrap_err().to_string();
             assert!(e.contains(&format!("`{key}`")), "{e}");
         }
-        let e = parse("[[upstream]]\nname = \"x.io\"\nurl = \"ftp://x.io\"\n")
-            .unwrap_err()
-            .to_string();
+        let e = parse("[[upstream]]\nname = \"x.io\"\nurl = \"ftp://x.io\"\n").unwrap_err().to_string();
         assert!(e.contains("`upstream[0].url`"), "{e}");
-        let e = parse("[[upstream]]\nname = \"X IO\"\nurl = \"https://x.io\"\n")
-            .unwrap_err()
-            .to_string();
+        let e = parse("[[upstream]]\nname = \"X IO\"\nurl = \"https://x.io\"\n").unwrap_err().to_string();
         assert!(e.contains("`upstream[0].name`"), "{e}");
-        let e = parse(&format!("{MINIMAL}\n[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nmax_concurrency = 0\n"))
-            .unwrap_err()
-            .to_string();
+        let e =
+            parse(&format!("{MINIMAL}\n[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nmax_concurrency = 0\n"))
+                .unwrap_err()
+                .to_string();
         assert!(e.contains("`upstream[1].max_concurrency`"), "{e}");
-        let e = parse(&format!("{MINIMAL}\n[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nimmutable_tags = [\"(\"]\n"))
-            .unwrap_err()
-            .to_string();
+        let e = parse(&format!(
+            "{MINIMAL}\n[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nimmutable_tags = [\"(\"]\n"
+        ))
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("`upstream[1].immutable_tags[0]`"), "{e}");
     }
 
     #[test]
     fn duplicate_names_and_defaults_are_refused() {
         let twice = format!("{MINIMAL}{MINIMAL}");
-        assert!(
-            parse(&twice)
-                .unwrap_err()
-                .to_string()
-                .contains("used twice")
-        );
-        let two_defaults = format!(
-            "{MINIMAL}\n[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\ndefault = true\n"
-        );
-        assert!(
-            parse(&two_defaults)
-                .unwrap_err()
-                .to_string()
-                .contains("only one upstream")
-        );
+        assert!(parse(&twice).unwrap_err().to_string().contains("used twice"));
+        let two_defaults =
+            format!("{MINIMAL}\n[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\ndefault = true\n");
+        assert!(parse(&two_defaults).unwrap_err().to_string().contains("only one upstream"));
         assert!(parse("").unwrap_err().to_string().contains("at least one"));
     }
 
@@ -595,15 +488,15 @@ mod tests {
     fn credentials_from_a_file_are_redacted() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("pw"), "hunter2\n").unwrap();
-        let text = "[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nusername = \"bob\"\npassword_file = \"pw\"\n";
+        let text =
+            "[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nusername = \"bob\"\npassword_file = \"pw\"\n";
         let c = Config::parse(text, "t.toml", Some(dir.path())).unwrap();
         let creds = c.upstreams[0].credentials.as_ref().unwrap();
         assert_eq!(creds.password.expose(), "hunter2");
         assert!(!format!("{c:?}").contains("hunter2"));
-        let missing = "[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nusername = \"bob\"\npassword_file = \"nope\"\n";
-        let e = Config::parse(missing, "t.toml", Some(dir.path()))
-            .unwrap_err()
-            .to_string();
+        let missing =
+            "[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nusername = \"bob\"\npassword_file = \"nope\"\n";
+        let e = Config::parse(missing, "t.toml", Some(dir.path())).unwrap_err().to_string();
         assert!(e.contains("`upstream[0].password_file`"), "{e}");
     }
 

@@ -47,10 +47,7 @@ pub enum UpstreamError {
     #[error("upstream timed out: {0}")]
     Timeout(&'static str),
     #[error("upstream answered {status}")]
-    Status {
-        status: u16,
-        retry_after: Option<String>,
-    },
+    Status { status: u16, retry_after: Option<String> },
     #[error("upstream denied access")]
     Denied,
     #[error("upstream is rate limiting")]
@@ -77,46 +74,29 @@ impl From<redb::Error> for Error {
 
 impl Error {
     /// Status, OCI error code, and extra headers for this error.
-    fn classify(
-        &self,
-    ) -> (
-        StatusCode,
-        &'static str,
-        Option<(header::HeaderName, String)>,
-    ) {
+    fn classify(&self) -> (StatusCode, &'static str, Option<(header::HeaderName, String)>) {
         use StatusCode as S;
         match self {
             Error::NameInvalid(_) => (S::BAD_REQUEST, "NAME_INVALID", None),
             Error::UnknownUpstream(_) | Error::NameUnknown => (S::NOT_FOUND, "NAME_UNKNOWN", None),
-            Error::ManifestUnknown | Error::NotAcceptable => {
-                (S::NOT_FOUND, "MANIFEST_UNKNOWN", None)
-            }
+            Error::ManifestUnknown | Error::NotAcceptable => (S::NOT_FOUND, "MANIFEST_UNKNOWN", None),
             Error::BlobUnknown(_) => (S::NOT_FOUND, "BLOB_UNKNOWN", None),
             Error::DigestInvalid(_) => (S::BAD_REQUEST, "DIGEST_INVALID", None),
-            Error::RangeNotSatisfiable { size } => (
-                S::RANGE_NOT_SATISFIABLE,
-                "RANGE_INVALID",
-                Some((header::CONTENT_RANGE, format!("bytes */{size}"))),
-            ),
+            Error::RangeNotSatisfiable { size } => {
+                (S::RANGE_NOT_SATISFIABLE, "RANGE_INVALID", Some((header::CONTENT_RANGE, format!("bytes */{size}"))))
+            }
             Error::Unsupported => (S::METHOD_NOT_ALLOWED, "UNSUPPORTED", None),
             Error::NotFound => (S::NOT_FOUND, "NOT_FOUND", None),
             Error::Upstream(u) => match u {
                 UpstreamError::Connect(_) => (S::SERVICE_UNAVAILABLE, "UNAVAILABLE", None),
                 UpstreamError::Timeout(_) => (S::GATEWAY_TIMEOUT, "UNAVAILABLE", None),
-                UpstreamError::Status {
-                    status: 503,
-                    retry_after,
-                } => (
-                    S::SERVICE_UNAVAILABLE,
-                    "UNAVAILABLE",
-                    retry_after.clone().map(|r| (header::RETRY_AFTER, r)),
-                ),
+                UpstreamError::Status { status: 503, retry_after } => {
+                    (S::SERVICE_UNAVAILABLE, "UNAVAILABLE", retry_after.clone().map(|r| (header::RETRY_AFTER, r)))
+                }
                 UpstreamError::Denied => (S::FORBIDDEN, "DENIED", None),
-                UpstreamError::RateLimited { retry_after } => (
-                    S::TOO_MANY_REQUESTS,
-                    "TOOMANYREQUESTS",
-                    retry_after.clone().map(|r| (header::RETRY_AFTER, r)),
-                ),
+                UpstreamError::RateLimited { retry_after } => {
+                    (S::TOO_MANY_REQUESTS, "TOOMANYREQUESTS", retry_after.clone().map(|r| (header::RETRY_AFTER, r)))
+                }
                 UpstreamError::Status { .. }
                 | UpstreamError::Protocol(_)
                 | UpstreamError::DigestMismatch { .. }
@@ -152,14 +132,8 @@ impl Error {
                 builder = builder.header(name, v);
             }
         }
-        let body = if head {
-            body::empty()
-        } else {
-            body::full(bytes)
-        };
-        builder
-            .body(body)
-            .unwrap_or_else(|_| Response::new(body::empty()))
+        let body = if head { body::empty() } else { body::full(bytes) };
+        builder.body(body).unwrap_or_else(|_| Response::new(body::empty()))
     }
 }
 
@@ -189,35 +163,15 @@ mod tests {
         let cases = [
             (UpstreamError::Connect("refused".into()), 503),
             (UpstreamError::Timeout("headers"), 504),
-            (
-                UpstreamError::Status {
-                    status: 500,
-                    retry_after: None,
-                },
-                502,
-            ),
-            (
-                UpstreamError::Status {
-                    status: 503,
-                    retry_after: None,
-                },
-                503,
-            ),
-            (
-                UpstreamError::RateLimited {
-                    retry_after: Some("30".into()),
-                },
-                429,
-            ),
+            (UpstreamError::Status { status: 500, retry_after: None }, 502),
+            (UpstreamError::Status { status: 503, retry_after: None }, 503),
+            (UpstreamError::RateLimited { retry_after: Some("30".into()) }, 429),
             (UpstreamError::Protocol("junk".into()), 502),
         ];
         for (e, want) in cases {
             assert_eq!(Error::Upstream(e).status(), want);
         }
-        let r = Error::Upstream(UpstreamError::RateLimited {
-            retry_after: Some("30".into()),
-        })
-        .into_response(false);
+        let r = Error::Upstream(UpstreamError::RateLimited { retry_after: Some("30".into()) }).into_response(false);
         assert_eq!(r.headers()["retry-after"], "30");
     }
 

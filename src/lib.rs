@@ -11,6 +11,7 @@ pub mod cache;
 pub mod coalesce;
 pub mod config;
 pub mod error;
+pub mod metrics;
 pub mod oci;
 pub mod server;
 pub mod upstream;

@@ -7,10 +7,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use larder::config::Config;
 
 #[derive(Parser)]
-#[command(
-    version,
-    about = "A pull-through caching proxy for OCI/Docker registries"
-)]
+#[command(version, about = "A pull-through caching proxy for OCI/Docker registries")]
 struct Cli {
     /// Config file (TOML). Without it, larder runs its embedded default.
     #[arg(long, global = true)]
@@ -46,9 +43,7 @@ fn load(path: Option<&PathBuf>) -> Result<Config, larder::config::ConfigError> {
 fn init_logs(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("larder=info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
@@ -65,12 +60,7 @@ fn main() -> ExitCode {
         }
     };
     if let Some(Command::CheckConfig) = cli.command {
-        let source = cli
-            .config
-            .as_ref()
-            .map_or("embedded default config".to_owned(), |p| {
-                p.display().to_string()
-            });
+        let source = cli.config.as_ref().map_or("embedded default config".to_owned(), |p| p.display().to_string());
         println!("{source}: ok ({} upstreams)", config.upstreams.len());
         return ExitCode::SUCCESS;
     }

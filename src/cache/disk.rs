@@ -19,9 +19,7 @@ impl Store {
     /// Creates the folders and removes temp files a previous run left
     /// behind (a crash mid-fill): nothing in `tmp/` was ever committed.
     pub fn open(root: &Path) -> io::Result<Store> {
-        let store = Store {
-            root: root.to_owned(),
-        };
+        let store = Store { root: root.to_owned() };
         std::fs::create_dir_all(store.root.join("blobs/sha256"))?;
         let tmp = store.tmp_dir();
         if tmp.exists() {
@@ -46,9 +44,7 @@ impl Store {
 
     /// A new temp file for a fill; it deletes itself when dropped uncommitted.
     pub fn create_temp(&self) -> io::Result<NamedTempFile> {
-        tempfile::Builder::new()
-            .prefix("fill-")
-            .tempfile_in(self.tmp_dir())
+        tempfile::Builder::new().prefix("fill-").tempfile_in(self.tmp_dir())
     }
 
     /// Makes a verified temp file the blob for `digest`: data fsynced,
@@ -57,9 +53,7 @@ impl Store {
     pub fn commit(&self, temp: NamedTempFile, digest: &Digest) -> io::Result<()> {
         temp.as_file().sync_all()?;
         let path = self.blob_path(digest);
-        let parent = path
-            .parent()
-            .ok_or_else(|| io::Error::other("blob path has no parent"))?;
+        let parent = path.parent().ok_or_else(|| io::Error::other("blob path has no parent"))?;
         std::fs::create_dir_all(parent)?;
         temp.persist(&path).map_err(|e| e.error)?;
         File::open(parent)?.sync_all()

@@ -40,11 +40,7 @@ pub enum Progress {
     Connecting,
     /// Bytes `0..written` of the temp file are final; `size` is upstream's
     /// `Content-Length` if it sent one.
-    Streaming {
-        file: Arc<File>,
-        size: Option<u64>,
-        written: u64,
-    },
+    Streaming { file: Arc<File>, size: Option<u64>, written: u64 },
     /// Verified and committed.
     Complete { file: Arc<File>, size: u64 },
     /// Nothing was committed; readers abort their responses.
@@ -105,9 +101,7 @@ impl Fills {
 
 /// Waits until the fill has response headers (or failed): the file to read
 /// and the size if known.
-pub async fn wait_for_headers(
-    rx: &mut watch::Receiver<Progress>,
-) -> Result<(Arc<File>, Option<u64>), Error> {
+pub async fn wait_for_headers(rx: &mut watch::Receiver<Progress>) -> Result<(Arc<File>, Option<u64>), Error> {
     loop {
         match &*rx.borrow_and_update() {
             Progress::Connecting => {}
@@ -131,11 +125,7 @@ pub struct Writer {
 
 impl Writer {
     pub fn new(temp: tempfile::NamedTempFile) -> Writer {
-        Writer {
-            temp,
-            hasher: Hasher::default(),
-            written: 0,
-        }
+        Writer { temp, hasher: Hasher::default(), written: 0 }
     }
 
     pub fn written(&self) -> u64 {
@@ -165,17 +155,16 @@ pub async fn copy_body(
     declared: Option<u64>,
     idle: Duration,
     tx: &watch::Sender<Progress>,
+    received: &prometheus::IntCounter,
 ) -> Result<Writer, Error> {
     loop {
         let (chunk, eof) = next_chunk(&mut body, idle).await?;
         if !chunk.is_empty() {
             let after = writer.written() + chunk.len() as u64;
             if declared.is_some_and(|d| after > d) {
-                return Err(UpstreamError::Protocol(
-                    "blob body is longer than its Content-Length".into(),
-                )
-                .into());
+                return Err(UpstreamError::Protocol("blob body is longer than its Content-Length".into()).into());
             }
+            received.inc_by(chunk.len() as u64);
             writer = writer.write(chunk).await?;
             let written = writer.written();
             tx.send_modify(|p| {
@@ -190,9 +179,7 @@ pub async fn copy_body(
     }
     if let Some(d) = declared.filter(|d| *d != writer.written()) {
         let got = writer.written();
-        return Err(
-            UpstreamError::Protocol(format!("blob body ended after {got} of {d} bytes")).into(),
-        );
+        return Err(UpstreamError::Protocol(format!("blob body ended after {got} of {d} bytes")).into());
     }
     Ok(writer)
 }
@@ -232,18 +219,10 @@ async fn next_chunk(body: &mut Incoming, idle: Duration) -> Result<(Bytes, bool)
 /// is a fill in flight: reads stop at the published offset and wait for
 /// more; a failed fill ends the body with an error, which aborts the
 /// client's connection.
-pub fn read_body(
-    file: Arc<File>,
-    progress: Option<watch::Receiver<Progress>>,
-    start: u64,
-    end: Option<u64>,
-) -> Body {
-    let state = Reader {
-        file,
-        progress,
-        offset: start,
-        end,
-    };
+pub fn read_body(file: Arc<File>, progress: Option<watch::Receiver<Progress>>, start: u64, end: Option<u64>) -> Body {
+    let source = if progress.is_some() { "fill" } else { "disk" };
+    let served = crate::metrics::metrics().bytes_served.with_label_values(&[source]);
+    let state = Reader { file, progress, offset: start, end, served };
     let stream = futures_util::stream::try_unfold(state, |mut reader| async move {
         match reader.next().await? {
             Some(bytes) => Ok(Some((Frame::data(bytes), reader))),
@@ -258,6 +237,7 @@ struct Reader {
     progress: Option<watch::Receiver<Progress>>,
     offset: u64,
     end: Option<u64>,
+    served: prometheus::IntCounter,
 }
 
 impl Reader {
@@ -297,6 +277,7 @@ impl Reader {
                 })
                 .await?;
                 self.offset += len as u64;
+                self.served.inc_by(len as u64);
                 return Ok(Some(bytes));
             }
             let Some(rx) = self.progress.as_mut().filter(|_| !verified) else {
@@ -304,11 +285,7 @@ impl Reader {
                 // validated against the size first, but never spin on it.
                 return Err("blob ended before the requested range".into());
             };
-            if rx.changed().await.is_err()
-                && !matches!(
-                    &*rx.borrow(),
-                    Progress::Complete { .. } | Progress::Failed(_)
-                )
+            if rx.changed().await.is_err() && !matches!(&*rx.borrow(), Progress::Complete { .. } | Progress::Failed(_))
             {
                 return Err("fill ended without a result".into());
             }

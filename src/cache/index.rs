@@ -76,11 +76,9 @@ impl Index {
         tag: Option<(&str, u64)>,
     ) -> Result<(), redb::Error> {
         let txn = self.db.begin_write()?;
-        txn.open_table(MANIFESTS)?
-            .insert(digest.hex().as_str(), (media_type.as_str(), bytes))?;
+        txn.open_table(MANIFESTS)?.insert(digest.hex().as_str(), (media_type.as_str(), bytes))?;
         if let Some((key, confirmed_ms)) = tag {
-            txn.open_table(TAGS)?
-                .insert(key, (digest.to_string().as_str(), confirmed_ms))?;
+            txn.open_table(TAGS)?.insert(key, (digest.to_string().as_str(), confirmed_ms))?;
         }
         txn.commit()?;
         Ok(())
@@ -93,21 +91,12 @@ impl Index {
             return Ok(None);
         };
         let (digest, confirmed_ms) = row.value();
-        Ok(digest.parse().ok().map(|digest| TagRow {
-            digest,
-            confirmed_ms,
-        }))
+        Ok(digest.parse().ok().map(|digest| TagRow { digest, confirmed_ms }))
     }
 
-    pub fn set_tag(
-        &self,
-        key: &str,
-        digest: &Digest,
-        confirmed_ms: u64,
-    ) -> Result<(), redb::Error> {
+    pub fn set_tag(&self, key: &str, digest: &Digest, confirmed_ms: u64) -> Result<(), redb::Error> {
         let txn = self.db.begin_write()?;
-        txn.open_table(TAGS)?
-            .insert(key, (digest.to_string().as_str(), confirmed_ms))?;
+        txn.open_table(TAGS)?.insert(key, (digest.to_string().as_str(), confirmed_ms))?;
         txn.commit()?;
         Ok(())
     }
@@ -134,16 +123,11 @@ mod tests {
             let index = Index::open(&path).unwrap();
             assert_eq!(index.blob_size(&d).unwrap(), None);
             index.insert_blob(&d, 4).unwrap();
-            index
-                .insert_manifest(&m, MediaType::OciManifest, b"{}", Some(("u\0r\0t", 42)))
-                .unwrap();
+            index.insert_manifest(&m, MediaType::OciManifest, b"{}", Some(("u\0r\0t", 42))).unwrap();
         }
         let index = Index::open(&path).unwrap();
         assert_eq!(index.blob_size(&d).unwrap(), Some(4));
-        assert_eq!(
-            index.manifest(&m).unwrap(),
-            Some((MediaType::OciManifest, b"{}".to_vec()))
-        );
+        assert_eq!(index.manifest(&m).unwrap(), Some((MediaType::OciManifest, b"{}".to_vec())));
         let tag = index.tag("u\0r\0t").unwrap().unwrap();
         assert_eq!((tag.digest, tag.confirmed_ms), (m, 42));
         index.remove_blob(&d).unwrap();

@@ -22,8 +22,7 @@ pub struct StoredManifest {
 
 impl StoredManifest {
     pub fn new(bytes: Bytes, media_type: MediaType, digest: Digest) -> StoredManifest {
-        let digest_header =
-            HeaderValue::from_str(&digest.to_string()).expect("a digest is a valid header value");
+        let digest_header = HeaderValue::from_str(&digest.to_string()).expect("a digest is a valid header value");
         StoredManifest {
             content_type: HeaderValue::from_static(media_type.as_str()),
             bytes,
@@ -60,23 +59,15 @@ impl Memory {
         Memory {
             manifests: moka::sync::Cache::builder()
                 .weigher(|_, m: &Arc<StoredManifest>| {
-                    u32::try_from(m.bytes.len())
-                        .unwrap_or(u32::MAX)
-                        .saturating_add(ENTRY_OVERHEAD)
+                    u32::try_from(m.bytes.len()).unwrap_or(u32::MAX).saturating_add(ENTRY_OVERHEAD)
                 })
                 .max_capacity(manifest_budget)
                 .build(),
             tags: moka::sync::Cache::builder()
-                .weigher(|k: &String, _| {
-                    u32::try_from(k.len())
-                        .unwrap_or(u32::MAX)
-                        .saturating_add(ENTRY_OVERHEAD)
-                })
+                .weigher(|k: &String, _| u32::try_from(k.len()).unwrap_or(u32::MAX).saturating_add(ENTRY_OVERHEAD))
                 .max_capacity(small_budget)
                 .build(),
-            blob_sizes: moka::sync::Cache::builder()
-                .max_capacity(small_budget / u64::from(ENTRY_OVERHEAD))
-                .build(),
+            blob_sizes: moka::sync::Cache::builder().max_capacity(small_budget / u64::from(ENTRY_OVERHEAD)).build(),
         }
     }
 

@@ -19,6 +19,7 @@ pub use memory::StoredManifest;
 use crate::coalesce::{Joined, SingleFlight};
 use crate::config::CacheConfig;
 use crate::error::{Error, UpstreamError};
+use crate::metrics::metrics;
 use crate::oci::{Digest, Reference, RepoName, Tag};
 use crate::upstream::{FetchedManifest, Opened, Upstream, content_length};
 use disk::Store;
@@ -79,14 +80,11 @@ where
     F: FnOnce() -> Result<T, Error> + Send + 'static,
     T: Send + 'static,
 {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Error::Internal(format!("blocking task failed: {e}")))?
+    tokio::task::spawn_blocking(f).await.map_err(|e| Error::Internal(format!("blocking task failed: {e}")))?
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
-    t.duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+    t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 fn tag_key(upstream: &str, repo: &RepoName, tag: &Tag) -> String {
@@ -112,6 +110,17 @@ impl Cache {
             manifest_fetches: SingleFlight::default(),
             revalidations: SingleFlight::default(),
         }))
+    }
+
+    /// Readiness: the index answers a read and the temp folder takes a file.
+    pub async fn check_ready(&self) -> Result<(), Error> {
+        let (store, index) = (self.store.clone(), Arc::clone(&self.index));
+        blocking(move || {
+            index.blob_size(&Digest::of(b""))?;
+            drop(store.create_temp()?);
+            Ok(())
+        })
+        .await
     }
 
     /// Number of blob fills in flight.
@@ -156,10 +165,7 @@ impl Cache {
         let (index, k) = (Arc::clone(&self.index), key.to_owned());
         let row = blocking(move || Ok(index.tag(&k)?)).await?;
         Ok(row.map(|r| {
-            let e = TagEntry {
-                digest: r.digest,
-                confirmed: UNIX_EPOCH + Duration::from_millis(r.confirmed_ms),
-            };
+            let e = TagEntry { digest: r.digest, confirmed: UNIX_EPOCH + Duration::from_millis(r.confirmed_ms) };
             self.memory.insert_tag(key.to_owned(), e);
             e
         }))
@@ -167,13 +173,7 @@ impl Cache {
 
     async fn set_tag(&self, key: String, digest: Digest) -> Result<(), Error> {
         let now = SystemTime::now();
-        self.memory.insert_tag(
-            key.clone(),
-            TagEntry {
-                digest,
-                confirmed: now,
-            },
-        );
+        self.memory.insert_tag(key.clone(), TagEntry { digest, confirmed: now });
         let index = Arc::clone(&self.index);
         blocking(move || Ok(index.set_tag(&key, &digest, unix_ms(now))?)).await
     }
@@ -190,30 +190,19 @@ impl Cache {
     ) -> Result<(Arc<StoredManifest>, CacheResult), Error> {
         let key = tag_key(upstream.name(), repo, tag);
         let Some(entry) = self.tag_entry(&key).await? else {
-            return self
-                .fetch_manifest(upstream, repo, &Reference::Tag(tag.clone()))
-                .await;
+            return self.fetch_manifest(upstream, repo, &Reference::Tag(tag.clone())).await;
         };
         let Some(cached) = self.stored_manifest(&entry.digest).await? else {
-            return self
-                .fetch_manifest(upstream, repo, &Reference::Tag(tag.clone()))
-                .await;
+            return self.fetch_manifest(upstream, repo, &Reference::Tag(tag.clone())).await;
         };
-        let age = SystemTime::now()
-            .duration_since(entry.confirmed)
-            .unwrap_or_default();
+        let age = SystemTime::now().duration_since(entry.confirmed).unwrap_or_default();
         let ttl = upstream.config.tag_ttl(&self.config);
         if age < ttl || upstream.config.tag_is_immutable(tag.as_str()) {
             return Ok((cached, CacheResult::Hit));
         }
         let head = {
             let (upstream, repo, tag) = (Arc::clone(upstream), repo.clone(), tag.clone());
-            move || async move {
-                upstream
-                    .head_manifest(&repo, &tag)
-                    .await
-                    .map_err(Error::Upstream)
-            }
+            move || async move { upstream.head_manifest(&repo, &tag).await.map_err(Error::Upstream) }
         };
         match self.revalidations.run(key.clone(), head).await.0 {
             Ok(Some(digest)) if digest == entry.digest => {
@@ -221,9 +210,7 @@ impl Cache {
                 Ok((cached, CacheResult::Hit))
             }
             Ok(Some(digest)) => {
-                let (m, result) = self
-                    .fetch_manifest(upstream, repo, &Reference::Digest(digest))
-                    .await?;
+                let (m, result) = self.fetch_manifest(upstream, repo, &Reference::Digest(digest)).await?;
                 self.set_tag(key, digest).await?;
                 Ok((m, result))
             }
@@ -251,17 +238,10 @@ impl Cache {
     ) -> Result<(Arc<StoredManifest>, CacheResult), Error> {
         let key = format!("{}\0{repo}\0{reference}", upstream.name());
         let fetch = {
-            let (cache, upstream, repo, reference) = (
-                Arc::clone(self),
-                Arc::clone(upstream),
-                repo.clone(),
-                reference.clone(),
-            );
+            let (cache, upstream, repo, reference) =
+                (Arc::clone(self), Arc::clone(upstream), repo.clone(), reference.clone());
             move || async move {
-                let fetched = upstream
-                    .get_manifest(&repo, &reference)
-                    .await?
-                    .ok_or(Error::ManifestUnknown)?;
+                let fetched = upstream.get_manifest(&repo, &reference).await?.ok_or(Error::ManifestUnknown)?;
                 let tag = match &reference {
                     Reference::Tag(t) => Some(tag_key(upstream.name(), &repo, t)),
                     Reference::Digest(_) => None,
@@ -273,11 +253,7 @@ impl Cache {
         Ok((result?, CacheResult::of(joined)))
     }
 
-    async fn store_manifest(
-        &self,
-        m: FetchedManifest,
-        tag: Option<String>,
-    ) -> Result<Arc<StoredManifest>, Error> {
+    async fn store_manifest(&self, m: FetchedManifest, tag: Option<String>) -> Result<Arc<StoredManifest>, Error> {
         let stored = Arc::new(StoredManifest::new(m.bytes.clone(), m.media_type, m.digest));
         let now = SystemTime::now();
         let index = Arc::clone(&self.index);
@@ -289,13 +265,7 @@ impl Cache {
         .await?;
         self.memory.insert_manifest(Arc::clone(&stored));
         if let Some(key) = tag {
-            self.memory.insert_tag(
-                key,
-                TagEntry {
-                    digest: stored.digest,
-                    confirmed: now,
-                },
-            );
+            self.memory.insert_tag(key, TagEntry { digest: stored.digest, confirmed: now });
         }
         Ok(stored)
     }
@@ -338,11 +308,7 @@ impl Cache {
     /// Only committed blobs: for `HEAD`, which never starts a fill.
     pub async fn blob_size(&self, digest: &Digest) -> Result<Option<u64>, Error> {
         if let Some(rx) = self.fills.get(digest) {
-            if let Progress::Streaming {
-                size: Some(size), ..
-            }
-            | Progress::Complete { size, .. } = &*rx.borrow()
-            {
+            if let Progress::Streaming { size: Some(size), .. } | Progress::Complete { size, .. } = &*rx.borrow() {
                 return Ok(Some(*size));
             }
         }
@@ -386,6 +352,7 @@ impl Cache {
         tx: watch::Sender<Progress>,
     ) {
         let cache = Arc::clone(self);
+        metrics().fills_in_flight.inc();
         tokio::spawn(async move {
             match cache.fill(&upstream, &repo, digest, &tx).await {
                 Ok((file, size)) => {
@@ -399,6 +366,7 @@ impl Cache {
                 }
             }
             cache.fills.remove(&digest);
+            metrics().fills_in_flight.dec();
         });
     }
 
@@ -411,35 +379,20 @@ impl Cache {
         digest: Digest,
         tx: &watch::Sender<Progress>,
     ) -> Result<(Arc<File>, u64), Error> {
-        let Opened { response, permit } = upstream
-            .get_blob(repo, &digest)
-            .await?
-            .ok_or(Error::BlobUnknown(digest))?;
+        let Opened { response, permit } = upstream.get_blob(repo, &digest).await?.ok_or(Error::BlobUnknown(digest))?;
         let declared = content_length(response.headers());
         let store = self.store.clone();
         let temp = blocking(move || Ok(store.create_temp()?)).await?;
         let file = Arc::new(temp.as_file().try_clone()?);
-        tx.send_replace(Progress::Streaming {
-            file: Arc::clone(&file),
-            size: declared,
-            written: 0,
-        });
-        let writer = fill::copy_body(
-            response.into_body(),
-            Writer::new(temp),
-            declared,
-            upstream.body_idle_timeout(),
-            tx,
-        )
-        .await?;
+        tx.send_replace(Progress::Streaming { file: Arc::clone(&file), size: declared, written: 0 });
+        let received = metrics().upstream_bytes.with_label_values(&[upstream.name()]);
+        let idle = upstream.body_idle_timeout();
+        let writer = fill::copy_body(response.into_body(), Writer::new(temp), declared, idle, tx, &received).await?;
         drop(permit);
         let (temp, actual, size) = writer.finish();
         if actual != digest {
-            return Err(UpstreamError::DigestMismatch {
-                expected: digest,
-                actual: actual.to_string(),
-            }
-            .into());
+            metrics().digest_mismatch.inc();
+            return Err(UpstreamError::DigestMismatch { expected: digest, actual: actual.to_string() }.into());
         }
         let (store, index) = (self.store.clone(), Arc::clone(&self.index));
         blocking(move || {

@@ -39,22 +39,16 @@ impl FromStr for Digest {
         let (algorithm, encoded) = s.split_once(':').ok_or(DigestError::Malformed)?;
         // OCI grammar: algorithm-component ([a-z0-9]+) joined by [+._-].
         let algorithm_ok = !algorithm.is_empty()
-            && algorithm.split(['+', '.', '_', '-']).all(|c| {
-                !c.is_empty()
-                    && c.bytes()
-                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
-            });
+            && algorithm
+                .split(['+', '.', '_', '-'])
+                .all(|c| !c.is_empty() && c.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()));
         if !algorithm_ok || encoded.is_empty() {
             return Err(DigestError::Malformed);
         }
         if algorithm != "sha256" {
             return Err(DigestError::UnsupportedAlgorithm(algorithm.to_owned()));
         }
-        if encoded.len() != 64
-            || !encoded
-                .bytes()
-                .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
-        {
+        if encoded.len() != 64 || !encoded.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
             return Err(DigestError::BadHex);
         }
         let mut out = [0u8; 32];
@@ -113,23 +107,14 @@ mod tests {
 
     #[test]
     fn rejects_bad_digests() {
-        assert_eq!(
-            "sha256:totallywrong".parse::<Digest>(),
-            Err(DigestError::BadHex)
-        );
+        assert_eq!("sha256:totallywrong".parse::<Digest>(), Err(DigestError::BadHex));
         assert_eq!("sha256".parse::<Digest>(), Err(DigestError::Malformed));
         assert_eq!(":abc".parse::<Digest>(), Err(DigestError::Malformed));
         assert_eq!("sha256:".parse::<Digest>(), Err(DigestError::Malformed));
-        assert_eq!(
-            "sha512:abcd".parse::<Digest>(),
-            Err(DigestError::UnsupportedAlgorithm("sha512".into()))
-        );
+        assert_eq!("sha512:abcd".parse::<Digest>(), Err(DigestError::UnsupportedAlgorithm("sha512".into())));
         let upper = EMPTY.to_uppercase().replace("SHA256", "sha256");
         assert_eq!(upper.parse::<Digest>(), Err(DigestError::BadHex));
-        assert_eq!(
-            format!("{EMPTY}0").parse::<Digest>(),
-            Err(DigestError::BadHex)
-        );
+        assert_eq!(format!("{EMPTY}0").parse::<Digest>(), Err(DigestError::BadHex));
         assert_eq!("SHA256:00".parse::<Digest>(), Err(DigestError::Malformed));
     }
 }

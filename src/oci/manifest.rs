@@ -36,41 +36,22 @@ struct Descriptor {
 /// Checks `bytes` against the media type upstream declared and lists its
 /// references. The JSON's own `mediaType`, when present, must agree with
 /// the declared type; without a declared type, the JSON's must be known.
-pub fn inspect(
-    bytes: &[u8],
-    declared: Option<MediaType>,
-) -> Result<(MediaType, ManifestRefs), String> {
-    let raw: Raw =
-        serde_json::from_slice(bytes).map_err(|e| format!("manifest is not valid JSON: {e}"))?;
+pub fn inspect(bytes: &[u8], declared: Option<MediaType>) -> Result<(MediaType, ManifestRefs), String> {
+    let raw: Raw = serde_json::from_slice(bytes).map_err(|e| format!("manifest is not valid JSON: {e}"))?;
     let embedded = match raw.media_type.as_deref() {
         None => None,
-        Some(s) => Some(
-            MediaType::parse(s).ok_or_else(|| format!("unsupported manifest media type {s:?}"))?,
-        ),
+        Some(s) => Some(MediaType::parse(s).ok_or_else(|| format!("unsupported manifest media type {s:?}"))?),
     };
     let media_type = match (declared, embedded) {
         (Some(d), Some(e)) if d != e => {
-            return Err(format!(
-                "Content-Type {} disagrees with mediaType {}",
-                d.as_str(),
-                e.as_str()
-            ));
+            return Err(format!("Content-Type {} disagrees with mediaType {}", d.as_str(), e.as_str()));
         }
         (Some(d), _) => d,
         (None, Some(e)) => e,
         (None, None) => return Err("manifest has no known media type".into()),
     };
-    let digest = |d: &Descriptor| {
-        d.digest
-            .parse::<Digest>()
-            .map_err(|e| format!("descriptor {:?}: {e}", d.digest))
-    };
-    let blobs = raw
-        .config
-        .iter()
-        .chain(&raw.layers)
-        .map(digest)
-        .collect::<Result<_, _>>()?;
+    let digest = |d: &Descriptor| d.digest.parse::<Digest>().map_err(|e| format!("descriptor {:?}: {e}", d.digest));
+    let blobs = raw.config.iter().chain(&raw.layers).map(digest).collect::<Result<_, _>>()?;
     let manifests = raw.manifests.iter().map(digest).collect::<Result<_, _>>()?;
     Ok((media_type, ManifestRefs { blobs, manifests }))
 }

@@ -13,29 +13,21 @@ pub enum MediaType {
 }
 
 impl MediaType {
-    pub const ALL: [MediaType; 4] = [
-        MediaType::OciIndex,
-        MediaType::OciManifest,
-        MediaType::DockerManifestList,
-        MediaType::DockerManifest,
-    ];
+    pub const ALL: [MediaType; 4] =
+        [MediaType::OciIndex, MediaType::OciManifest, MediaType::DockerManifestList, MediaType::DockerManifest];
 
     pub fn as_str(self) -> &'static str {
         match self {
             MediaType::OciManifest => "application/vnd.oci.image.manifest.v1+json",
             MediaType::OciIndex => "application/vnd.oci.image.index.v1+json",
             MediaType::DockerManifest => "application/vnd.docker.distribution.manifest.v2+json",
-            MediaType::DockerManifestList => {
-                "application/vnd.docker.distribution.manifest.list.v2+json"
-            }
+            MediaType::DockerManifestList => "application/vnd.docker.distribution.manifest.list.v2+json",
         }
     }
 
     pub fn parse(s: &str) -> Option<MediaType> {
         let essence = s.split(';').next().unwrap_or("").trim();
-        MediaType::ALL
-            .into_iter()
-            .find(|m| m.as_str().eq_ignore_ascii_case(essence))
+        MediaType::ALL.into_iter().find(|m| m.as_str().eq_ignore_ascii_case(essence))
     }
 
     /// The `Accept` value larder sends upstream: every type it can store.
@@ -78,11 +70,7 @@ impl Accept {
         }
         // Only wildcards, or only types we don't know (e.g. "application/json"
         // from curl): be as lenient as distribution is.
-        if !any_line || wildcard || types.is_empty() {
-            Accept { types: None }
-        } else {
-            Accept { types: Some(types) }
-        }
+        if !any_line || wildcard || types.is_empty() { Accept { types: None } } else { Accept { types: Some(types) } }
     }
 
     pub fn allows(&self, media: MediaType) -> bool {

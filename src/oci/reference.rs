@@ -119,14 +119,8 @@ impl FromStr for Tag {
         let ok = !b.is_empty()
             && b.len() <= MAX_TAG_LEN
             && (b[0].is_ascii_alphanumeric() || b[0] == b'_')
-            && b[1..]
-                .iter()
-                .all(|&c| c.is_ascii_alphanumeric() || matches!(c, b'_' | b'.' | b'-'));
-        if ok {
-            Ok(Tag(s.to_owned()))
-        } else {
-            Err(NameError::BadTag)
-        }
+            && b[1..].iter().all(|&c| c.is_ascii_alphanumeric() || matches!(c, b'_' | b'.' | b'-'));
+        if ok { Ok(Tag(s.to_owned())) } else { Err(NameError::BadTag) }
     }
 }
 
@@ -142,11 +136,7 @@ impl FromStr for Reference {
     /// A reference containing `:` is a digest, anything else a tag (tags
     /// cannot contain `:`).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        if s.contains(':') {
-            Ok(Reference::Digest(s.parse()?))
-        } else {
-            Ok(Reference::Tag(s.parse()?))
-        }
+        if s.contains(':') { Ok(Reference::Digest(s.parse()?)) } else { Ok(Reference::Tag(s.parse()?)) }
     }
 }
 
@@ -185,16 +175,7 @@ mod tests {
 
     #[test]
     fn accepts_valid_names() {
-        for name in [
-            "alpine",
-            "library/alpine",
-            "a/b/c",
-            "my-app",
-            "my__app",
-            "a.b_c--d",
-            "0",
-            "x/y-z.1",
-        ] {
+        for name in ["alpine", "library/alpine", "a/b/c", "my-app", "my__app", "a.b_c--d", "0", "x/y-z.1"] {
             assert!(name.parse::<RepoName>().is_ok(), "{name}");
         }
     }
@@ -202,8 +183,8 @@ mod tests {
     #[test]
     fn rejects_invalid_names() {
         for name in [
-            "", "Alpine", "a//b", "/a", "a/", "-a", "a-", "a___b", "a..b", "..", "a/../b", "%2e",
-            "a\0b", "a b", "a:b", "_a",
+            "", "Alpine", "a//b", "/a", "a/", "-a", "a-", "a___b", "a..b", "..", "a/../b", "%2e", "a\0b", "a b", "a:b",
+            "_a",
         ] {
             assert!(name.parse::<RepoName>().is_err(), "{name:?}");
         }
@@ -215,30 +196,17 @@ mod tests {
         for tag in ["latest", "v1.2.3", "_x", "A-b.c_d", &"t".repeat(128)] {
             assert!(tag.parse::<Tag>().is_ok(), "{tag}");
         }
-        for tag in [
-            ".INVALID_MANIFEST_NAME",
-            "-x",
-            "",
-            "a/b",
-            "a+b",
-            &"t".repeat(129),
-        ] {
+        for tag in [".INVALID_MANIFEST_NAME", "-x", "", "a/b", "a+b", &"t".repeat(129)] {
             assert!(tag.parse::<Tag>().is_err(), "{tag}");
         }
     }
 
     #[test]
     fn references_are_tags_or_digests() {
-        assert!(matches!(
-            "latest".parse::<Reference>(),
-            Ok(Reference::Tag(_))
-        ));
+        assert!(matches!("latest".parse::<Reference>(), Ok(Reference::Tag(_))));
         let d = "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
         assert!(matches!(d.parse::<Reference>(), Ok(Reference::Digest(_))));
-        assert!(matches!(
-            "sha256:totallywrong".parse::<Reference>(),
-            Err(NameError::Digest(_))
-        ));
+        assert!(matches!("sha256:totallywrong".parse::<Reference>(), Err(NameError::Digest(_))));
     }
 
     #[test]

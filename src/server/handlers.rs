@@ -18,9 +18,7 @@ use crate::oci::{Accept, Digest, Reference};
 const API_VERSION: (&str, &str) = ("Docker-Distribution-API-Version", "registry/2.0");
 
 fn response(status: StatusCode) -> http::response::Builder {
-    Response::builder()
-        .status(status)
-        .header(API_VERSION.0, API_VERSION.1)
+    Response::builder().status(status).header(API_VERSION.0, API_VERSION.1)
 }
 
 fn built(r: Result<Response<Body>, http::Error>) -> Result<Response<Body>, Error> {
@@ -29,17 +27,8 @@ fn built(r: Result<Response<Body>, http::Error>) -> Result<Response<Body>, Error
 
 /// `GET /v2/`: the API version check.
 pub fn base(method: &Method) -> Result<Response<Body>, Error> {
-    let body = if method == Method::HEAD {
-        body::empty()
-    } else {
-        body::full(Bytes::from_static(b"{}"))
-    };
-    built(
-        response(StatusCode::OK)
-            .header(CONTENT_TYPE, "application/json")
-            .header(CONTENT_LENGTH, 2)
-            .body(body),
-    )
+    let body = if method == Method::HEAD { body::empty() } else { body::full(Bytes::from_static(b"{}")) };
+    built(response(StatusCode::OK).header(CONTENT_TYPE, "application/json").header(CONTENT_LENGTH, 2).body(body))
 }
 
 /// `GET/HEAD /v2/<name>/manifests/<reference>`
@@ -50,20 +39,17 @@ pub async fn manifest(
     method: &Method,
     headers: &HeaderMap,
 ) -> Result<(Response<Body>, CacheResult), Error> {
-    let (m, result) = app
-        .cache
-        .manifest(&route.upstream, &route.repo, reference)
-        .await?;
+    let (m, result) = app.cache.manifest(&route.upstream, &route.repo, reference).await?;
     // A client that only speaks Docker v2 must never get an OCI index it
     // cannot read (distribution answers MANIFEST_UNKNOWN there too). By
     // digest, the client asked for exactly these bytes.
-    if matches!(reference, Reference::Tag(_)) && !Accept::from_headers(headers).allows(m.media_type)
-    {
+    if matches!(reference, Reference::Tag(_)) && !Accept::from_headers(headers).allows(m.media_type) {
         return Err(Error::NotAcceptable);
     }
     let body = if method == Method::HEAD {
         body::empty()
     } else {
+        crate::metrics::metrics().bytes_served.with_label_values(&["memory"]).inc_by(m.bytes.len() as u64);
         body::full(m.bytes.clone())
     };
     let resp = response(StatusCode::OK)
@@ -95,8 +81,7 @@ pub async fn blob(
             (file, size, Some(rx))
         }
     };
-    let digest_header =
-        HeaderValue::from_str(&digest.to_string()).map_err(|e| Error::Internal(e.to_string()))?;
+    let digest_header = HeaderValue::from_str(&digest.to_string()).map_err(|e| Error::Internal(e.to_string()))?;
     let builder = response(StatusCode::OK)
         .header(CONTENT_TYPE, "application/octet-stream")
         .header("Docker-Content-Digest", digest_header)
@@ -107,21 +92,14 @@ pub async fn blob(
     // so the whole blob is sent.
     let resp = match (range, size) {
         (Some(range), Some(size)) => {
-            let (start, end) = range
-                .ok()
-                .and_then(|r| r.resolve(size))
-                .ok_or(Error::RangeNotSatisfiable { size })?;
+            let (start, end) = range.ok().and_then(|r| r.resolve(size)).ok_or(Error::RangeNotSatisfiable { size })?;
             builder
                 .status(StatusCode::PARTIAL_CONTENT)
                 .header(CONTENT_RANGE, format!("bytes {start}-{}/{size}", end - 1))
                 .header(CONTENT_LENGTH, end - start)
                 .body(read_body(file, progress, start, Some(end)))
         }
-        (_, Some(size)) => {
-            builder
-                .header(CONTENT_LENGTH, size)
-                .body(read_body(file, progress, 0, Some(size)))
-        }
+        (_, Some(size)) => builder.header(CONTENT_LENGTH, size).body(read_body(file, progress, 0, Some(size))),
         (_, None) => builder.body(read_body(file, progress, 0, None)),
     };
     Ok((built(resp)?, result))
@@ -129,19 +107,11 @@ pub async fn blob(
 
 /// `HEAD` of a blob: answered from the cache, or by a `HEAD` upstream; it
 /// never starts a fill.
-async fn blob_head(
-    app: &App,
-    route: &Route,
-    digest: Digest,
-) -> Result<(Response<Body>, CacheResult), Error> {
+async fn blob_head(app: &App, route: &Route, digest: Digest) -> Result<(Response<Body>, CacheResult), Error> {
     let (size, result) = match app.cache.blob_size(&digest).await? {
         Some(size) => (size, CacheResult::Hit),
         None => (
-            route
-                .upstream
-                .head_blob(&route.repo, &digest)
-                .await?
-                .ok_or(Error::BlobUnknown(digest))?,
+            route.upstream.head_blob(&route.repo, &digest).await?.ok_or(Error::BlobUnknown(digest))?,
             CacheResult::Miss,
         ),
     };
@@ -155,27 +125,14 @@ async fn blob_head(
 }
 
 /// `GET /v2/<name>/tags/list`: forwarded with the pagination parameters.
-pub async fn tags(
-    route: &Route,
-    query: Option<&str>,
-    method: &Method,
-) -> Result<Response<Body>, Error> {
-    let page = route
-        .upstream
-        .get_tags(&route.repo, query)
-        .await?
-        .ok_or(Error::NameUnknown)?;
-    let mut builder = response(StatusCode::OK)
-        .header(CONTENT_TYPE, "application/json")
-        .header(CONTENT_LENGTH, page.body.len());
+pub async fn tags(route: &Route, query: Option<&str>, method: &Method) -> Result<Response<Body>, Error> {
+    let page = route.upstream.get_tags(&route.repo, query).await?.ok_or(Error::NameUnknown)?;
+    let mut builder =
+        response(StatusCode::OK).header(CONTENT_TYPE, "application/json").header(CONTENT_LENGTH, page.body.len());
     if let Some(link) = page.link {
         builder = builder.header(LINK, link);
     }
-    let body = if method == Method::HEAD {
-        body::empty()
-    } else {
-        body::full(page.body)
-    };
+    let body = if method == Method::HEAD { body::empty() } else { body::full(page.body) };
     built(builder.body(body))
 }
 

@@ -1,6 +1,7 @@
 //! The registry API listener: HTTP/1.1 and cleartext HTTP/2 on one port
 //! (hyper-util's auto builder), one task per connection.
 
+pub mod admin;
 pub mod handlers;
 pub mod range;
 pub mod routes;
@@ -19,6 +20,7 @@ use tokio::sync::Semaphore;
 
 use crate::app::App;
 use crate::body::Body;
+use crate::metrics::metrics;
 use routes::Parsed;
 
 /// Open client connections at most; further connections wait in the
@@ -32,14 +34,8 @@ pub const MAX_CONCURRENT_STREAMS: u32 = 256;
 /// Accepts connections until the task is dropped.
 pub async fn serve(listener: TcpListener, app: Arc<App>) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT);
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .max_concurrent_streams(MAX_CONCURRENT_STREAMS);
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT);
+    builder.http2().timer(TokioTimer::new()).max_concurrent_streams(MAX_CONCURRENT_STREAMS);
     let builder = Arc::new(builder);
     let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
@@ -62,10 +58,7 @@ pub async fn serve(listener: TcpListener, app: Arc<App>) {
                 let app = Arc::clone(&app);
                 async move { Ok::<_, Infallible>(handle(app, req).await) }
             });
-            if let Err(e) = builder
-                .serve_connection(TokioIo::new(stream), service)
-                .await
-            {
+            if let Err(e) = builder.serve_connection(TokioIo::new(stream), service).await {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
             drop(permit);
@@ -74,17 +67,17 @@ pub async fn serve(listener: TcpListener, app: Arc<App>) {
 }
 
 /// Routes a request, runs its handler, maps any error to its OCI response,
-/// and logs one line.
+/// records metrics and logs one line.
 pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
     let started = Instant::now();
     let (parts, _body) = req.into_parts();
     let head = parts.method == http::Method::HEAD;
-    let outcome = match routes::parse(&parts.method, &parts.uri, &app.upstreams) {
-        Ok(Parsed::Base) => handlers::base(&parts.method).map(|r| (r, None)),
+    let (route, outcome) = match routes::parse(&parts.method, &parts.uri, &app.upstreams) {
+        Ok(Parsed::Base) => ("base", handlers::base(&parts.method).map(|r| (r, None))),
         Ok(Parsed::Repo(route)) => {
-            handlers::route(&app, route, &parts.method, &parts.headers).await
+            (route.endpoint.label(), handlers::route(&app, route, &parts.method, &parts.headers).await)
         }
-        Err(e) => Err(e),
+        Err(e) => ("invalid", Err(e)),
     };
     let (resp, cache, error) = match outcome {
         Ok((resp, cache)) => (resp, cache, None),
@@ -93,13 +86,25 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
             (e.into_response(head), None, Some(message))
         }
     };
+    let elapsed = started.elapsed();
+    let m = metrics();
+    let method = match parts.method.as_str() {
+        m @ ("GET" | "HEAD") => m,
+        _ => "other",
+    };
+    m.requests.with_label_values(&[route, method, resp.status().as_str()]).inc();
+    m.request_duration.with_label_values(&[route]).observe(elapsed.as_secs_f64());
+    if let Some(c) = cache {
+        m.cache_requests.with_label_values(&[route, c.as_str()]).inc();
+    }
     tracing::info!(
         method = %parts.method,
         path = parts.uri.path(),
+        route,
         status = resp.status().as_u16(),
         cache = cache.map(|c| c.as_str()),
         error = error.as_deref(),
-        ms = started.elapsed().as_millis() as u64,
+        ms = elapsed.as_millis() as u64,
         "request"
     );
     resp

@@ -55,9 +55,7 @@ mod tests {
     use super::*;
 
     fn resolve(h: &str, size: u64) -> Option<(u64, u64)> {
-        ByteRange::parse(&HeaderValue::from_str(h).unwrap())
-            .ok()?
-            .resolve(size)
+        ByteRange::parse(&HeaderValue::from_str(h).unwrap()).ok()?.resolve(size)
     }
 
     #[test]
@@ -91,11 +89,7 @@ mod tests {
             "bytes=99999999999999999999-",
             "0-1",
         ] {
-            assert_eq!(
-                ByteRange::parse(&HeaderValue::from_str(h).unwrap()),
-                Err(Malformed),
-                "{h}"
-            );
+            assert_eq!(ByteRange::parse(&HeaderValue::from_str(h).unwrap()), Err(Malformed), "{h}");
         }
     }
 }

@@ -20,6 +20,17 @@ pub enum Endpoint {
     TagsList(Option<String>),
 }
 
+impl Endpoint {
+    /// The route label for metrics and logs.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Endpoint::Manifest(_) => "manifest",
+            Endpoint::Blob(_) => "blob",
+            Endpoint::TagsList(_) => "tags",
+        }
+    }
+}
+
 pub struct Route {
     pub upstream: Arc<Upstream>,
     pub repo: RepoName,
@@ -63,10 +74,7 @@ pub fn parse(method: &Method, uri: &Uri, upstreams: &Upstreams) -> Result<Parsed
         if digest == "uploads" || digest.starts_with("uploads/") {
             return Err(Error::Unsupported);
         }
-        (
-            name,
-            Endpoint::Blob(digest.parse().map_err(Error::DigestInvalid)?),
-        )
+        (name, Endpoint::Blob(digest.parse().map_err(Error::DigestInvalid)?))
     } else {
         return Err(Error::NotFound);
     };
@@ -76,11 +84,7 @@ pub fn parse(method: &Method, uri: &Uri, upstreams: &Upstreams) -> Result<Parsed
     if upstream.config.library_namespace && repo.components() == 1 {
         repo = repo.in_library();
     }
-    Ok(Parsed::Repo(Route {
-        upstream: Arc::clone(upstream),
-        repo,
-        endpoint,
-    }))
+    Ok(Parsed::Repo(Route { upstream: Arc::clone(upstream), repo, endpoint }))
 }
 
 /// A digest-shaped reference must be a valid digest (400 otherwise); any
@@ -100,9 +104,7 @@ fn select_upstream<'a, 'u>(
     upstreams: &'u Upstreams,
 ) -> Result<(&'u Arc<Upstream>, &'a str), Error> {
     if let Some(ns) = ns {
-        let upstream = upstreams
-            .get(ns)
-            .ok_or_else(|| Error::UnknownUpstream(ns.chars().take(255).collect()))?;
+        let upstream = upstreams.get(ns).ok_or_else(|| Error::UnknownUpstream(ns.chars().take(255).collect()))?;
         return Ok((upstream, name));
     }
     if let Some((first, rest)) = name.split_once('/') {
@@ -110,16 +112,13 @@ fn select_upstream<'a, 'u>(
             return Ok((upstream, rest));
         }
     }
-    let upstream = upstreams
-        .default_upstream()
-        .ok_or_else(|| Error::UnknownUpstream("(no default upstream)".into()))?;
+    let upstream =
+        upstreams.default_upstream().ok_or_else(|| Error::UnknownUpstream("(no default upstream)".into()))?;
     Ok((upstream, name))
 }
 
 fn ns(query: Option<&str>) -> Option<String> {
-    form_urlencoded::parse(query?.as_bytes())
-        .find(|(k, _)| k == "ns")
-        .map(|(_, v)| v.into_owned())
+    form_urlencoded::parse(query?.as_bytes()).find(|(k, _)| k == "ns").map(|(_, v)| v.into_owned())
 }
 
 /// The `n` and `last` parameters of a `tags/list` query, re-encoded.
@@ -171,33 +170,21 @@ mod tests {
     #[test]
     fn default_upstream_with_library_namespace() {
         let (up, repo, ep) = route(Method::GET, "/v2/alpine/manifests/3.20").unwrap();
-        assert_eq!(
-            (up.as_str(), repo.as_str()),
-            ("docker.io", "library/alpine")
-        );
-        assert_eq!(
-            ep,
-            Endpoint::Manifest(Reference::Tag("3.20".parse().unwrap()))
-        );
+        assert_eq!((up.as_str(), repo.as_str()), ("docker.io", "library/alpine"));
+        assert_eq!(ep, Endpoint::Manifest(Reference::Tag("3.20".parse().unwrap())));
     }
 
     #[test]
     fn ns_selects_the_upstream_and_keeps_the_path() {
         let (up, repo, _) = route(Method::HEAD, "/v2/org/app/manifests/v1?ns=ghcr.io").unwrap();
         assert_eq!((up.as_str(), repo.as_str()), ("ghcr.io", "org/app"));
-        let (up, repo, _) =
-            route(Method::GET, "/v2/alpine/manifests/v1?ns=index.docker.io").unwrap();
-        assert_eq!(
-            (up.as_str(), repo.as_str()),
-            ("docker.io", "library/alpine")
-        );
+        let (up, repo, _) = route(Method::GET, "/v2/alpine/manifests/v1?ns=index.docker.io").unwrap();
+        assert_eq!((up.as_str(), repo.as_str()), ("docker.io", "library/alpine"));
     }
 
     #[test]
     fn unknown_ns_is_name_unknown() {
-        let e = route(Method::GET, "/v2/x/manifests/v1?ns=evil.example")
-            .err()
-            .unwrap();
+        let e = route(Method::GET, "/v2/x/manifests/v1?ns=evil.example").err().unwrap();
         assert!(matches!(e, Error::UnknownUpstream(_)));
         assert_eq!(e.status(), 404);
     }
@@ -209,83 +196,34 @@ mod tests {
         assert_eq!(ep, Endpoint::Blob(D.parse().unwrap()));
         // A prefix that is no upstream is part of the name on the default upstream.
         let (up, repo, _) = route(Method::GET, "/v2/evil.example/app/manifests/1").unwrap();
-        assert_eq!(
-            (up.as_str(), repo.as_str()),
-            ("docker.io", "evil.example/app")
-        );
+        assert_eq!((up.as_str(), repo.as_str()), ("docker.io", "evil.example/app"));
     }
 
     #[test]
     fn tags_list_keeps_pagination_only() {
-        let (_, repo, ep) =
-            route(Method::GET, "/v2/ghcr.io/a/b/tags/list?n=10&last=v2&x=1").unwrap();
+        let (_, repo, ep) = route(Method::GET, "/v2/ghcr.io/a/b/tags/list?n=10&last=v2&x=1").unwrap();
         assert_eq!(repo, "a/b");
         assert_eq!(ep, Endpoint::TagsList(Some("n=10&last=v2".into())));
     }
 
     #[test]
     fn bad_input_maps_to_oci_errors() {
-        let status = |m: Method, u: &str| {
-            route(m, u)
-                .err()
-                .map(|e| (e.status().as_u16(), e.to_string()))
-        };
-        assert_eq!(
-            status(Method::GET, "/v2/a/manifests/sha256:totallywrong")
-                .unwrap()
-                .0,
-            400
-        );
-        assert_eq!(
-            status(Method::GET, "/v2/a/manifests/.INVALID_MANIFEST_NAME")
-                .unwrap()
-                .0,
-            404
-        );
-        assert_eq!(
-            status(Method::GET, "/v2/a/blobs/sha512:abc").unwrap().0,
-            400
-        );
+        let status = |m: Method, u: &str| route(m, u).err().map(|e| (e.status().as_u16(), e.to_string()));
+        assert_eq!(status(Method::GET, "/v2/a/manifests/sha256:totallywrong").unwrap().0, 400);
+        assert_eq!(status(Method::GET, "/v2/a/manifests/.INVALID_MANIFEST_NAME").unwrap().0, 404);
+        assert_eq!(status(Method::GET, "/v2/a/blobs/sha512:abc").unwrap().0, 400);
         assert_eq!(status(Method::GET, "/v2/a/blobs/nope").unwrap().0, 400);
         assert_eq!(status(Method::GET, "/v2/A/manifests/x").unwrap().0, 400);
-        assert_eq!(
-            status(Method::GET, "/v2/a/../b/manifests/x").unwrap().0,
-            400
-        );
-        assert_eq!(
-            status(Method::GET, "/v2/%2e%2e/manifests/x").unwrap().0,
-            400
-        );
-        assert_eq!(
-            status(
-                Method::GET,
-                &format!("/v2/{}/manifests/x", "a/".repeat(1100))
-            )
-            .unwrap()
-            .0,
-            400
-        );
+        assert_eq!(status(Method::GET, "/v2/a/../b/manifests/x").unwrap().0, 400);
+        assert_eq!(status(Method::GET, "/v2/%2e%2e/manifests/x").unwrap().0, 400);
+        assert_eq!(status(Method::GET, &format!("/v2/{}/manifests/x", "a/".repeat(1100))).unwrap().0, 400);
         assert_eq!(status(Method::PUT, "/v2/a/manifests/x").unwrap().0, 405);
-        assert_eq!(
-            status(Method::DELETE, &format!("/v2/a/blobs/{D}"))
-                .unwrap()
-                .0,
-            405
-        );
+        assert_eq!(status(Method::DELETE, &format!("/v2/a/blobs/{D}")).unwrap().0, 405);
         assert_eq!(status(Method::POST, "/v2/a/blobs/uploads/").unwrap().0, 405);
-        assert_eq!(
-            status(Method::GET, "/v2/a/blobs/uploads/123").unwrap().0,
-            405
-        );
+        assert_eq!(status(Method::GET, "/v2/a/blobs/uploads/123").unwrap().0, 405);
         assert_eq!(status(Method::GET, "/v2/a/unknown").unwrap().0, 404);
         assert_eq!(status(Method::GET, "/v2x").unwrap().0, 404);
-        assert!(matches!(
-            parse(&Method::GET, &"/v2/".parse().unwrap(), &upstreams()),
-            Ok(Parsed::Base)
-        ));
-        assert!(matches!(
-            parse(&Method::GET, &"/v2".parse().unwrap(), &upstreams()),
-            Ok(Parsed::Base)
-        ));
+        assert!(matches!(parse(&Method::GET, &"/v2/".parse().unwrap(), &upstreams()), Ok(Parsed::Base)));
+        assert!(matches!(parse(&Method::GET, &"/v2".parse().unwrap(), &upstreams()), Ok(Parsed::Base)));
     }
 }

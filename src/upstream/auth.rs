@@ -74,11 +74,8 @@ impl Auth {
     fn basic(&self) -> Option<HeaderValue> {
         let c = self.credentials.as_ref()?;
         let raw = format!("{}:{}", c.username, c.password.expose());
-        let mut v = HeaderValue::from_str(&format!(
-            "Basic {}",
-            base64::engine::general_purpose::STANDARD.encode(raw)
-        ))
-        .ok()?;
+        let mut v =
+            HeaderValue::from_str(&format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(raw))).ok()?;
         v.set_sensitive(true);
         Some(v)
     }
@@ -87,19 +84,11 @@ impl Auth {
     /// trip: a cached, unexpired token for the last challenge, or Basic
     /// credentials if upstream asked for Basic.
     pub fn cached_header(&self, scope: &str) -> Option<HeaderValue> {
-        let challenge = self
-            .last_challenge
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()?;
+        let challenge = self.last_challenge.lock().unwrap_or_else(|p| p.into_inner()).clone()?;
         match challenge {
             Challenge::Basic => self.basic(),
             Challenge::Bearer { realm, service, .. } => {
-                let key = TokenKey {
-                    realm,
-                    service,
-                    scope: scope.to_owned(),
-                };
+                let key = TokenKey { realm, service, scope: scope.to_owned() };
                 let tokens = self.tokens.lock().unwrap_or_else(|p| p.into_inner());
                 let t = tokens.get(&key).filter(|t| t.expires > Instant::now())?;
                 bearer(&t.token)
@@ -114,20 +103,13 @@ impl Auth {
         challenge: Challenge,
         scope: &str,
     ) -> Result<HeaderValue, UpstreamError> {
-        *self
-            .last_challenge
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = Some(challenge.clone());
+        *self.last_challenge.lock().unwrap_or_else(|p| p.into_inner()) = Some(challenge.clone());
         let (realm, service) = match challenge {
             Challenge::Basic => return self.basic().ok_or(UpstreamError::Denied),
             Challenge::Bearer { realm, service, .. } => (realm, service),
         };
         let realm_uri = self.trusted_realm(&realm)?;
-        let key = TokenKey {
-            realm,
-            service,
-            scope: scope.to_owned(),
-        };
+        let key = TokenKey { realm, service, scope: scope.to_owned() };
         if let Some(h) = self.cached_token(&key) {
             return Ok(h);
         }
@@ -135,11 +117,7 @@ impl Auth {
             let http = http.clone();
             let key = key.clone();
             let basic = self.basic();
-            move || async move {
-                fetch_token(&http, realm_uri, &key, basic)
-                    .await
-                    .map_err(Error::Upstream)
-            }
+            move || async move { fetch_token(&http, realm_uri, &key, basic).await.map_err(Error::Upstream) }
         };
         let (result, _) = self.flights.run(key.clone(), fetch).await;
         let (token, lifetime) = match result {
@@ -147,22 +125,15 @@ impl Auth {
             Err(Error::Upstream(e)) => return Err(e),
             Err(e) => return Err(UpstreamError::Auth(e.to_string())),
         };
-        let header = bearer(&token)
-            .ok_or_else(|| UpstreamError::Auth("token is not a valid header value".into()))?;
+        let header = bearer(&token).ok_or_else(|| UpstreamError::Auth("token is not a valid header value".into()))?;
         let expires = Instant::now() + lifetime.saturating_sub(TOKEN_EXPIRY_MARGIN);
-        self.tokens
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key, CachedToken { token, expires });
+        self.tokens.lock().unwrap_or_else(|p| p.into_inner()).insert(key, CachedToken { token, expires });
         Ok(header)
     }
 
     fn cached_token(&self, key: &TokenKey) -> Option<HeaderValue> {
         let tokens = self.tokens.lock().unwrap_or_else(|p| p.into_inner());
-        tokens
-            .get(key)
-            .filter(|t| t.expires > Instant::now())
-            .and_then(|t| bearer(&t.token))
+        tokens.get(key).filter(|t| t.expires > Instant::now()).and_then(|t| bearer(&t.token))
     }
 
     /// The realm is where larder sends its credentials, so it must belong
@@ -170,19 +141,11 @@ impl Auth {
     /// registrable domain per the public suffix list. An IP or localhost
     /// realm is trusted only if it is exactly the upstream's host.
     fn trusted_realm(&self, realm: &str) -> Result<Uri, UpstreamError> {
-        let uri: Uri = realm
-            .parse()
-            .map_err(|_| UpstreamError::Auth(format!("token realm {realm:?} is not a URL")))?;
+        let uri: Uri = realm.parse().map_err(|_| UpstreamError::Auth(format!("token realm {realm:?} is not a URL")))?;
         if !matches!(uri.scheme_str(), Some("http" | "https")) {
-            return Err(UpstreamError::Auth(format!(
-                "token realm {realm:?} is not http(s)"
-            )));
+            return Err(UpstreamError::Auth(format!("token realm {realm:?} is not http(s)")));
         }
-        let host = uri
-            .host()
-            .unwrap_or_default()
-            .trim_matches(['[', ']'])
-            .to_ascii_lowercase();
+        let host = uri.host().unwrap_or_default().trim_matches(['[', ']']).to_ascii_lowercase();
         let upstream = self.upstream_host.trim_matches(['[', ']']);
         let is_literal = |h: &str| h.parse::<IpAddr>().is_ok() || h == "localhost";
         let trusted = host == upstream
@@ -225,37 +188,30 @@ async fn fetch_token(
     if let Some(b) = basic {
         req = req.header(AUTHORIZATION, b);
     }
-    let req = req
-        .body(Empty::<Bytes>::new())
-        .map_err(|e| UpstreamError::Auth(format!("building token request: {e}")))?;
+    let req =
+        req.body(Empty::<Bytes>::new()).map_err(|e| UpstreamError::Auth(format!("building token request: {e}")))?;
     let resp = http.send(req).await?;
     let status = resp.status();
     match status.as_u16() {
         200 => {}
         401 | 403 => return Err(UpstreamError::Denied),
         429 => {
-            return Err(UpstreamError::RateLimited {
-                retry_after: super::retry_after(resp.headers()),
-            });
+            return Err(UpstreamError::RateLimited { retry_after: super::retry_after(resp.headers()) });
         }
         _ => {
-            return Err(UpstreamError::Auth(format!(
-                "token service answered {status}"
-            )));
+            return Err(UpstreamError::Auth(format!("token service answered {status}")));
         }
     }
     let body = http.read_body(resp.into_body(), MAX_TOKEN_RESPONSE).await?;
-    let parsed: TokenResponse = serde_json::from_slice(&body)
-        .map_err(|e| UpstreamError::Auth(format!("token response: {e}")))?;
+    let parsed: TokenResponse =
+        serde_json::from_slice(&body).map_err(|e| UpstreamError::Auth(format!("token response: {e}")))?;
     let token = parsed
         .token
         .or(parsed.access_token)
         .filter(|t| !t.is_empty())
         .ok_or_else(|| UpstreamError::Auth("token response has no token".into()))?;
-    let lifetime = parsed
-        .expires_in
-        .map(Duration::from_secs)
-        .unwrap_or(DEFAULT_TOKEN_LIFETIME);
+    crate::metrics::metrics().tokens_fetched.inc();
+    let lifetime = parsed.expires_in.map(Duration::from_secs).unwrap_or(DEFAULT_TOKEN_LIFETIME);
     Ok((Secret::new(token), lifetime))
 }
 
@@ -268,10 +224,7 @@ mod tests {
         let hub = Auth::new(None, "registry-1.docker.io");
         assert!(hub.trusted_realm("https://auth.docker.io/token").is_ok());
         assert!(hub.trusted_realm("https://evil.example/token").is_err());
-        assert!(
-            hub.trusted_realm("https://docker.io.evil.example/token")
-                .is_err()
-        );
+        assert!(hub.trusted_realm("https://docker.io.evil.example/token").is_err());
         assert!(hub.trusted_realm("ftp://auth.docker.io/token").is_err());
 
         let ghcr = Auth::new(None, "ghcr.io");
@@ -288,13 +241,7 @@ mod tests {
 
     #[test]
     fn basic_credentials_are_sensitive() {
-        let auth = Auth::new(
-            Some(Credentials {
-                username: "u".into(),
-                password: Secret::new("p"),
-            }),
-            "r.example",
-        );
+        let auth = Auth::new(Some(Credentials { username: "u".into(), password: Secret::new("p") }), "r.example");
         *auth.last_challenge.lock().unwrap() = Some(Challenge::Basic);
         let h = auth.cached_header("repository:x:pull").unwrap();
         assert!(h.is_sensitive());

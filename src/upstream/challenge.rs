@@ -6,11 +6,7 @@ use http::header::WWW_AUTHENTICATE;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Challenge {
-    Bearer {
-        realm: String,
-        service: Option<String>,
-        scope: Option<String>,
-    },
+    Bearer { realm: String, service: Option<String>, scope: Option<String> },
     Basic,
 }
 
@@ -20,11 +16,7 @@ const MAX_CHALLENGE_LEN: usize = 4096;
 impl Challenge {
     /// The first Bearer or Basic challenge among the response's headers.
     pub fn from_headers(headers: &HeaderMap) -> Option<Challenge> {
-        headers
-            .get_all(WWW_AUTHENTICATE)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .find_map(Challenge::parse)
+        headers.get_all(WWW_AUTHENTICATE).iter().filter_map(|v| v.to_str().ok()).find_map(Challenge::parse)
     }
 
     pub fn parse(header: &str) -> Option<Challenge> {
@@ -32,9 +24,7 @@ impl Challenge {
             return None;
         }
         let header = header.trim_start();
-        let (scheme, rest) = header
-            .split_once(|c: char| c.is_ascii_whitespace())
-            .unwrap_or((header, ""));
+        let (scheme, rest) = header.split_once(|c: char| c.is_ascii_whitespace()).unwrap_or((header, ""));
         if scheme.eq_ignore_ascii_case("basic") {
             return Some(Challenge::Basic);
         }
@@ -42,18 +32,9 @@ impl Challenge {
             return None;
         }
         let params = parse_params(rest)?;
-        let get = |k: &str| {
-            params
-                .iter()
-                .find(|(name, _)| name.eq_ignore_ascii_case(k))
-                .map(|(_, v)| v.clone())
-        };
+        let get = |k: &str| params.iter().find(|(name, _)| name.eq_ignore_ascii_case(k)).map(|(_, v)| v.clone());
         let realm = get("realm").filter(|r| !r.is_empty())?;
-        Some(Challenge::Bearer {
-            realm,
-            service: get("service"),
-            scope: get("scope"),
-        })
+        Some(Challenge::Bearer { realm, service: get("service"), scope: get("scope") })
     }
 }
 
@@ -63,10 +44,7 @@ fn parse_params(s: &str) -> Option<Vec<(String, String)>> {
     let mut out = Vec::new();
     let mut chars = s.chars().peekable();
     loop {
-        while chars
-            .peek()
-            .is_some_and(|c| c.is_ascii_whitespace() || *c == ',')
-        {
+        while chars.peek().is_some_and(|c| c.is_ascii_whitespace() || *c == ',') {
             chars.next();
         }
         if chars.peek().is_none() {
@@ -134,18 +112,8 @@ mod tests {
     #[test]
     fn tokens_spaces_and_escapes() {
         let c = Challenge::parse(r#"bearer realm=https://a/t , service = "x\"y""#).unwrap();
-        assert_eq!(
-            c,
-            Challenge::Bearer {
-                realm: "https://a/t".into(),
-                service: Some("x\"y".into()),
-                scope: None
-            }
-        );
-        assert_eq!(
-            Challenge::parse(r#"Basic realm="Registry Realm""#),
-            Some(Challenge::Basic)
-        );
+        assert_eq!(c, Challenge::Bearer { realm: "https://a/t".into(), service: Some("x\"y".into()), scope: None });
+        assert_eq!(Challenge::parse(r#"Basic realm="Registry Realm""#), Some(Challenge::Basic));
     }
 
     #[test]
@@ -160,9 +128,6 @@ mod tests {
         ] {
             assert_eq!(Challenge::parse(bad), None, "{bad}");
         }
-        assert_eq!(
-            Challenge::parse(&format!("Bearer realm=\"{}\"", "a".repeat(5000))),
-            None
-        );
+        assert_eq!(Challenge::parse(&format!("Bearer realm=\"{}\"", "a".repeat(5000))), None);
     }
 }

@@ -36,22 +36,18 @@ impl HttpClient {
             let mut added = 0;
             for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
                 let cert = cert.map_err(|e| format!("{}: {e}", path.display()))?;
-                roots
-                    .add(cert)
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                roots.add(cert).map_err(|e| format!("{}: {e}", path.display()))?;
                 added += 1;
             }
             if added == 0 {
                 return Err(format!("{}: no PEM certificates found", path.display()));
             }
         }
-        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
 
         let mut http = HttpConnector::new();
         http.enforce_http(false);
@@ -63,14 +59,8 @@ impl HttpClient {
             .enable_http1()
             .enable_http2()
             .wrap_connector(http);
-        let inner = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-            .build(https);
-        Ok(HttpClient {
-            inner,
-            response_timeout: config.response_timeout,
-            body_idle_timeout: config.body_idle_timeout,
-        })
+        let inner = Client::builder(TokioExecutor::new()).pool_idle_timeout(POOL_IDLE_TIMEOUT).build(https);
+        Ok(HttpClient { inner, response_timeout: config.response_timeout, body_idle_timeout: config.body_idle_timeout })
     }
 
     pub fn body_idle_timeout(&self) -> Duration {
@@ -79,10 +69,7 @@ impl HttpClient {
 
     /// Sends a request and waits for the response headers, at most the
     /// configured response timeout.
-    pub async fn send(
-        &self,
-        req: Request<Empty<Bytes>>,
-    ) -> Result<Response<Incoming>, UpstreamError> {
+    pub async fn send(&self, req: Request<Empty<Bytes>>) -> Result<Response<Incoming>, UpstreamError> {
         match tokio::time::timeout(self.response_timeout, self.inner.request(req)).await {
             Err(_) => Err(UpstreamError::Timeout("response headers")),
             Ok(Err(e)) if e.is_connect() => Err(UpstreamError::Connect(error_chain(&e))),
@@ -101,9 +88,7 @@ impl HttpClient {
                 Err(_) => return Err(UpstreamError::Timeout("response body")),
                 Ok(None) => return Ok(out.freeze()),
                 Ok(Some(Err(e))) => {
-                    return Err(UpstreamError::Protocol(format!(
-                        "reading body (limit {limit} bytes): {e}"
-                    )));
+                    return Err(UpstreamError::Protocol(format!("reading body (limit {limit} bytes): {e}")));
                 }
                 Ok(Some(Ok(frame))) => {
                     if let Ok(data) = frame.into_data() {

@@ -10,9 +10,7 @@ mod upstreams;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::header::{
-    ACCEPT, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, LINK, LOCATION, USER_AGENT,
-};
+use http::header::{ACCEPT, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, LINK, LOCATION, USER_AGENT};
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri};
 use http_body_util::Empty;
 use hyper::body::Incoming;
@@ -24,6 +22,7 @@ pub use upstreams::Upstreams;
 
 use crate::config::UpstreamConfig;
 use crate::error::{Error, UpstreamError};
+use crate::metrics::metrics;
 use crate::oci::{Digest, MAX_MANIFEST_SIZE, ManifestRefs, MediaType, Reference, RepoName, Tag};
 use auth::Auth;
 use client::HttpClient;
@@ -68,17 +67,9 @@ pub struct TagsPage {
 impl Upstream {
     pub fn new(config: UpstreamConfig) -> Result<Upstream, String> {
         let http = HttpClient::new(&config)?;
-        let auth = Auth::new(
-            config.credentials.clone(),
-            config.url.host().unwrap_or_default(),
-        );
+        let auth = Auth::new(config.credentials.clone(), config.url.host().unwrap_or_default());
         let permits = Arc::new(Semaphore::new(config.max_concurrency.get()));
-        Ok(Upstream {
-            config,
-            http,
-            auth,
-            permits,
-        })
+        Ok(Upstream { config, http, auth, permits })
     }
 
     pub fn name(&self) -> &str {
@@ -91,13 +82,9 @@ impl Upstream {
 
     fn url(&self, path_and_query: &str) -> Result<Uri, UpstreamError> {
         let base = &self.config.url;
-        format!(
-            "{}://{}{path_and_query}",
-            base.scheme_str().unwrap_or("https"),
-            self.config.authority()
-        )
-        .parse()
-        .map_err(|e| UpstreamError::Protocol(format!("building upstream URL: {e}")))
+        format!("{}://{}{path_and_query}", base.scheme_str().unwrap_or("https"), self.config.authority())
+            .parse()
+            .map_err(|e| UpstreamError::Protocol(format!("building upstream URL: {e}")))
     }
 
     fn is_upstream_origin(&self, uri: &Uri) -> bool {
@@ -126,10 +113,8 @@ impl Upstream {
         let mut redirects = 0;
         loop {
             let own_origin = self.is_upstream_origin(&url);
-            let mut req = Request::builder()
-                .method(method.clone())
-                .uri(url.clone())
-                .header(USER_AGENT, crate::USER_AGENT);
+            let mut req =
+                Request::builder().method(method.clone()).uri(url.clone()).header(USER_AGENT, crate::USER_AGENT);
             if let Some(accept) = accept {
                 req = req.header(ACCEPT, accept);
             }
@@ -139,11 +124,16 @@ impl Upstream {
             let req = req
                 .body(Empty::<Bytes>::new())
                 .map_err(|e| UpstreamError::Protocol(format!("building request: {e}")))?;
-            let resp = self.http.send(req).await?;
+            let started = std::time::Instant::now();
+            let sent = self.http.send(req).await;
+            let m = metrics();
+            m.upstream_duration.with_label_values(&[self.name()]).observe(started.elapsed().as_secs_f64());
+            let status_label = sent.as_ref().map_or("error", |r| status_label(r.status()));
+            m.upstream_requests.with_label_values(&[self.name(), method.as_str(), status_label]).inc();
+            let resp = sent?;
             let status = resp.status();
             if status == StatusCode::UNAUTHORIZED && own_origin && !answered_challenge {
-                let challenge =
-                    Challenge::from_headers(resp.headers()).ok_or(UpstreamError::Denied)?;
+                let challenge = Challenge::from_headers(resp.headers()).ok_or(UpstreamError::Denied)?;
                 answered_challenge = true;
                 authorization = Some(self.auth.authorize(&self.http, challenge, &scope).await?);
                 continue;
@@ -152,17 +142,12 @@ impl Upstream {
             if let (true, Some(location)) = (redirect, resp.headers().get(LOCATION)) {
                 redirects += 1;
                 if redirects > MAX_REDIRECTS {
-                    return Err(UpstreamError::Protocol(format!(
-                        "more than {MAX_REDIRECTS} redirects"
-                    )));
+                    return Err(UpstreamError::Protocol(format!("more than {MAX_REDIRECTS} redirects")));
                 }
                 url = resolve_location(&url, location)?;
                 continue;
             }
-            return Ok(Opened {
-                response: resp,
-                permit,
-            });
+            return Ok(Opened { response: resp, permit });
         }
     }
 
@@ -173,9 +158,7 @@ impl Upstream {
         reference: &Reference,
     ) -> Result<Option<FetchedManifest>, UpstreamError> {
         let path = format!("/v2/{repo}/manifests/{reference}");
-        let opened = self
-            .open(Method::GET, &path, repo, Some(MediaType::upstream_accept()))
-            .await?;
+        let opened = self.open(Method::GET, &path, repo, Some(MediaType::upstream_accept())).await?;
         let resp = opened.response;
         if resp.status() == StatusCode::NOT_FOUND {
             return Ok(None);
@@ -184,19 +167,13 @@ impl Upstream {
             return Err(failure(resp.status(), resp.headers()));
         }
         let declared = header_str(resp.headers(), CONTENT_TYPE.as_str()).and_then(MediaType::parse);
-        let header_digest = header_str(resp.headers(), "docker-content-digest")
-            .and_then(|d| d.parse::<Digest>().ok());
+        let header_digest = header_str(resp.headers(), "docker-content-digest").and_then(|d| d.parse::<Digest>().ok());
         if let Some(len) = content_length(resp.headers()) {
             if len > MAX_MANIFEST_SIZE as u64 {
-                return Err(UpstreamError::Protocol(format!(
-                    "manifest of {len} bytes exceeds {MAX_MANIFEST_SIZE}"
-                )));
+                return Err(UpstreamError::Protocol(format!("manifest of {len} bytes exceeds {MAX_MANIFEST_SIZE}")));
             }
         }
-        let bytes = self
-            .http
-            .read_body(resp.into_body(), MAX_MANIFEST_SIZE)
-            .await?;
+        let bytes = self.http.read_body(resp.into_body(), MAX_MANIFEST_SIZE).await?;
         drop(opened.permit);
 
         let digest = Digest::of(&bytes);
@@ -206,65 +183,33 @@ impl Upstream {
         };
         if let Some(expected) = expected {
             if expected != digest {
-                return Err(UpstreamError::DigestMismatch {
-                    expected,
-                    actual: digest.to_string(),
-                });
+                metrics().digest_mismatch.inc();
+                return Err(UpstreamError::DigestMismatch { expected, actual: digest.to_string() });
             }
         }
-        let (media_type, refs) =
-            crate::oci::inspect_manifest(&bytes, declared).map_err(UpstreamError::Protocol)?;
-        Ok(Some(FetchedManifest {
-            bytes,
-            media_type,
-            digest,
-            refs,
-        }))
+        let (media_type, refs) = crate::oci::inspect_manifest(&bytes, declared).map_err(UpstreamError::Protocol)?;
+        Ok(Some(FetchedManifest { bytes, media_type, digest, refs }))
     }
 
     /// HEAD a tag: the digest it points at now. `Ok(None)`: the tag is gone.
-    pub async fn head_manifest(
-        &self,
-        repo: &RepoName,
-        tag: &Tag,
-    ) -> Result<Option<Digest>, UpstreamError> {
+    pub async fn head_manifest(&self, repo: &RepoName, tag: &Tag) -> Result<Option<Digest>, UpstreamError> {
         let path = format!("/v2/{repo}/manifests/{tag}");
-        let opened = self
-            .open(
-                Method::HEAD,
-                &path,
-                repo,
-                Some(MediaType::upstream_accept()),
-            )
-            .await?;
+        let opened = self.open(Method::HEAD, &path, repo, Some(MediaType::upstream_accept())).await?;
         let resp = opened.response;
         match resp.status() {
             StatusCode::NOT_FOUND => Ok(None),
             StatusCode::OK => header_str(resp.headers(), "docker-content-digest")
                 .and_then(|d| d.parse().ok())
                 .map(Some)
-                .ok_or_else(|| {
-                    UpstreamError::Protocol("HEAD manifest without Docker-Content-Digest".into())
-                }),
+                .ok_or_else(|| UpstreamError::Protocol("HEAD manifest without Docker-Content-Digest".into())),
             status => Err(failure(status, resp.headers())),
         }
     }
 
     /// GET a blob; the body is left open for the caller to stream.
     /// `Ok(None)`: upstream says it does not exist.
-    pub async fn get_blob(
-        &self,
-        repo: &RepoName,
-        digest: &Digest,
-    ) -> Result<Option<Opened>, UpstreamError> {
-        let opened = self
-            .open(
-                Method::GET,
-                &format!("/v2/{repo}/blobs/{digest}"),
-                repo,
-                None,
-            )
-            .await?;
+    pub async fn get_blob(&self, repo: &RepoName, digest: &Digest) -> Result<Option<Opened>, UpstreamError> {
+        let opened = self.open(Method::GET, &format!("/v2/{repo}/blobs/{digest}"), repo, None).await?;
         match opened.response.status() {
             StatusCode::OK => Ok(Some(opened)),
             StatusCode::NOT_FOUND => Ok(None),
@@ -273,19 +218,8 @@ impl Upstream {
     }
 
     /// HEAD a blob: its size if upstream has it in `repo`.
-    pub async fn head_blob(
-        &self,
-        repo: &RepoName,
-        digest: &Digest,
-    ) -> Result<Option<u64>, UpstreamError> {
-        let opened = self
-            .open(
-                Method::HEAD,
-                &format!("/v2/{repo}/blobs/{digest}"),
-                repo,
-                None,
-            )
-            .await?;
+    pub async fn head_blob(&self, repo: &RepoName, digest: &Digest) -> Result<Option<u64>, UpstreamError> {
+        let opened = self.open(Method::HEAD, &format!("/v2/{repo}/blobs/{digest}"), repo, None).await?;
         let resp = opened.response;
         match resp.status() {
             StatusCode::OK => Ok(Some(content_length(resp.headers()).unwrap_or(0))),
@@ -295,11 +229,7 @@ impl Upstream {
     }
 
     /// GET one page of `tags/list`, with the client's pagination query.
-    pub async fn get_tags(
-        &self,
-        repo: &RepoName,
-        query: Option<&str>,
-    ) -> Result<Option<TagsPage>, Error> {
+    pub async fn get_tags(&self, repo: &RepoName, query: Option<&str>) -> Result<Option<TagsPage>, Error> {
         let path = match query {
             Some(q) => format!("/v2/{repo}/tags/list?{q}"),
             None => format!("/v2/{repo}/tags/list"),
@@ -317,17 +247,27 @@ impl Upstream {
     }
 }
 
+/// A bounded label for an upstream status code.
+fn status_label(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        200 => "200",
+        206 => "206",
+        301 | 302 | 303 | 307 | 308 => "3xx",
+        401 => "401",
+        403 => "403",
+        404 => "404",
+        429 => "429",
+        500..=599 => "5xx",
+        _ => "other",
+    }
+}
+
 /// Maps an unexpected upstream status to the error a client should see.
 fn failure(status: StatusCode, headers: &HeaderMap) -> UpstreamError {
     match status.as_u16() {
         401 | 403 => UpstreamError::Denied,
-        429 => UpstreamError::RateLimited {
-            retry_after: retry_after(headers),
-        },
-        s => UpstreamError::Status {
-            status: s,
-            retry_after: retry_after(headers),
-        },
+        429 => UpstreamError::RateLimited { retry_after: retry_after(headers) },
+        s => UpstreamError::Status { status: s, retry_after: retry_after(headers) },
     }
 }
 
@@ -349,16 +289,11 @@ fn resolve_location(base: &Uri, location: &HeaderValue) -> Result<Uri, UpstreamE
     let bad = |m: String| UpstreamError::Protocol(format!("redirect: {m}"));
     let location = location.to_str().map_err(|e| bad(e.to_string()))?;
     let base = url::Url::parse(&base.to_string()).map_err(|e| bad(e.to_string()))?;
-    let target = base
-        .join(location)
-        .map_err(|e| bad(format!("{location:?}: {e}")))?;
+    let target = base.join(location).map_err(|e| bad(format!("{location:?}: {e}")))?;
     if !matches!(target.scheme(), "http" | "https") {
         return Err(bad(format!("{location:?} is not http(s)")));
     }
-    target
-        .as_str()
-        .parse()
-        .map_err(|e| bad(format!("{location:?}: {e}")))
+    target.as_str().parse().map_err(|e| bad(format!("{location:?}: {e}")))
 }
 
 #[cfg(test)]
@@ -368,11 +303,7 @@ mod tests {
     #[test]
     fn relative_and_absolute_locations() {
         let base: Uri = "https://r.example/v2/a/blobs/sha256:x".parse().unwrap();
-        let abs = resolve_location(
-            &base,
-            &HeaderValue::from_static("https://cdn.example/p?sig=1"),
-        )
-        .unwrap();
+        let abs = resolve_location(&base, &HeaderValue::from_static("https://cdn.example/p?sig=1")).unwrap();
         assert_eq!(abs.to_string(), "https://cdn.example/p?sig=1");
         let rel = resolve_location(&base, &HeaderValue::from_static("/storage/abc")).unwrap();
         assert_eq!(rel.to_string(), "https://r.example/storage/abc");
@@ -389,13 +320,7 @@ mod tests {
             failure(StatusCode::TOO_MANY_REQUESTS, &h),
             UpstreamError::RateLimited { retry_after: Some(r) } if r == "7"
         ));
-        assert!(matches!(
-            failure(StatusCode::FORBIDDEN, &h),
-            UpstreamError::Denied
-        ));
-        assert!(matches!(
-            failure(StatusCode::BAD_GATEWAY, &h),
-            UpstreamError::Status { status: 502, .. }
-        ));
+        assert!(matches!(failure(StatusCode::FORBIDDEN, &h), UpstreamError::Denied));
+        assert!(matches!(failure(StatusCode::BAD_GATEWAY, &h), UpstreamError::Status { status: 502, .. }));
     }
 }

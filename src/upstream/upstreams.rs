@@ -18,9 +18,7 @@ impl Upstreams {
         let mut by_name = HashMap::new();
         let mut default = None;
         for c in &config.upstreams {
-            let upstream = Arc::new(
-                Upstream::new(c.clone()).map_err(|e| format!("upstream {}: {e}", c.name))?,
-            );
+            let upstream = Arc::new(Upstream::new(c.clone()).map_err(|e| format!("upstream {}: {e}", c.name))?);
             for key in std::iter::once(&c.name).chain(&c.aliases) {
                 by_name.insert(key.clone(), Arc::clone(&upstream));
             }
@@ -34,9 +32,7 @@ impl Upstreams {
     /// The upstream whose name or alias is `key` (case-insensitive, as
     /// host names are).
     pub fn get(&self, key: &str) -> Option<&Arc<Upstream>> {
-        self.by_name
-            .get(key)
-            .or_else(|| self.by_name.get(&key.to_ascii_lowercase()))
+        self.by_name.get(key).or_else(|| self.by_name.get(&key.to_ascii_lowercase()))
     }
 
     pub fn default_upstream(&self) -> Option<&Arc<Upstream>> {
