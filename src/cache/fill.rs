@@ -292,3 +292,100 @@ impl Reader {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+    use std::io::Write as _;
+
+    /// A fill in progress over a temp file: the test plays the fill's part.
+    struct FakeFill {
+        temp: tempfile::NamedTempFile,
+        file: Arc<File>,
+        tx: watch::Sender<Progress>,
+    }
+
+    impl FakeFill {
+        fn new(size: u64) -> (FakeFill, watch::Receiver<Progress>) {
+            let temp = tempfile::NamedTempFile::new().unwrap();
+            let file = Arc::new(temp.as_file().try_clone().unwrap());
+            let (tx, rx) =
+                watch::channel(Progress::Streaming { file: Arc::clone(&file), size: Some(size), written: 0 });
+            (FakeFill { temp, file, tx }, rx)
+        }
+
+        fn write(&mut self, bytes: &[u8]) {
+            self.temp.write_all(bytes).unwrap();
+            let len = self.temp.as_file().metadata().unwrap().len();
+            self.tx.send_modify(|p| {
+                if let Progress::Streaming { written, .. } = p {
+                    *written = len;
+                }
+            });
+        }
+    }
+
+    /// Polls a body for a frame, giving up (None) if none comes promptly.
+    async fn next_frame(body: &mut Body) -> Option<Result<Bytes, String>> {
+        let frame = tokio::time::timeout(Duration::from_millis(200), body.frame()).await.ok()??;
+        Some(frame.map(|f| f.into_data().unwrap_or_default()).map_err(|e| e.to_string()))
+    }
+
+    #[tokio::test]
+    async fn the_last_byte_waits_for_verification() {
+        let (mut fill, rx) = FakeFill::new(10);
+        let mut body = read_body(Arc::clone(&fill.file), Some(rx), 0, Some(10));
+        fill.write(b"0123456789");
+        assert_eq!(next_frame(&mut body).await.unwrap().unwrap(), "012345678");
+        assert!(next_frame(&mut body).await.is_none(), "the final byte must wait for Complete");
+        fill.tx.send_replace(Progress::Complete { file: Arc::clone(&fill.file), size: 10 });
+        assert_eq!(next_frame(&mut body).await.unwrap().unwrap(), "9");
+        assert!(body.frame().await.is_none(), "then the body ends cleanly");
+    }
+
+    #[tokio::test]
+    async fn a_range_before_the_end_needs_no_verification() {
+        let (mut fill, rx) = FakeFill::new(10);
+        let mut body = read_body(Arc::clone(&fill.file), Some(rx), 2, Some(5));
+        fill.write(b"0123456789");
+        assert_eq!(next_frame(&mut body).await.unwrap().unwrap(), "234");
+        assert!(body.frame().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn a_failed_fill_aborts_every_reader() {
+        let (mut fill, rx) = FakeFill::new(10);
+        let mut first = read_body(Arc::clone(&fill.file), Some(rx.clone()), 0, None);
+        let mut second = read_body(Arc::clone(&fill.file), Some(rx), 0, Some(10));
+        fill.write(b"01234");
+        assert_eq!(next_frame(&mut first).await.unwrap().unwrap(), "01234");
+        fill.tx.send_replace(Progress::Failed(Error::Internal("digest mismatch".into())));
+        assert!(next_frame(&mut first).await.unwrap().is_err());
+        assert!(next_frame(&mut second).await.unwrap().is_err());
+    }
+
+    #[tokio::test]
+    async fn readers_start_mid_fill_and_follow_it() {
+        let (mut fill, rx) = FakeFill::new(6);
+        fill.write(b"abc");
+        let mut late = read_body(Arc::clone(&fill.file), Some(rx), 0, None);
+        assert_eq!(next_frame(&mut late).await.unwrap().unwrap(), "abc");
+        assert!(next_frame(&mut late).await.is_none(), "waits for more bytes");
+        fill.write(b"def");
+        assert_eq!(next_frame(&mut late).await.unwrap().unwrap(), "de");
+        fill.tx.send_replace(Progress::Complete { file: Arc::clone(&fill.file), size: 6 });
+        assert_eq!(next_frame(&mut late).await.unwrap().unwrap(), "f");
+        assert!(late.frame().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn a_fill_whose_sender_vanishes_is_an_error_not_a_hang() {
+        let (mut fill, rx) = FakeFill::new(10);
+        let mut body = read_body(Arc::clone(&fill.file), Some(rx), 0, None);
+        fill.write(b"01");
+        assert_eq!(next_frame(&mut body).await.unwrap().unwrap(), "01");
+        drop(fill);
+        assert!(next_frame(&mut body).await.unwrap().is_err());
+    }
+}
