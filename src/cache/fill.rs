@@ -297,7 +297,6 @@ impl Reader {
 mod tests {
     use super::*;
     use http_body_util::BodyExt;
-    use std::io::Write as _;
 
     /// A fill in progress over a temp file: the test plays the fill's part.
     struct FakeFill {
