@@ -33,7 +33,9 @@ pub struct Started {
     pub serve: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
 }
 
-pub async fn start(config: Config) -> Result<Started, StartError> {
+/// Opens the cache, binds the listeners and returns the future that
+/// serves until `shutdown` fires and connections have drained.
+pub async fn start(config: Config, shutdown: crate::server::Shutdown) -> Result<Started, StartError> {
     let cache = Cache::open(config.cache.clone())
         .await
         .map_err(|source| StartError::Cache { dir: config.cache.dir.display().to_string(), source })?;
@@ -52,16 +54,14 @@ pub async fn start(config: Config) -> Result<Started, StartError> {
     let app = Arc::new(App { config, upstreams, cache });
     tracing::info!(%addr, admin = ?admin_addr, cache_dir = %app.config.cache.dir.display(), "larder listening");
     let serve = {
-        let app = Arc::clone(&app);
+        let grace = app.config.server.shutdown_grace;
+        let api = crate::server::serve(listener, Arc::clone(&app), shutdown.clone(), grace);
         async move {
             match admin {
                 Some(admin) => {
-                    tokio::join!(
-                        crate::server::serve(listener, Arc::clone(&app)),
-                        crate::server::admin::serve(admin, app)
-                    );
+                    tokio::join!(api, crate::server::admin::serve(admin, app, shutdown));
                 }
-                None => crate::server::serve(listener, app).await,
+                None => api.await,
             }
         }
     };

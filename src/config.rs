@@ -15,6 +15,9 @@ use serde::Deserialize;
 pub const EMBEDDED_DEFAULT: &str = include_str!("../config/default.toml");
 const EMBEDDED_NAME: &str = "<embedded default config>";
 
+/// Default time in-flight responses get after SIGTERM; below Kubernetes'
+/// default 30 s `terminationGracePeriodSeconds`, so larder exits on its own.
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(25);
 /// Default number of open upstream requests per upstream.
 pub const DEFAULT_MAX_CONCURRENCY: usize = 32;
 /// Default time allowed to establish an upstream connection (TCP + TLS).
@@ -37,6 +40,8 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// `/metrics`, `/healthz`, `/readyz`; none when not configured.
     pub admin_listen: Option<SocketAddr>,
+    /// After SIGTERM, how long in-flight responses may take to finish.
+    pub shutdown_grace: Duration,
 }
 
 #[derive(Debug, Clone)]
@@ -123,6 +128,7 @@ struct RawConfig {
 struct RawServer {
     listen: Option<String>,
     admin_listen: Option<String>,
+    shutdown_grace: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -245,6 +251,11 @@ impl Validator<'_> {
         let server = ServerConfig {
             listen: self.addr("server.listen", rs.listen.as_deref().unwrap_or("0.0.0.0:5000"))?,
             admin_listen: rs.admin_listen.as_deref().map(|a| self.addr("server.admin_listen", a)).transpose()?,
+            shutdown_grace: self.duration(
+                "server.shutdown_grace",
+                rs.shutdown_grace.as_deref(),
+                DEFAULT_SHUTDOWN_GRACE,
+            )?,
         };
         let rc = raw.cache.unwrap_or_default();
         let cache = CacheConfig {

@@ -73,19 +73,40 @@ fn main() -> ExitCode {
         }
     };
     runtime.block_on(async {
-        let started = match larder::app::start(config).await {
+        let (stop, shutdown) = tokio::sync::watch::channel(());
+        let started = match larder::app::start(config, shutdown).await {
             Ok(s) => s,
             Err(e) => {
                 tracing::error!(error = %e, "cannot start");
                 return ExitCode::FAILURE;
             }
         };
+        let mut serve = tokio::spawn(started.serve);
         tokio::select! {
-            () = started.serve => ExitCode::SUCCESS,
-            _ = tokio::signal::ctrl_c() => {
-                tracing::info!("interrupted; exiting");
-                ExitCode::SUCCESS
+            _ = &mut serve => return ExitCode::FAILURE,
+            signal = termination() => tracing::info!(signal, "shutting down"),
+        }
+        let _ = stop.send(());
+        match serve.await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                tracing::error!(error = %e, "server task failed");
+                ExitCode::FAILURE
             }
         }
     })
+}
+
+/// Waits for SIGTERM (Kubernetes, systemd) or SIGINT (Ctrl-C).
+async fn termination() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        // Without signal handlers there is nothing to wait for but Ctrl-C.
+        let _ = tokio::signal::ctrl_c().await;
+        return "SIGINT";
+    };
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    }
 }

@@ -19,12 +19,18 @@ use super::HEADER_READ_TIMEOUT;
 use crate::app::App;
 use crate::body::{self, Body};
 
-pub async fn serve(listener: TcpListener, app: Arc<App>) {
+/// Serves until `shutdown` fires. Admin requests are short, so open
+/// connections are simply dropped then.
+pub async fn serve(listener: TcpListener, app: Arc<App>, mut shutdown: super::Shutdown) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT);
     let builder = Arc::new(builder);
     loop {
-        let stream = match listener.accept().await {
+        let accepted = tokio::select! {
+            _ = shutdown.changed() => return,
+            accepted = listener.accept() => accepted,
+        };
+        let stream = match accepted {
             Ok((stream, _)) => stream,
             Err(e) => {
                 tracing::warn!(error = %e, "admin accept failed");

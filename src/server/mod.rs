@@ -15,6 +15,7 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
@@ -31,38 +32,56 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// HTTP/2 streams a client may have open on one connection.
 pub const MAX_CONCURRENT_STREAMS: u32 = 256;
 
-/// Accepts connections until the task is dropped.
-pub async fn serve(listener: TcpListener, app: Arc<App>) {
+/// Signals the listeners to stop: once it changes, they stop accepting,
+/// let open connections finish their in-flight requests, and return.
+pub type Shutdown = tokio::sync::watch::Receiver<()>;
+
+/// Accepts connections until `shutdown` fires, then drains the open ones
+/// for at most `grace`.
+pub async fn serve(listener: TcpListener, app: Arc<App>, mut shutdown: Shutdown, grace: Duration) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT);
     builder.http2().timer(TokioTimer::new()).max_concurrent_streams(MAX_CONCURRENT_STREAMS);
     let builder = Arc::new(builder);
     let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let graceful = GracefulShutdown::new();
     loop {
         // The permit is taken before accept: backpressure, not a queue in memory.
-        let Ok(permit) = Arc::clone(&permits).acquire_owned().await else {
-            return;
+        let accepted = tokio::select! {
+            _ = shutdown.changed() => break,
+            accepted = async {
+                let permit = Arc::clone(&permits).acquire_owned().await;
+                (permit, listener.accept().await)
+            } => accepted,
         };
-        let (stream, peer) = match listener.accept().await {
-            Ok(conn) => conn,
-            Err(e) => {
+        let (permit, (stream, peer)) = match accepted {
+            (Ok(permit), Ok(conn)) => (permit, conn),
+            (Err(_), _) => break,
+            (_, Err(e)) => {
                 tracing::warn!(error = %e, "accept failed");
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
         };
         let _ = stream.set_nodelay(true);
-        let (app, builder) = (Arc::clone(&app), Arc::clone(&builder));
+        let (app, builder, watcher) = (Arc::clone(&app), Arc::clone(&builder), graceful.watcher());
         tokio::spawn(async move {
             let service = service_fn(move |req| {
                 let app = Arc::clone(&app);
                 async move { Ok::<_, Infallible>(handle(app, req).await) }
             });
-            if let Err(e) = builder.serve_connection(TokioIo::new(stream), service).await {
+            let conn = builder.serve_connection(TokioIo::new(stream), service);
+            if let Err(e) = watcher.watch(conn).await {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
             drop(permit);
         });
+    }
+    drop(listener);
+    tracing::info!(grace_secs = grace.as_secs_f64(), "stopped accepting; draining connections");
+    match tokio::time::timeout(grace, graceful.shutdown()).await {
+        Ok(()) => tracing::info!("all connections drained"),
+        Err(_) => tracing::warn!("grace period over; closing the remaining connections"),
     }
 }
 
