@@ -13,6 +13,10 @@ const BLOBS: TableDefinition<&str, u64> = TableDefinition::new("blobs");
 const MANIFESTS: TableDefinition<&str, (&str, &[u8])> = TableDefinition::new("manifests");
 /// Tags: "upstream\0repo\0tag" → (digest, unix millis when upstream last confirmed it).
 const TAGS: TableDefinition<&str, (&str, u64)> = TableDefinition::new("tags");
+/// Repository membership: "upstream\0repo\0digest" → unix millis when
+/// recorded. Content is shared across repositories on disk, but served for a
+/// repository only if it has a row here (see DESIGN.md).
+const MEMBERS: TableDefinition<&str, u64> = TableDefinition::new("members");
 
 pub struct Index {
     db: Database,
@@ -31,6 +35,7 @@ impl Index {
         txn.open_table(BLOBS)?;
         txn.open_table(MANIFESTS)?;
         txn.open_table(TAGS)?;
+        txn.open_table(MEMBERS)?;
         txn.commit()?;
         Ok(Index { db })
     }
@@ -41,9 +46,28 @@ impl Index {
         Ok(table.get(digest.hex().as_str())?.map(|v| v.value()))
     }
 
-    pub fn insert_blob(&self, digest: &Digest, size: u64) -> Result<(), redb::Error> {
+    /// Records a committed blob and the repository it was fetched for.
+    pub fn insert_blob(&self, digest: &Digest, size: u64, member: &str, now_ms: u64) -> Result<(), redb::Error> {
         let txn = self.db.begin_write()?;
         txn.open_table(BLOBS)?.insert(digest.hex().as_str(), size)?;
+        txn.open_table(MEMBERS)?.insert(member, now_ms)?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    pub fn is_member(&self, key: &str) -> Result<bool, redb::Error> {
+        let txn = self.db.begin_read()?;
+        Ok(txn.open_table(MEMBERS)?.get(key)?.is_some())
+    }
+
+    pub fn add_members(&self, keys: &[String], now_ms: u64) -> Result<(), redb::Error> {
+        let txn = self.db.begin_write()?;
+        {
+            let mut table = txn.open_table(MEMBERS)?;
+            for key in keys {
+                table.insert(key.as_str(), now_ms)?;
+            }
+        }
         txn.commit()?;
         Ok(())
     }
@@ -73,12 +97,20 @@ impl Index {
         digest: &Digest,
         media_type: MediaType,
         bytes: &[u8],
-        tag: Option<(&str, u64)>,
+        tag: Option<&str>,
+        members: &[String],
+        now_ms: u64,
     ) -> Result<(), redb::Error> {
         let txn = self.db.begin_write()?;
         txn.open_table(MANIFESTS)?.insert(digest.hex().as_str(), (media_type.as_str(), bytes))?;
-        if let Some((key, confirmed_ms)) = tag {
-            txn.open_table(TAGS)?.insert(key, (digest.to_string().as_str(), confirmed_ms))?;
+        if let Some(key) = tag {
+            txn.open_table(TAGS)?.insert(key, (digest.to_string().as_str(), now_ms))?;
+        }
+        {
+            let mut table = txn.open_table(MEMBERS)?;
+            for key in members {
+                table.insert(key.as_str(), now_ms)?;
+            }
         }
         txn.commit()?;
         Ok(())
@@ -122,12 +154,15 @@ mod tests {
         {
             let index = Index::open(&path).unwrap();
             assert_eq!(index.blob_size(&d).unwrap(), None);
-            index.insert_blob(&d, 4).unwrap();
-            index.insert_manifest(&m, MediaType::OciManifest, b"{}", Some(("u\0r\0t", 42))).unwrap();
+            index.insert_blob(&d, 4, "u\0r\0blob", 1).unwrap();
+            index.insert_manifest(&m, MediaType::OciManifest, b"{}", Some("u\0r\0t"), &["u\0r\0m".into()], 42).unwrap();
         }
         let index = Index::open(&path).unwrap();
         assert_eq!(index.blob_size(&d).unwrap(), Some(4));
         assert_eq!(index.manifest(&m).unwrap(), Some((MediaType::OciManifest, b"{}".to_vec())));
+        assert!(index.is_member("u\0r\0blob").unwrap());
+        assert!(index.is_member("u\0r\0m").unwrap());
+        assert!(!index.is_member("u\0other\0m").unwrap());
         let tag = index.tag("u\0r\0t").unwrap().unwrap();
         assert_eq!((tag.digest, tag.confirmed_ms), (m, 42));
         index.remove_blob(&d).unwrap();

@@ -50,6 +50,8 @@ pub struct Memory {
     tags: moka::sync::Cache<String, TagEntry>,
     /// Sizes of committed blobs, so a hit needs no index read.
     blob_sizes: moka::sync::Cache<Digest, u64>,
+    /// Repository membership rows known to exist (see the index's MEMBERS).
+    members: moka::sync::Cache<String, ()>,
 }
 
 impl Memory {
@@ -67,7 +69,11 @@ impl Memory {
                 .weigher(|k: &String, _| u32::try_from(k.len()).unwrap_or(u32::MAX).saturating_add(ENTRY_OVERHEAD))
                 .max_capacity(small_budget)
                 .build(),
-            blob_sizes: moka::sync::Cache::builder().max_capacity(small_budget / u64::from(ENTRY_OVERHEAD)).build(),
+            blob_sizes: moka::sync::Cache::builder().max_capacity(small_budget / 2 / u64::from(ENTRY_OVERHEAD)).build(),
+            members: moka::sync::Cache::builder()
+                .weigher(|k: &String, _| u32::try_from(k.len()).unwrap_or(u32::MAX).saturating_add(ENTRY_OVERHEAD))
+                .max_capacity(small_budget / 2)
+                .build(),
         }
     }
 
@@ -97,6 +103,14 @@ impl Memory {
 
     pub fn insert_blob_size(&self, digest: Digest, size: u64) {
         self.blob_sizes.insert(digest, size);
+    }
+
+    pub fn is_member(&self, key: &str) -> bool {
+        self.members.contains_key(key)
+    }
+
+    pub fn insert_member(&self, key: String) {
+        self.members.insert(key, ());
     }
 
     pub fn remove_blob_size(&self, digest: &Digest) {

@@ -91,6 +91,17 @@ fn tag_key(upstream: &str, repo: &RepoName, tag: &Tag) -> String {
     format!("{upstream}\0{repo}\0{tag}")
 }
 
+fn member_key(upstream: &str, repo: &RepoName, digest: &Digest) -> String {
+    format!("{upstream}\0{repo}\0{}", digest.hex())
+}
+
+/// What a membership check confirms upstream, if it must.
+#[derive(Clone, Copy)]
+enum Content {
+    Manifest,
+    Blob,
+}
+
 impl Cache {
     /// Opens (or creates) the store under `config.dir`.
     pub async fn open(config: CacheConfig) -> Result<Arc<Cache>, Error> {
@@ -138,7 +149,10 @@ impl Cache {
     ) -> Result<(Arc<StoredManifest>, CacheResult), Error> {
         match reference {
             Reference::Digest(digest) => match self.stored_manifest(digest).await? {
-                Some(m) => Ok((m, CacheResult::Hit)),
+                Some(m) => {
+                    self.ensure_member(upstream, repo, digest, Content::Manifest).await?;
+                    Ok((m, CacheResult::Hit))
+                }
                 None => self.fetch_manifest(upstream, repo, reference).await,
             },
             Reference::Tag(tag) => self.manifest_by_tag(upstream, repo, tag).await,
@@ -201,8 +215,8 @@ impl Cache {
             return Ok((cached, CacheResult::Hit));
         }
         let head = {
-            let (upstream, repo, tag) = (Arc::clone(upstream), repo.clone(), tag.clone());
-            move || async move { upstream.head_manifest(&repo, &tag).await.map_err(Error::Upstream) }
+            let (upstream, repo, reference) = (Arc::clone(upstream), repo.clone(), Reference::Tag(tag.clone()));
+            move || async move { upstream.head_manifest(&repo, &reference).await.map_err(Error::Upstream) }
         };
         match self.revalidations.run(key.clone(), head).await.0 {
             Ok(Some(digest)) if digest == entry.digest => {
@@ -246,28 +260,86 @@ impl Cache {
                     Reference::Tag(t) => Some(tag_key(upstream.name(), &repo, t)),
                     Reference::Digest(_) => None,
                 };
-                cache.store_manifest(fetched, tag).await
+                cache.store_manifest(fetched, upstream.name(), &repo, tag).await
             }
         };
         let (result, joined) = self.manifest_fetches.run(key, fetch).await;
         Ok((result?, CacheResult::of(joined)))
     }
 
-    async fn store_manifest(&self, m: FetchedManifest, tag: Option<String>) -> Result<Arc<StoredManifest>, Error> {
+    /// Stores a manifest fetched for `repo`, its tag mapping, and the
+    /// membership of everything it names in `repo`: the manifest itself,
+    /// its config and layers, or an index's child manifests.
+    async fn store_manifest(
+        &self,
+        m: FetchedManifest,
+        upstream: &str,
+        repo: &RepoName,
+        tag: Option<String>,
+    ) -> Result<Arc<StoredManifest>, Error> {
         let stored = Arc::new(StoredManifest::new(m.bytes.clone(), m.media_type, m.digest));
         let now = SystemTime::now();
+        let members: Vec<String> = std::iter::once(&m.digest)
+            .chain(&m.refs.blobs)
+            .chain(&m.refs.manifests)
+            .map(|d| member_key(upstream, repo, d))
+            .collect();
         let index = Arc::clone(&self.index);
-        let tag_row = tag.clone();
+        let (tag_row, member_rows) = (tag.clone(), members.clone());
         blocking(move || {
-            let tag = tag_row.as_deref().map(|k| (k, unix_ms(now)));
-            Ok(index.insert_manifest(&m.digest, m.media_type, &m.bytes, tag)?)
+            Ok(index.insert_manifest(
+                &m.digest,
+                m.media_type,
+                &m.bytes,
+                tag_row.as_deref(),
+                &member_rows,
+                unix_ms(now),
+            )?)
         })
         .await?;
+        for key in members {
+            self.memory.insert_member(key);
+        }
         self.memory.insert_manifest(Arc::clone(&stored));
         if let Some(key) = tag {
             self.memory.insert_tag(key, TagEntry { digest: stored.digest, confirmed: now });
         }
         Ok(stored)
+    }
+
+    /// The membership rule: content on disk is shared by digest, but it is
+    /// served for `(upstream, repo)` only if it was fetched for that repo or
+    /// a cached manifest of that repo names it. Otherwise one upstream
+    /// `HEAD` must confirm that `repo` has it, so that cached private
+    /// content never leaks to a repository that cannot see it upstream.
+    async fn ensure_member(
+        &self,
+        upstream: &Upstream,
+        repo: &RepoName,
+        digest: &Digest,
+        content: Content,
+    ) -> Result<(), Error> {
+        let key = member_key(upstream.name(), repo, digest);
+        if self.memory.is_member(&key) {
+            return Ok(());
+        }
+        let (index, k) = (Arc::clone(&self.index), key.clone());
+        if !blocking(move || Ok(index.is_member(&k)?)).await? {
+            let confirmed = match content {
+                Content::Blob => upstream.head_blob(repo, digest).await?.is_some(),
+                Content::Manifest => upstream.head_manifest(repo, &Reference::Digest(*digest)).await?.is_some(),
+            };
+            if !confirmed {
+                return Err(match content {
+                    Content::Blob => Error::BlobUnknown(*digest),
+                    Content::Manifest => Error::ManifestUnknown,
+                });
+            }
+            let (index, k) = (Arc::clone(&self.index), key.clone());
+            blocking(move || Ok(index.add_members(&[k], unix_ms(SystemTime::now()))?)).await?;
+        }
+        self.memory.insert_member(key);
+        Ok(())
     }
 
     // ---- blobs -----------------------------------------------------------
@@ -305,14 +377,21 @@ impl Cache {
         }
     }
 
-    /// Only committed blobs: for `HEAD`, which never starts a fill.
-    pub async fn blob_size(&self, digest: &Digest) -> Result<Option<u64>, Error> {
-        if let Some(rx) = self.fills.get(digest) {
-            if let Progress::Streaming { size: Some(size), .. } | Progress::Complete { size, .. } = &*rx.borrow() {
-                return Ok(Some(*size));
-            }
+    /// The size of a blob cached (or being filled) for `repo`, for `HEAD`,
+    /// which never starts a fill.
+    pub async fn blob_size(&self, upstream: &Upstream, repo: &RepoName, digest: &Digest) -> Result<Option<u64>, Error> {
+        let filling = self.fills.get(digest).and_then(|rx| match &*rx.borrow() {
+            Progress::Streaming { size: Some(size), .. } | Progress::Complete { size, .. } => Some(*size),
+            _ => None,
+        });
+        let size = match filling {
+            Some(size) => Some(size),
+            None => self.committed_blob(digest).await?.map(|(_, size)| size),
+        };
+        if size.is_some() {
+            self.ensure_member(upstream, repo, digest, Content::Blob).await?;
         }
-        Ok(self.committed_blob(digest).await?.map(|(_, size)| size))
+        Ok(size)
     }
 
     /// A blob to serve: committed, joined to the fill in flight, or a new
@@ -324,10 +403,12 @@ impl Cache {
         digest: Digest,
     ) -> Result<(BlobSource, CacheResult), Error> {
         if let Some(rx) = self.fills.get(&digest) {
+            self.ensure_member(upstream, repo, &digest, Content::Blob).await?;
             return Ok((BlobSource::Filling(rx), CacheResult::Coalesced));
         }
         loop {
             if let Some((file, size)) = self.committed_blob(&digest).await? {
+                self.ensure_member(upstream, repo, &digest, Content::Blob).await?;
                 return Ok((BlobSource::Committed { file, size }, CacheResult::Hit));
             }
             let started = self.fills.join_or_start(
@@ -337,7 +418,10 @@ impl Cache {
             );
             match started {
                 Some((rx, true)) => return Ok((BlobSource::Filling(rx), CacheResult::Miss)),
-                Some((rx, false)) => return Ok((BlobSource::Filling(rx), CacheResult::Coalesced)),
+                Some((rx, false)) => {
+                    self.ensure_member(upstream, repo, &digest, Content::Blob).await?;
+                    return Ok((BlobSource::Filling(rx), CacheResult::Coalesced));
+                }
                 // Committed between our index read and the lock: read it again.
                 None => continue,
             }
@@ -395,9 +479,11 @@ impl Cache {
             return Err(UpstreamError::DigestMismatch { expected: digest, actual: actual.to_string() }.into());
         }
         let (store, index) = (self.store.clone(), Arc::clone(&self.index));
+        let member = member_key(upstream.name(), repo, &digest);
+        self.memory.insert_member(member.clone());
         blocking(move || {
             store.commit(temp, &digest)?;
-            Ok(index.insert_blob(&digest, size)?)
+            Ok(index.insert_blob(&digest, size, &member, unix_ms(SystemTime::now()))?)
         })
         .await?;
         Ok((file, size))

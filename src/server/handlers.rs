@@ -108,7 +108,7 @@ pub async fn blob(
 /// `HEAD` of a blob: answered from the cache, or by a `HEAD` upstream; it
 /// never starts a fill.
 async fn blob_head(app: &App, route: &Route, digest: Digest) -> Result<(Response<Body>, CacheResult), Error> {
-    let (size, result) = match app.cache.blob_size(&digest).await? {
+    let (size, result) = match app.cache.blob_size(&route.upstream, &route.repo, &digest).await? {
         Some(size) => (size, CacheResult::Hit),
         None => (
             route.upstream.head_blob(&route.repo, &digest).await?.ok_or(Error::BlobUnknown(digest))?,

@@ -23,7 +23,7 @@ pub use upstreams::Upstreams;
 use crate::config::UpstreamConfig;
 use crate::error::{Error, UpstreamError};
 use crate::metrics::metrics;
-use crate::oci::{Digest, MAX_MANIFEST_SIZE, ManifestRefs, MediaType, Reference, RepoName, Tag};
+use crate::oci::{Digest, MAX_MANIFEST_SIZE, ManifestRefs, MediaType, Reference, RepoName};
 use auth::Auth;
 use client::HttpClient;
 
@@ -191,9 +191,10 @@ impl Upstream {
         Ok(Some(FetchedManifest { bytes, media_type, digest, refs }))
     }
 
-    /// HEAD a tag: the digest it points at now. `Ok(None)`: the tag is gone.
-    pub async fn head_manifest(&self, repo: &RepoName, tag: &Tag) -> Result<Option<Digest>, UpstreamError> {
-        let path = format!("/v2/{repo}/manifests/{tag}");
+    /// HEAD a manifest: the digest a tag points at now, or confirmation that
+    /// a digest exists in `repo`. `Ok(None)`: upstream does not have it.
+    pub async fn head_manifest(&self, repo: &RepoName, reference: &Reference) -> Result<Option<Digest>, UpstreamError> {
+        let path = format!("/v2/{repo}/manifests/{reference}");
         let opened = self.open(Method::HEAD, &path, repo, Some(MediaType::upstream_accept())).await?;
         let resp = opened.response;
         match resp.status() {
