@@ -1,0 +1,114 @@
+//! A private Docker daemon with larder as its `registry-mirrors` entry.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+use super::{run, wait_until_ready};
+
+/// How long dockerd gets to stop after SIGTERM before it is killed.
+const STOP_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Docker Hub's hosts, pinned to 127.0.0.1 so that a fallback from the
+/// mirror cannot leave the machine.
+pub const DOCKER_HUB_HOSTS: [&str; 4] =
+    ["registry-1.docker.io", "index.docker.io", "auth.docker.io", "production.cloudflare.docker.com"];
+
+pub struct Dockerd {
+    child: std::process::Child,
+    dir: TempDir,
+}
+
+impl Dockerd {
+    /// Starts dockerd with its own data root, exec root, pid file and
+    /// socket, no iptables and no bridge, the `vfs` storage driver (no
+    /// mounts to clean up), and `mirror` as its only registry mirror.
+    pub fn start(mirror: &str, mirror_host_port: &str) -> Dockerd {
+        let dockerd = crate::common::which("dockerd");
+        crate::common::which("docker");
+        super::hosts::pin_to_loopback(&DOCKER_HUB_HOSTS);
+        let dir = tempfile::Builder::new().prefix("larder-dockerd-").tempdir().expect("temp dir");
+        let d = dir.path();
+        let daemon = serde_json::json!({
+            "registry-mirrors": [mirror],
+            "insecure-registries": [mirror_host_port],
+            "iptables": false,
+            "ip6tables": false,
+            "bridge": "none",
+            "storage-driver": "vfs",
+        });
+        std::fs::write(d.join("daemon.json"), daemon.to_string()).expect("write daemon.json");
+        let log = std::fs::File::create(d.join("dockerd.log")).expect("dockerd log");
+        let child = Command::new(dockerd)
+            .arg("--config-file")
+            .arg(d.join("daemon.json"))
+            .arg("--data-root")
+            .arg(d.join("root"))
+            .arg("--exec-root")
+            .arg(d.join("exec"))
+            .arg("--pidfile")
+            .arg(d.join("dockerd.pid"))
+            .arg("-H")
+            .arg(format!("unix://{}", d.join("docker.sock").display()))
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone().expect("log handle"))
+            .stderr(log)
+            .spawn()
+            .expect("start dockerd");
+        let instance = Dockerd { child, dir };
+        wait_until_ready("dockerd", &instance.log(), || {
+            let mut c = instance.docker();
+            c.arg("version");
+            c
+        });
+        instance
+    }
+
+    pub fn log(&self) -> PathBuf {
+        self.dir.path().join("dockerd.log")
+    }
+
+    fn docker(&self) -> Command {
+        let mut c = Command::new("docker");
+        c.arg("-H").arg(format!("unix://{}", self.dir.path().join("docker.sock").display()));
+        c
+    }
+
+    /// `docker pull <image>`: a Docker Hub image name, which dockerd asks
+    /// its mirror for (as `library/<name>` for one-component names).
+    pub fn pull(&self, image: &str) -> Result<String, String> {
+        let mut c = self.docker();
+        c.args(["pull", image]);
+        run(c)
+    }
+
+    /// The `RepoDigests` dockerd recorded for a pulled image.
+    pub fn repo_digests(&self, image: &str) -> Vec<String> {
+        let mut c = self.docker();
+        c.args(["image", "inspect", "--format", "{{json .RepoDigests}}", image]);
+        let out = run(c).unwrap_or_else(|e| panic!("{e}"));
+        serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("RepoDigests {out:?}: {e}"))
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for Dockerd {
+    fn drop(&mut self) {
+        // SIGTERM lets dockerd stop its own containerd; SIGKILL if it hangs.
+        let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
