@@ -27,6 +27,7 @@ pub mod larder;
 pub mod origin;
 pub mod process;
 pub mod skopeo;
+pub mod tls_front;
 pub mod token_server;
 pub mod tools;
 
@@ -35,6 +36,7 @@ pub use image::{Blob, ImageBuilder, ManifestFormat, PushedImage, PushedManifest}
 pub use larder::{Larder, LarderBuilder, Upstream};
 pub use origin::{ORIGIN_NAME, Origin};
 pub use skopeo::{Pull, PulledImage};
+pub use tls_front::{TestCa, TlsFront};
 pub use token_server::{Credentials, TokenRequest, TokenServer};
 pub use tools::{free_port, which};
 
