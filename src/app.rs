@@ -56,6 +56,7 @@ pub async fn start(config: Config, shutdown: crate::server::Shutdown) -> Result<
     let serve = {
         let grace = app.config.server.shutdown_grace;
         let api = crate::server::serve(listener, Arc::clone(&app), shutdown.clone(), grace);
+        let maintenance = app.cache.spawn_maintenance(shutdown.clone());
         async move {
             match admin {
                 Some(admin) => {
@@ -63,6 +64,8 @@ pub async fn start(config: Config, shutdown: crate::server::Shutdown) -> Result<
                 }
                 None => api.await,
             }
+            // Access times still in memory are written before exit.
+            let _ = maintenance.await;
         }
     };
     Ok(Started { addr, admin_addr, serve: Box::pin(serve) })

@@ -18,6 +18,10 @@ const EMBEDDED_NAME: &str = "<embedded default config>";
 /// Default time in-flight responses get after SIGTERM; below Kubernetes'
 /// default 30 s `terminationGracePeriodSeconds`, so larder exits on its own.
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(25);
+/// Default share of `max_size` above which eviction starts.
+pub const DEFAULT_HIGH_WATERMARK: f64 = 0.95;
+/// Default share of `max_size` eviction brings usage down to.
+pub const DEFAULT_LOW_WATERMARK: f64 = 0.85;
 /// Default number of open upstream requests per upstream.
 pub const DEFAULT_MAX_CONCURRENCY: usize = 32;
 /// Default time allowed to establish an upstream connection (TCP + TLS).
@@ -49,6 +53,10 @@ pub struct CacheConfig {
     pub dir: PathBuf,
     /// Disk budget for cached content, in bytes.
     pub max_size: u64,
+    /// Share of `max_size` above which eviction starts.
+    pub high_watermark: f64,
+    /// Share of `max_size` eviction brings usage down to.
+    pub low_watermark: f64,
     /// Memory budget of the in-memory manifest tier, in bytes.
     pub memory: u64,
     /// How long a tag → digest mapping is trusted before a `HEAD` revalidates it.
@@ -136,6 +144,8 @@ struct RawServer {
 struct RawCache {
     dir: Option<String>,
     max_size: Option<String>,
+    high_watermark: Option<f64>,
+    low_watermark: Option<f64>,
     memory: Option<String>,
     tag_ttl: Option<String>,
     stale_if_error: Option<String>,
@@ -261,6 +271,8 @@ impl Validator<'_> {
         let cache = CacheConfig {
             dir: self.path(rc.dir.as_deref().unwrap_or("./larder-data")),
             max_size: self.size("cache.max_size", rc.max_size.as_deref(), 50 << 30)?,
+            high_watermark: rc.high_watermark.unwrap_or(DEFAULT_HIGH_WATERMARK),
+            low_watermark: rc.low_watermark.unwrap_or(DEFAULT_LOW_WATERMARK),
             memory: self.size("cache.memory", rc.memory.as_deref(), 256 << 20)?,
             tag_ttl: self.duration("cache.tag_ttl", rc.tag_ttl.as_deref(), Duration::from_secs(300))?,
             stale_if_error: self.duration(
@@ -269,6 +281,15 @@ impl Validator<'_> {
                 Duration::from_secs(7 * 86400),
             )?,
         };
+        if !(0.0 < cache.low_watermark && cache.low_watermark < cache.high_watermark && cache.high_watermark <= 1.0) {
+            return Err(self.err(
+                "cache.high_watermark",
+                format!(
+                    "watermarks must satisfy 0 < low_watermark ({}) < high_watermark ({}) <= 1",
+                    cache.low_watermark, cache.high_watermark
+                ),
+            ));
+        }
         if raw.upstream.is_empty() {
             return Err(self.err("upstream", "at least one [[upstream]] is required"));
         }

@@ -35,6 +35,8 @@ pub enum Error {
     NotAcceptable,
     #[error(transparent)]
     Upstream(#[from] UpstreamError),
+    #[error("the cache disk is full")]
+    DiskFull,
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -62,6 +64,9 @@ pub enum UpstreamError {
 
 impl From<std::io::Error> for Error {
     fn from(e: std::io::Error) -> Error {
+        if e.kind() == std::io::ErrorKind::StorageFull {
+            return Error::DiskFull;
+        }
         Error::Internal(format!("i/o: {e}"))
     }
 }
@@ -102,6 +107,8 @@ impl Error {
                 | UpstreamError::DigestMismatch { .. }
                 | UpstreamError::Auth(_) => (S::BAD_GATEWAY, "UNAVAILABLE", None),
             },
+            // Retryable: eviction is making room.
+            Error::DiskFull => (S::SERVICE_UNAVAILABLE, "UNAVAILABLE", None),
             Error::Internal(_) => (S::INTERNAL_SERVER_ERROR, "UNKNOWN", None),
         }
     }

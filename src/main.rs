@@ -25,6 +25,13 @@ enum Command {
     Run,
     /// Validate a config file and exit.
     CheckConfig,
+    /// Re-hash every cached blob and compare with the index; run it while
+    /// larder is stopped. Exit status 1 if bad entries remain.
+    Verify {
+        /// Remove bad entries (and index correct files that lost their row).
+        #[arg(long)]
+        repair: bool,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -64,6 +71,9 @@ fn main() -> ExitCode {
         println!("{source}: ok ({} upstreams)", config.upstreams.len());
         return ExitCode::SUCCESS;
     }
+    if let Some(Command::Verify { repair }) = cli.command {
+        return verify(&config, repair);
+    }
     init_logs(cli.log_format);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
@@ -95,6 +105,39 @@ fn main() -> ExitCode {
             }
         }
     })
+}
+
+fn verify(config: &Config, repair: bool) -> ExitCode {
+    let report = match larder::cache::Cache::verify(&config.cache, repair) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("larder verify: {}: {e}", config.cache.dir.display());
+            return ExitCode::FAILURE;
+        }
+    };
+    for problem in &report.problems {
+        println!("bad: {problem}");
+    }
+    println!(
+        "{}: {} ok, {} bad ({} index rows, {} files), {} unindexed files {}",
+        config.cache.dir.display(),
+        report.ok,
+        report.bad(),
+        report.bad_rows,
+        report.bad_files,
+        report.adopted,
+        if repair { "indexed" } else { "found" },
+    );
+    if repair {
+        if report.bad() > 0 {
+            println!("repaired: bad entries removed");
+        }
+        ExitCode::SUCCESS
+    } else if report.bad() > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
 }
 
 /// Waits for SIGTERM (Kubernetes, systemd) or SIGINT (Ctrl-C).

@@ -25,6 +25,10 @@ pub struct Metrics {
     /// `upstream_bytes_total{upstream}`: blob bytes received from upstream.
     pub upstream_bytes: IntCounterVec,
     pub fills_in_flight: IntGauge,
+    /// `cache_size_bytes`: blobs and manifests on disk.
+    pub cache_size: IntGauge,
+    /// `cache_evictions_total{kind}`: kind `blob|manifest`.
+    pub cache_evictions: IntCounterVec,
     pub digest_mismatch: IntCounter,
     pub tokens_fetched: IntCounter,
 }
@@ -46,6 +50,8 @@ fn build() -> Result<Metrics, prometheus::Error> {
     };
     let fills_in_flight = IntGauge::new("fills_in_flight", "Blob fills currently streaming from upstream")?;
     registry.register(Box::new(fills_in_flight.clone()))?;
+    let cache_size = IntGauge::new("cache_size_bytes", "Bytes of blobs and manifests in the disk cache")?;
+    registry.register(Box::new(cache_size.clone()))?;
     let digest_mismatch = IntCounter::new("digest_mismatch_total", "Upstream content that failed verification")?;
     registry.register(Box::new(digest_mismatch.clone()))?;
     let tokens_fetched = IntCounter::new("tokens_fetched_total", "Bearer tokens fetched from upstream realms")?;
@@ -67,6 +73,8 @@ fn build() -> Result<Metrics, prometheus::Error> {
         bytes_served: counter_vec("bytes_served_total", "Body bytes served to clients", &["source"])?,
         upstream_bytes: counter_vec("upstream_bytes_total", "Blob bytes received from upstream", &["upstream"])?,
         fills_in_flight,
+        cache_size,
+        cache_evictions: counter_vec("cache_evictions_total", "Items evicted from the disk cache", &["kind"])?,
         digest_mismatch,
         tokens_fetched,
         registry,

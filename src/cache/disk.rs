@@ -59,6 +59,30 @@ impl Store {
         File::open(parent)?.sync_all()
     }
 
+    /// Every file under `blobs/sha256/`, whatever its name.
+    pub fn blob_files(&self) -> io::Result<Vec<PathBuf>> {
+        let mut out = Vec::new();
+        for shard in std::fs::read_dir(self.root.join("blobs/sha256"))? {
+            let shard = shard?.path();
+            if shard.is_dir() {
+                for file in std::fs::read_dir(&shard)? {
+                    out.push(file?.path());
+                }
+            } else {
+                out.push(shard);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Removes a blob file; one that is already gone is not an error.
+    pub fn remove_blob(&self, digest: &Digest) -> io::Result<()> {
+        match std::fs::remove_file(self.blob_path(digest)) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        }
+    }
+
     pub fn open_blob(&self, digest: &Digest) -> io::Result<File> {
         File::open(self.blob_path(digest))
     }

@@ -3,14 +3,42 @@
 
 use std::path::Path;
 
-use redb::{Database, ReadableDatabase, TableDefinition};
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
 use crate::oci::{Digest, MediaType};
 
-/// Committed blobs: digest hex → size in bytes.
-const BLOBS: TableDefinition<&str, u64> = TableDefinition::new("blobs");
+/// Committed blobs: digest hex → (size in bytes, last access in unix millis).
+const BLOBS: TableDefinition<&str, (u64, u64)> = TableDefinition::new("blobs");
 /// Manifests by digest hex → (media type, exact bytes).
 const MANIFESTS: TableDefinition<&str, (&str, &[u8])> = TableDefinition::new("manifests");
+/// Manifests by digest hex → (size in bytes, last access in unix millis),
+/// apart from the bytes so that access times are cheap to update.
+const MANIFEST_META: TableDefinition<&str, (u64, u64)> = TableDefinition::new("manifest_meta");
+
+/// The two kinds of content the store keeps and evicts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kind {
+    Blob,
+    Manifest,
+}
+
+impl Kind {
+    fn meta(self) -> TableDefinition<'static, &'static str, (u64, u64)> {
+        match self {
+            Kind::Blob => BLOBS,
+            Kind::Manifest => MANIFEST_META,
+        }
+    }
+}
+
+/// One stored item as the evictor sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub kind: Kind,
+    pub digest: Digest,
+    pub size: u64,
+    pub accessed_ms: u64,
+}
 /// Tags: "upstream\0repo\0tag" → (digest, unix millis when upstream last confirmed it).
 const TAGS: TableDefinition<&str, (&str, u64)> = TableDefinition::new("tags");
 /// Repository membership: "upstream\0repo\0digest" → unix millis when
@@ -34,6 +62,7 @@ impl Index {
         let txn = db.begin_write()?;
         txn.open_table(BLOBS)?;
         txn.open_table(MANIFESTS)?;
+        txn.open_table(MANIFEST_META)?;
         txn.open_table(TAGS)?;
         txn.open_table(MEMBERS)?;
         txn.commit()?;
@@ -43,16 +72,90 @@ impl Index {
     pub fn blob_size(&self, digest: &Digest) -> Result<Option<u64>, redb::Error> {
         let txn = self.db.begin_read()?;
         let table = txn.open_table(BLOBS)?;
-        Ok(table.get(digest.hex().as_str())?.map(|v| v.value()))
+        Ok(table.get(digest.hex().as_str())?.map(|v| v.value().0))
     }
 
     /// Records a committed blob and the repository it was fetched for.
-    pub fn insert_blob(&self, digest: &Digest, size: u64, member: &str, now_ms: u64) -> Result<(), redb::Error> {
+    /// Returns whether the blob is new to the index.
+    pub fn insert_blob(&self, digest: &Digest, size: u64, member: &str, now_ms: u64) -> Result<bool, redb::Error> {
         let txn = self.db.begin_write()?;
-        txn.open_table(BLOBS)?.insert(digest.hex().as_str(), size)?;
+        let new = txn.open_table(BLOBS)?.insert(digest.hex().as_str(), (size, now_ms))?.is_none();
         txn.open_table(MEMBERS)?.insert(member, now_ms)?;
         txn.commit()?;
+        Ok(new)
+    }
+
+    /// Indexes a blob file found without its row (see `reconcile`). No
+    /// membership is recorded: a repository gets it after an upstream check.
+    pub fn adopt_blob(&self, digest: &Digest, size: u64, now_ms: u64) -> Result<(), redb::Error> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(BLOBS)?.insert(digest.hex().as_str(), (size, now_ms))?;
+        txn.commit()?;
         Ok(())
+    }
+
+    /// Every stored item of `kind`, for eviction and accounting.
+    pub fn entries(&self, kind: Kind) -> Result<Vec<Entry>, redb::Error> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(kind.meta())?;
+        let mut out = Vec::new();
+        for row in table.iter()? {
+            let (key, value) = row?;
+            let (size, accessed_ms) = value.value();
+            if let Ok(digest) = format!("sha256:{}", key.value()).parse() {
+                out.push(Entry { kind, digest, size, accessed_ms });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Records access times, batched; rows that are gone are skipped.
+    pub fn touch(&self, accesses: &[(Kind, Digest, u64)]) -> Result<(), redb::Error> {
+        let txn = self.db.begin_write()?;
+        {
+            let mut blobs = txn.open_table(BLOBS)?;
+            let mut manifests = txn.open_table(MANIFEST_META)?;
+            for (kind, digest, at) in accesses {
+                let table = match kind {
+                    Kind::Blob => &mut blobs,
+                    Kind::Manifest => &mut manifests,
+                };
+                let hex = digest.hex();
+                let current = table.get(hex.as_str())?.map(|v| v.value());
+                if let Some((size, before)) = current {
+                    if *at > before {
+                        table.insert(hex.as_str(), (size, *at))?;
+                    }
+                }
+            }
+        }
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// Removes entries (and a manifest's bytes) in one transaction; the
+    /// caller unlinks blob files afterwards. Returns the bytes removed.
+    pub fn remove_entries(&self, entries: &[Entry]) -> Result<u64, redb::Error> {
+        let txn = self.db.begin_write()?;
+        let mut removed = 0;
+        {
+            let mut blobs = txn.open_table(BLOBS)?;
+            let mut meta = txn.open_table(MANIFEST_META)?;
+            let mut manifests = txn.open_table(MANIFESTS)?;
+            for e in entries {
+                let hex = e.digest.hex();
+                let gone = match e.kind {
+                    Kind::Blob => blobs.remove(hex.as_str())?.map(|v| v.value().0),
+                    Kind::Manifest => {
+                        manifests.remove(hex.as_str())?;
+                        meta.remove(hex.as_str())?.map(|v| v.value().0)
+                    }
+                };
+                removed += gone.unwrap_or(0);
+            }
+        }
+        txn.commit()?;
+        Ok(removed)
     }
 
     pub fn is_member(&self, key: &str) -> Result<bool, redb::Error> {
@@ -92,6 +195,7 @@ impl Index {
     }
 
     /// Stores a manifest and, for a tag, its mapping, in one transaction.
+    /// Returns whether the manifest is new to the index.
     pub fn insert_manifest(
         &self,
         digest: &Digest,
@@ -100,9 +204,10 @@ impl Index {
         tag: Option<&str>,
         members: &[String],
         now_ms: u64,
-    ) -> Result<(), redb::Error> {
+    ) -> Result<bool, redb::Error> {
         let txn = self.db.begin_write()?;
         txn.open_table(MANIFESTS)?.insert(digest.hex().as_str(), (media_type.as_str(), bytes))?;
+        let new = txn.open_table(MANIFEST_META)?.insert(digest.hex().as_str(), (bytes.len() as u64, now_ms))?.is_none();
         if let Some(key) = tag {
             txn.open_table(TAGS)?.insert(key, (digest.to_string().as_str(), now_ms))?;
         }
@@ -113,7 +218,7 @@ impl Index {
             }
         }
         txn.commit()?;
-        Ok(())
+        Ok(new)
     }
 
     pub fn tag(&self, key: &str) -> Result<Option<TagRow>, redb::Error> {

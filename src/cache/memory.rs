@@ -85,6 +85,10 @@ impl Memory {
         self.manifests.insert(m.digest, m);
     }
 
+    pub fn remove_manifest(&self, digest: &Digest) {
+        self.manifests.invalidate(digest);
+    }
+
     pub fn tag(&self, key: &str) -> Option<TagEntry> {
         self.tags.get(key)
     }

@@ -3,9 +3,11 @@
 //! serve plus how it was served (hit, miss, coalesced, stale).
 
 mod disk;
+mod evict;
 pub mod fill;
 mod index;
 mod memory;
+mod reconcile;
 
 use std::fs::File;
 use std::sync::Arc;
@@ -15,6 +17,7 @@ use bytes::Bytes;
 use tokio::sync::watch;
 
 pub use memory::StoredManifest;
+pub use reconcile::Report;
 
 use crate::coalesce::{Joined, SingleFlight};
 use crate::config::CacheConfig;
@@ -23,8 +26,9 @@ use crate::metrics::metrics;
 use crate::oci::{Digest, Reference, RepoName, Tag};
 use crate::upstream::{FetchedManifest, Opened, Upstream, content_length};
 use disk::Store;
+use evict::{Evictor, Limits};
 use fill::{Fills, Progress, Writer};
-use index::Index;
+use index::{Index, Kind};
 use memory::{Memory, TagEntry};
 
 /// How a request was served; a label for metrics and logs.
@@ -68,6 +72,7 @@ pub struct Cache {
     index: Arc<Index>,
     memory: Memory,
     fills: Fills,
+    evictor: Evictor,
     /// One upstream manifest GET per (upstream, repo, reference).
     manifest_fetches: SingleFlight<String, Arc<StoredManifest>>,
     /// One upstream HEAD per tag being revalidated.
@@ -82,6 +87,9 @@ where
 {
     tokio::task::spawn_blocking(f).await.map_err(|e| Error::Internal(format!("blocking task failed: {e}")))?
 }
+
+/// How often access times collected on the request path are written to the index.
+const ACCESS_FLUSH_INTERVAL: Duration = Duration::from_secs(10);
 
 fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
@@ -106,13 +114,23 @@ impl Cache {
     /// Opens (or creates) the store under `config.dir`.
     pub async fn open(config: CacheConfig) -> Result<Arc<Cache>, Error> {
         let dir = config.dir.clone();
-        let (store, index) = blocking(move || {
+        let (store, index, usage) = blocking(move || {
             let store = Store::open(&dir)?;
             let index = Index::open(&store.index_path())?;
-            Ok((store, index))
+            let report = reconcile::reconcile(&store, &index, false, true, unix_ms(SystemTime::now()))?;
+            if report != Report::default() && (report.adopted > 0 || report.bad() > 0) {
+                tracing::warn!(?report, "reconciled the index with the blob files");
+            }
+            let usage = [Kind::Blob, Kind::Manifest]
+                .into_iter()
+                .map(|k| Ok(index.entries(k)?.iter().map(|e| e.size).sum::<u64>()))
+                .sum::<Result<u64, Error>>()?;
+            Ok((store, index, usage))
         })
         .await?;
+        let limits = Limits::new(config.max_size, config.high_watermark, config.low_watermark);
         Ok(Arc::new(Cache {
+            evictor: Evictor::new(limits, usage),
             memory: Memory::new(config.memory),
             config,
             store,
@@ -121,6 +139,95 @@ impl Cache {
             manifest_fetches: SingleFlight::default(),
             revalidations: SingleFlight::default(),
         }))
+    }
+
+    /// Re-hashes every blob against its name and the index (`larder verify`),
+    /// removing bad entries when `repair` is set. Needs the cache folder to
+    /// itself: redb refuses a second process.
+    pub fn verify(config: &CacheConfig, repair: bool) -> Result<Report, Error> {
+        let store = Store::open(&config.dir)?;
+        let index = Index::open(&store.index_path())?;
+        reconcile::reconcile(&store, &index, true, repair, unix_ms(SystemTime::now()))
+    }
+
+    /// Bytes of blobs and manifests on disk.
+    pub fn usage(&self) -> u64 {
+        self.evictor.usage()
+    }
+
+    /// Runs until `shutdown` fires: writes access times in batches and
+    /// evicts when usage crosses the high watermark or a write hit ENOSPC.
+    /// Access times are flushed once more on the way out.
+    pub fn spawn_maintenance(self: &Arc<Self>, mut shutdown: crate::server::Shutdown) -> tokio::task::JoinHandle<()> {
+        let cache = Arc::clone(self);
+        tokio::spawn(async move {
+            loop {
+                let stopping = tokio::select! {
+                    _ = shutdown.changed() => true,
+                    () = tokio::time::sleep(ACCESS_FLUSH_INTERVAL) => false,
+                    () = cache.evictor.woken() => false,
+                };
+                if let Err(e) = cache.flush_accesses().await {
+                    tracing::warn!(error = %e, "writing access times failed");
+                }
+                if stopping {
+                    return;
+                }
+                let to_free = cache.evictor.bytes_to_free();
+                if to_free > 0 {
+                    if let Err(e) = cache.evict(to_free).await {
+                        tracing::warn!(error = %e, "eviction failed");
+                    }
+                }
+            }
+        })
+    }
+
+    async fn flush_accesses(&self) -> Result<(), Error> {
+        let accesses = self.evictor.take_accesses();
+        if accesses.is_empty() {
+            return Ok(());
+        }
+        let index = Arc::clone(&self.index);
+        blocking(move || Ok(index.touch(&accesses)?)).await
+    }
+
+    /// Removes the least recently used blobs and manifests until `bytes` are
+    /// freed. Rows go first, in one transaction, so no new reader finds an
+    /// evicted item; then the files are unlinked. A reader that already
+    /// opened a blob keeps reading it (an unlinked file lives on while open),
+    /// and a blob still being filled is not in the index, so it is never a
+    /// candidate.
+    async fn evict(&self, bytes: u64) -> Result<(), Error> {
+        let (store, index) = (self.store.clone(), Arc::clone(&self.index));
+        let victims = blocking(move || {
+            let mut entries = index.entries(Kind::Blob)?;
+            entries.extend(index.entries(Kind::Manifest)?);
+            let victims = evict::choose_victims(entries, bytes);
+            index.remove_entries(&victims)?;
+            for v in victims.iter().filter(|v| v.kind == Kind::Blob) {
+                store.remove_blob(&v.digest)?;
+            }
+            Ok(victims)
+        })
+        .await?;
+        let freed: u64 = victims.iter().map(|v| v.size).sum();
+        for v in &victims {
+            match v.kind {
+                Kind::Blob => self.memory.remove_blob_size(&v.digest),
+                Kind::Manifest => self.memory.remove_manifest(&v.digest),
+            }
+            let kind = if v.kind == Kind::Blob { "blob" } else { "manifest" };
+            metrics().cache_evictions.with_label_values(&[kind]).inc();
+        }
+        self.evictor.removed(freed);
+        tracing::info!(
+            items = victims.len(),
+            freed,
+            usage = self.evictor.usage(),
+            "evicted least recently used content"
+        );
+        Ok(())
     }
 
     /// Readiness: the index answers a read and the temp folder takes a file.
@@ -151,6 +258,7 @@ impl Cache {
             Reference::Digest(digest) => match self.stored_manifest(digest).await? {
                 Some(m) => {
                     self.ensure_member(upstream, repo, digest, Content::Manifest).await?;
+                    self.evictor.record_access(Kind::Manifest, *digest, unix_ms(SystemTime::now()));
                     Ok((m, CacheResult::Hit))
                 }
                 None => self.fetch_manifest(upstream, repo, reference).await,
@@ -211,6 +319,7 @@ impl Cache {
         };
         let age = SystemTime::now().duration_since(entry.confirmed).unwrap_or_default();
         let ttl = upstream.config.tag_ttl(&self.config);
+        self.evictor.record_access(Kind::Manifest, cached.digest, unix_ms(SystemTime::now()));
         if age < ttl || upstream.config.tag_is_immutable(tag.as_str()) {
             return Ok((cached, CacheResult::Hit));
         }
@@ -286,17 +395,15 @@ impl Cache {
             .collect();
         let index = Arc::clone(&self.index);
         let (tag_row, member_rows) = (tag.clone(), members.clone());
-        blocking(move || {
-            Ok(index.insert_manifest(
-                &m.digest,
-                m.media_type,
-                &m.bytes,
-                tag_row.as_deref(),
-                &member_rows,
-                unix_ms(now),
-            )?)
+        let size = m.bytes.len() as u64;
+        let new = blocking(move || {
+            let tag = tag_row.as_deref();
+            Ok(index.insert_manifest(&m.digest, m.media_type, &m.bytes, tag, &member_rows, unix_ms(now))?)
         })
         .await?;
+        if new {
+            self.evictor.added(size);
+        }
         for key in members {
             self.memory.insert_member(key);
         }
@@ -409,6 +516,7 @@ impl Cache {
         loop {
             if let Some((file, size)) = self.committed_blob(&digest).await? {
                 self.ensure_member(upstream, repo, &digest, Content::Blob).await?;
+                self.evictor.record_access(Kind::Blob, digest, unix_ms(SystemTime::now()));
                 return Ok((BlobSource::Committed { file, size }, CacheResult::Hit));
             }
             let started = self.fills.join_or_start(
@@ -445,6 +553,9 @@ impl Cache {
                     tracing::debug!(%digest, size, upstream = upstream.name(), "fill committed");
                 }
                 Err(e) => {
+                    if matches!(e, Error::DiskFull) {
+                        cache.evictor.disk_full();
+                    }
                     tracing::warn!(%digest, upstream = upstream.name(), %repo, error = %e, "fill failed");
                     tx.send_replace(Progress::Failed(e));
                 }
@@ -481,11 +592,14 @@ impl Cache {
         let (store, index) = (self.store.clone(), Arc::clone(&self.index));
         let member = member_key(upstream.name(), repo, &digest);
         self.memory.insert_member(member.clone());
-        blocking(move || {
+        let new = blocking(move || {
             store.commit(temp, &digest)?;
             Ok(index.insert_blob(&digest, size, &member, unix_ms(SystemTime::now()))?)
         })
         .await?;
+        if new {
+            self.evictor.added(size);
+        }
         Ok((file, size))
     }
 }
