@@ -1,0 +1,85 @@
+//! Test kit for larder's fault-injection tests: a fake upstream registry
+//! with faults to inject ([`FakeUpstream`]), a larder process per test
+//! ([`Larder`]), and raw-TCP HTTP/1.1 clients that can read slowly, leave
+//! early, and tell an aborted body from a complete one ([`client`]).
+//!
+//! Each test file includes this folder with `mod fake;` and uses a part of
+//! it, so items one file does not use are expected.
+#![allow(dead_code, unused_imports)]
+
+pub mod client;
+mod larder;
+mod upstream;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use sha2::{Digest as _, Sha256};
+
+pub use larder::{Larder, LarderBuilder};
+pub use upstream::{FakeUpstream, FakeUpstreamBuilder, Faults, Logged};
+
+/// The repository every test asks for.
+pub const REPO: &str = "test/app";
+/// The upstream name larder is configured with (`?ns=` and path prefix).
+pub const UPSTREAM_NAME: &str = "fake.test";
+pub const KIB: usize = 1 << 10;
+pub const MIB: usize = 1 << 20;
+/// Longest a test waits for something that should happen promptly. Only a
+/// guard against hangs: no test asserts how long anything took.
+pub const PATIENCE: Duration = Duration::from_secs(60);
+
+/// `len` bytes of deterministic noise (xorshift64*), different per seed.
+pub fn random_bytes(len: usize, seed: u64) -> Bytes {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        out.extend_from_slice(&state.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes());
+    }
+    out.truncate(len);
+    Bytes::from(out)
+}
+
+/// `sha256:<hex>` of `bytes`.
+pub fn digest(bytes: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
+}
+
+/// `/v2/test/app/blobs/<digest>`
+pub fn blob_path(digest: &str) -> String {
+    format!("/v2/{REPO}/blobs/{digest}")
+}
+
+/// `/v2/test/app/manifests/<tag or digest>`
+pub fn manifest_path(reference: &str) -> String {
+    format!("/v2/{REPO}/manifests/{reference}")
+}
+
+pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
+
+/// An OCI image manifest naming `config` and `layers` (digest, size).
+pub fn image_manifest(config: (&str, usize), layers: &[(&str, usize)]) -> Bytes {
+    let descriptor = |media_type: &str, (digest, size): (&str, usize)| serde_json::json!({ "mediaType": media_type, "digest": digest, "size": size });
+    let manifest = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "config": descriptor("application/vnd.oci.image.config.v1+json", config),
+        "layers": layers
+            .iter()
+            .map(|l| descriptor("application/vnd.oci.image.layer.v1.tar+gzip", *l))
+            .collect::<Vec<_>>(),
+    });
+    Bytes::from(serde_json::to_vec_pretty(&manifest).expect("a manifest serializes"))
+}
+
+/// Polls `done` until it holds; panics naming `what` after [`PATIENCE`].
+pub async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while !done() {
+        assert!(tokio::time::Instant::now() < deadline, "gave up waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
