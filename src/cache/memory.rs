@@ -3,12 +3,13 @@
 //! caches bounded by the `cache.memory` budget.
 
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Instant, SystemTime};
 
 use bytes::Bytes;
 use http::HeaderValue;
 
 use crate::oci::{Digest, MediaType};
+use crate::upstream::TagsPage;
 
 /// A manifest ready to serve.
 #[derive(Debug)]
@@ -52,7 +53,13 @@ pub struct Memory {
     blob_sizes: moka::sync::Cache<Digest, u64>,
     /// Repository membership rows known to exist (see the index's MEMBERS).
     members: moka::sync::Cache<String, ()>,
+    /// `tags/list` pages by (upstream, repo, query), with when they were fetched.
+    tag_lists: moka::sync::Cache<String, (TagsPage, Instant)>,
 }
+
+/// Memory for cached `tags/list` pages, apart from the budget above: pages
+/// are few and short-lived.
+const TAG_LISTS_BYTES: u64 = 16 << 20;
 
 impl Memory {
     pub fn new(budget: u64) -> Memory {
@@ -73,6 +80,12 @@ impl Memory {
             members: moka::sync::Cache::builder()
                 .weigher(|k: &String, _| u32::try_from(k.len()).unwrap_or(u32::MAX).saturating_add(ENTRY_OVERHEAD))
                 .max_capacity(small_budget / 2)
+                .build(),
+            tag_lists: moka::sync::Cache::builder()
+                .weigher(|k: &String, (page, _): &(TagsPage, Instant)| {
+                    u32::try_from(k.len() + page.body.len()).unwrap_or(u32::MAX).saturating_add(ENTRY_OVERHEAD)
+                })
+                .max_capacity(TAG_LISTS_BYTES)
                 .build(),
         }
     }
@@ -115,6 +128,14 @@ impl Memory {
 
     pub fn insert_member(&self, key: String) {
         self.members.insert(key, ());
+    }
+
+    pub fn tag_list(&self, key: &str) -> Option<(TagsPage, Instant)> {
+        self.tag_lists.get(key)
+    }
+
+    pub fn insert_tag_list(&self, key: String, page: TagsPage) {
+        self.tag_lists.insert(key, (page, Instant::now()));
     }
 
     pub fn remove_blob_size(&self, digest: &Digest) {

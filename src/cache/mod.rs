@@ -11,7 +11,7 @@ mod reconcile;
 
 use std::fs::File;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use tokio::sync::watch;
@@ -24,7 +24,7 @@ use crate::config::CacheConfig;
 use crate::error::{Error, UpstreamError};
 use crate::metrics::metrics;
 use crate::oci::{Digest, Reference, RepoName, Tag};
-use crate::upstream::{FetchedManifest, Opened, Upstream, content_length};
+use crate::upstream::{FetchedManifest, Opened, TagsPage, Upstream, content_length};
 use disk::Store;
 use evict::{Evictor, Limits};
 use fill::{Fills, Progress, Writer};
@@ -77,6 +77,11 @@ pub struct Cache {
     manifest_fetches: SingleFlight<String, Arc<StoredManifest>>,
     /// One upstream HEAD per tag being revalidated.
     revalidations: SingleFlight<String, Option<Digest>>,
+    /// One upstream `tags/list` request per page however many ask.
+    tag_list_fetches: SingleFlight<String, Option<TagsPage>>,
+    /// Upstreams whose last revalidation failed, until when stale tags are
+    /// served without asking them. A std Mutex: never held across `.await`.
+    revalidation_backoff: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
 }
 
 /// Runs blocking work (redb, `std::fs`) on tokio's blocking pool.
@@ -88,6 +93,9 @@ where
     tokio::task::spawn_blocking(f).await.map_err(|e| Error::Internal(format!("blocking task failed: {e}")))?
 }
 
+/// After a revalidation fails (upstream down, 5xx, 429, timeout), stale tags
+/// of that upstream are served for this long without asking it again.
+const REVALIDATION_BACKOFF: Duration = Duration::from_secs(30);
 /// How often access times collected on the request path are written to the index.
 const ACCESS_FLUSH_INTERVAL: Duration = Duration::from_secs(10);
 
@@ -138,6 +146,8 @@ impl Cache {
             fills: Fills::default(),
             manifest_fetches: SingleFlight::default(),
             revalidations: SingleFlight::default(),
+            revalidation_backoff: std::sync::Mutex::default(),
+            tag_list_fetches: SingleFlight::default(),
         }))
     }
 
@@ -323,11 +333,17 @@ impl Cache {
         if age < ttl || upstream.config.tag_is_immutable(tag.as_str()) {
             return Ok((cached, CacheResult::Hit));
         }
+        let may_serve_stale = age < ttl + self.config.stale_if_error;
+        if may_serve_stale && self.backing_off(upstream.name()) {
+            return Ok((cached, CacheResult::Stale));
+        }
         let head = {
             let (upstream, repo, reference) = (Arc::clone(upstream), repo.clone(), Reference::Tag(tag.clone()));
             move || async move { upstream.head_manifest(&repo, &reference).await.map_err(Error::Upstream) }
         };
-        match self.revalidations.run(key.clone(), head).await.0 {
+        let answer = self.revalidations.run(key.clone(), head).await.0;
+        self.note_revalidation(upstream.name(), matches!(answer, Err(Error::Upstream(_))));
+        match answer {
             Ok(Some(digest)) if digest == entry.digest => {
                 self.set_tag(key, digest).await?;
                 Ok((cached, CacheResult::Hit))
@@ -343,11 +359,28 @@ impl Cache {
                 blocking(move || Ok(index.remove_tag(&key)?)).await?;
                 Err(Error::ManifestUnknown)
             }
-            Err(Error::Upstream(e)) if age < ttl + self.config.stale_if_error => {
+            Err(Error::Upstream(e)) if may_serve_stale => {
                 tracing::warn!(upstream = upstream.name(), %repo, %tag, error = %e, "serving stale tag");
                 Ok((cached, CacheResult::Stale))
             }
             Err(e) => Err(e),
+        }
+    }
+
+    /// Whether a recent revalidation against `upstream` failed, so stale tags
+    /// are served without asking it again: during an outage each request
+    /// would otherwise wait for its own timeout.
+    fn backing_off(&self, upstream: &str) -> bool {
+        let backoff = self.revalidation_backoff.lock().unwrap_or_else(|p| p.into_inner());
+        backoff.get(upstream).is_some_and(|until| Instant::now() < *until)
+    }
+
+    fn note_revalidation(&self, upstream: &str, failed: bool) {
+        let mut backoff = self.revalidation_backoff.lock().unwrap_or_else(|p| p.into_inner());
+        if failed {
+            backoff.insert(upstream.to_owned(), Instant::now() + REVALIDATION_BACKOFF);
+        } else {
+            backoff.remove(upstream);
         }
     }
 
@@ -447,6 +480,46 @@ impl Cache {
         }
         self.memory.insert_member(key);
         Ok(())
+    }
+
+    // ---- tags/list ---------------------------------------------------------
+
+    /// A `tags/list` page: cached for the upstream's tag TTL, fetched once
+    /// however many ask, and served stale (up to `stale_if_error`) when
+    /// upstream fails. Pages live in memory only.
+    pub async fn tag_list(
+        &self,
+        upstream: &Arc<Upstream>,
+        repo: &RepoName,
+        query: Option<&str>,
+    ) -> Result<(TagsPage, CacheResult), Error> {
+        let key = format!("{}\0{repo}\0{}", upstream.name(), query.unwrap_or(""));
+        let ttl = upstream.config.tag_ttl(&self.config);
+        let cached = self.memory.tag_list(&key);
+        if let Some((page, fetched)) = &cached {
+            if fetched.elapsed() < ttl {
+                return Ok((page.clone(), CacheResult::Hit));
+            }
+        }
+        let fetch = {
+            let (upstream, repo, query) = (Arc::clone(upstream), repo.clone(), query.map(str::to_owned));
+            move || async move { upstream.get_tags(&repo, query.as_deref()).await }
+        };
+        let (answer, joined) = self.tag_list_fetches.run(key.clone(), fetch).await;
+        match (answer, cached) {
+            (Ok(Some(page)), _) => {
+                self.memory.insert_tag_list(key, page.clone());
+                Ok((page, CacheResult::of(joined)))
+            }
+            (Ok(None), _) => Err(Error::NameUnknown),
+            (Err(Error::Upstream(e)), Some((page, fetched)))
+                if fetched.elapsed() < ttl + self.config.stale_if_error =>
+            {
+                tracing::warn!(upstream = upstream.name(), %repo, error = %e, "serving stale tags/list");
+                Ok((page, CacheResult::Stale))
+            }
+            (Err(e), _) => Err(e),
+        }
     }
 
     // ---- blobs -----------------------------------------------------------

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::header::{ACCEPT_RANGES, CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE, LINK, RANGE};
-use http::{HeaderMap, HeaderValue, Method, Response, StatusCode};
+use http::{HeaderMap, HeaderValue, Method, Response, StatusCode, Uri};
 
 use super::range::ByteRange;
 use super::routes::Route;
@@ -125,15 +125,45 @@ async fn blob_head(app: &App, route: &Route, digest: Digest) -> Result<(Response
 }
 
 /// `GET /v2/<name>/tags/list`: forwarded with the pagination parameters.
-pub async fn tags(route: &Route, query: Option<&str>, method: &Method) -> Result<Response<Body>, Error> {
-    let page = route.upstream.get_tags(&route.repo, query).await?.ok_or(Error::NameUnknown)?;
+pub async fn tags(
+    app: &App,
+    route: &Route,
+    query: Option<&str>,
+    method: &Method,
+    uri: &Uri,
+) -> Result<(Response<Body>, CacheResult), Error> {
+    let (page, result) = app.cache.tag_list(&route.upstream, &route.repo, query).await?;
     let mut builder =
         response(StatusCode::OK).header(CONTENT_TYPE, "application/json").header(CONTENT_LENGTH, page.body.len());
-    if let Some(link) = page.link {
+    if let Some(link) = page.link.as_ref().and_then(|l| next_page_link(l, uri)) {
         builder = builder.header(LINK, link);
     }
     let body = if method == Method::HEAD { body::empty() } else { body::full(page.body) };
-    built(builder.body(body))
+    Ok((built(builder.body(body))?, result))
+}
+
+/// Upstream's `Link: </v2/<repo>/tags/list?n=…&last=…>; rel="next"` names
+/// upstream's path; the client needs its own (path prefix, `ns`), with the
+/// upstream's pagination parameters.
+fn next_page_link(link: &HeaderValue, uri: &Uri) -> Option<HeaderValue> {
+    let link = link.to_str().ok()?;
+    let (target, rest) = link.trim_start().strip_prefix('<')?.split_once('>')?;
+    let mut query = form_urlencoded::Serializer::new(String::new());
+    if let Some((_, upstream_query)) = target.split_once('?') {
+        for (k, v) in form_urlencoded::parse(upstream_query.as_bytes()) {
+            if k == "n" || k == "last" {
+                query.append_pair(&k, &v);
+            }
+        }
+    }
+    if let Some(client_query) = uri.query() {
+        for (k, v) in form_urlencoded::parse(client_query.as_bytes()) {
+            if k == "ns" {
+                query.append_pair(&k, &v);
+            }
+        }
+    }
+    HeaderValue::from_str(&format!("<{}?{}>{rest}", uri.path(), query.finish())).ok()
 }
 
 /// Dispatches a parsed route to its handler.
@@ -142,6 +172,7 @@ pub async fn route(
     route: Route,
     method: &Method,
     headers: &HeaderMap,
+    uri: &Uri,
 ) -> Result<(Response<Body>, Option<CacheResult>), Error> {
     use super::routes::Endpoint;
     match &route.endpoint {
@@ -153,6 +184,30 @@ pub async fn route(
             let (r, c) = blob(app, &route, *digest, method, headers).await?;
             Ok((r, Some(c)))
         }
-        Endpoint::TagsList(query) => Ok((tags(&route, query.as_deref(), method).await?, None)),
+        Endpoint::TagsList(query) => {
+            let (r, c) = tags(app, &route, query.as_deref(), method, uri).await?;
+            Ok((r, Some(c)))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn next_page_links_follow_the_client_path() {
+        let upstream = HeaderValue::from_static("</v2/team/app/tags/list?last=v2&n=2>; rel=\"next\"");
+        let prefixed: Uri = "/v2/origin.test/team/app/tags/list?n=2".parse().unwrap();
+        assert_eq!(
+            next_page_link(&upstream, &prefixed).unwrap(),
+            "</v2/origin.test/team/app/tags/list?last=v2&n=2>; rel=\"next\""
+        );
+        let with_ns: Uri = "/v2/team/app/tags/list?n=2&ns=ghcr.io".parse().unwrap();
+        assert_eq!(
+            next_page_link(&upstream, &with_ns).unwrap(),
+            "</v2/team/app/tags/list?last=v2&n=2&ns=ghcr.io>; rel=\"next\""
+        );
+        assert!(next_page_link(&HeaderValue::from_static("garbage"), &with_ns).is_none());
     }
 }

@@ -94,7 +94,7 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
     let (route, outcome) = match routes::parse(&parts.method, &parts.uri, &app.upstreams) {
         Ok(Parsed::Base) => ("base", handlers::base(&parts.method).map(|r| (r, None))),
         Ok(Parsed::Repo(route)) => {
-            (route.endpoint.label(), handlers::route(&app, route, &parts.method, &parts.headers).await)
+            (route.endpoint.label(), handlers::route(&app, route, &parts.method, &parts.headers, &parts.uri).await)
         }
         Err(e) => ("invalid", Err(e)),
     };

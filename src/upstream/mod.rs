@@ -59,6 +59,7 @@ pub struct FetchedManifest {
 }
 
 /// One page of `tags/list`.
+#[derive(Clone, Debug)]
 pub struct TagsPage {
     pub body: Bytes,
     pub link: Option<HeaderValue>,
