@@ -13,6 +13,7 @@ pub mod config;
 pub mod error;
 pub mod metrics;
 pub mod oci;
+pub mod prefetch;
 pub mod server;
 pub mod upstream;
 

@@ -115,6 +115,20 @@ pub async fn wait_for_headers(rx: &mut watch::Receiver<Progress>) -> Result<(Arc
     }
 }
 
+/// Waits until the fill is verified and committed (its size) or failed.
+pub async fn wait_until_committed(rx: &mut watch::Receiver<Progress>) -> Result<u64, Error> {
+    loop {
+        match &*rx.borrow_and_update() {
+            Progress::Complete { size, .. } => return Ok(*size),
+            Progress::Failed(e) => return Err(e.clone()),
+            Progress::Connecting | Progress::Streaming { .. } => {}
+        }
+        if rx.changed().await.is_err() {
+            return Err(Error::Internal("fill ended without a result".into()));
+        }
+    }
+}
+
 /// The temp file being written and the hash of what was written so far.
 /// Moved into `spawn_blocking` for each write and back.
 pub struct Writer {

@@ -85,6 +85,73 @@ impl Index {
         Ok(new)
     }
 
+    /// Removes the tag and membership rows whose key starts with `prefix`
+    /// (`"upstream\0"` or `"upstream\0repo\0"`), and the blobs and manifests
+    /// that no remaining membership row names. Returns (tags removed,
+    /// membership rows removed, content removed); the caller unlinks files.
+    pub fn purge(&self, prefix: &str) -> Result<(usize, usize, Vec<Entry>), redb::Error> {
+        fn keys_under<V: redb::Value + 'static>(
+            table: &impl ReadableTable<&'static str, V>,
+            prefix: &str,
+        ) -> Result<Vec<String>, redb::Error> {
+            let mut keys = Vec::new();
+            for row in table.range(prefix..)? {
+                let key = row?.0.value().to_owned();
+                if !key.starts_with(prefix) {
+                    break;
+                }
+                keys.push(key);
+            }
+            Ok(keys)
+        }
+        let txn = self.db.begin_write()?;
+        let (tags, members, content);
+        {
+            let mut tag_table = txn.open_table(TAGS)?;
+            let tag_keys = keys_under(&tag_table, prefix)?;
+            for key in &tag_keys {
+                tag_table.remove(key.as_str())?;
+            }
+            tags = tag_keys.len();
+
+            let mut member_table = txn.open_table(MEMBERS)?;
+            let member_keys = keys_under(&member_table, prefix)?;
+            let mut candidates: std::collections::HashSet<String> = std::collections::HashSet::new();
+            for key in &member_keys {
+                member_table.remove(key.as_str())?;
+                if let Some((_, hex)) = key.rsplit_once('\0') {
+                    candidates.insert(hex.to_owned());
+                }
+            }
+            members = member_keys.len();
+            for row in member_table.iter()? {
+                let row = row?;
+                if let Some((_, hex)) = row.0.value().rsplit_once('\0') {
+                    candidates.remove(hex);
+                }
+            }
+            let mut removed = Vec::new();
+            let mut blobs = txn.open_table(BLOBS)?;
+            let mut meta = txn.open_table(MANIFEST_META)?;
+            let mut manifests = txn.open_table(MANIFESTS)?;
+            for hex in candidates {
+                let Ok(digest) = format!("sha256:{hex}").parse::<Digest>() else { continue };
+                if let Some(v) = blobs.remove(hex.as_str())? {
+                    let (size, accessed_ms) = v.value();
+                    removed.push(Entry { kind: Kind::Blob, digest, size, accessed_ms });
+                }
+                manifests.remove(hex.as_str())?;
+                if let Some(v) = meta.remove(hex.as_str())? {
+                    let (size, accessed_ms) = v.value();
+                    removed.push(Entry { kind: Kind::Manifest, digest, size, accessed_ms });
+                }
+            }
+            content = removed;
+        }
+        txn.commit()?;
+        Ok((tags, members, content))
+    }
+
     /// Indexes a blob file found without its row (see `reconcile`). No
     /// membership is recorded: a repository gets it after an upstream check.
     pub fn adopt_blob(&self, digest: &Digest, size: u64, now_ms: u64) -> Result<(), redb::Error> {

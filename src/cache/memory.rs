@@ -98,6 +98,14 @@ impl Memory {
         self.manifests.insert(m.digest, m);
     }
 
+    /// Drops every cached tag mapping, membership row and tags/list page;
+    /// they are read again from the index (or upstream) on demand.
+    pub fn forget_tags_and_members(&self) {
+        self.tags.invalidate_all();
+        self.members.invalidate_all();
+        self.tag_lists.invalidate_all();
+    }
+
     pub fn remove_manifest(&self, digest: &Digest) {
         self.manifests.invalidate(digest);
     }

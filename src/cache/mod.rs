@@ -60,6 +60,16 @@ impl CacheResult {
     }
 }
 
+/// What a purge removed.
+#[derive(Debug, Default, serde::Serialize, PartialEq, Eq)]
+pub struct Purged {
+    pub tags: usize,
+    pub members: usize,
+    pub blobs: usize,
+    pub manifests: usize,
+    pub bytes: u64,
+}
+
 /// A blob to serve: committed on disk, or a fill in flight.
 pub enum BlobSource {
     Committed { file: Arc<File>, size: u64 },
@@ -238,6 +248,36 @@ impl Cache {
             "evicted least recently used content"
         );
         Ok(())
+    }
+
+    /// Forgets an upstream, or one repository of it: its tags and
+    /// membership rows, and the blobs and manifests no other repository
+    /// still references. Readers already streaming a removed blob finish.
+    pub async fn purge(&self, upstream: &str, repo: Option<&RepoName>) -> Result<Purged, Error> {
+        let prefix = match repo {
+            Some(repo) => format!("{upstream}\0{repo}\0"),
+            None => format!("{upstream}\0"),
+        };
+        let (store, index) = (self.store.clone(), Arc::clone(&self.index));
+        let (tags, members, removed) = blocking(move || {
+            let (tags, members, removed) = index.purge(&prefix)?;
+            for e in removed.iter().filter(|e| e.kind == Kind::Blob) {
+                store.remove_blob(&e.digest)?;
+            }
+            Ok((tags, members, removed))
+        })
+        .await?;
+        self.memory.forget_tags_and_members();
+        for e in &removed {
+            match e.kind {
+                Kind::Blob => self.memory.remove_blob_size(&e.digest),
+                Kind::Manifest => self.memory.remove_manifest(&e.digest),
+            }
+        }
+        let bytes = removed.iter().map(|e| e.size).sum();
+        self.evictor.removed(bytes);
+        let blobs = removed.iter().filter(|e| e.kind == Kind::Blob).count();
+        Ok(Purged { tags, members, blobs, manifests: removed.len() - blobs, bytes })
     }
 
     /// Readiness: the index answers a read and the temp folder takes a file.

@@ -15,6 +15,8 @@ pub struct ManifestRefs {
     pub blobs: Vec<Digest>,
     /// Child manifests of an index / manifest list.
     pub manifests: Vec<Digest>,
+    /// `os/architecture[/variant]` of each child manifest, where given.
+    pub platforms: Vec<Option<String>>,
 }
 
 #[derive(Deserialize)]
@@ -31,6 +33,23 @@ struct Raw {
 #[derive(Deserialize)]
 struct Descriptor {
     digest: String,
+    platform: Option<Platform>,
+}
+
+#[derive(Deserialize)]
+struct Platform {
+    os: String,
+    architecture: String,
+    variant: Option<String>,
+}
+
+impl Platform {
+    fn name(&self) -> String {
+        match &self.variant {
+            Some(v) => format!("{}/{}/{v}", self.os, self.architecture),
+            None => format!("{}/{}", self.os, self.architecture),
+        }
+    }
 }
 
 /// Checks `bytes` against the media type upstream declared and lists its
@@ -53,7 +72,8 @@ pub fn inspect(bytes: &[u8], declared: Option<MediaType>) -> Result<(MediaType, 
     let digest = |d: &Descriptor| d.digest.parse::<Digest>().map_err(|e| format!("descriptor {:?}: {e}", d.digest));
     let blobs = raw.config.iter().chain(&raw.layers).map(digest).collect::<Result<_, _>>()?;
     let manifests = raw.manifests.iter().map(digest).collect::<Result<_, _>>()?;
-    Ok((media_type, ManifestRefs { blobs, manifests }))
+    let platforms = raw.manifests.iter().map(|d| d.platform.as_ref().map(Platform::name)).collect();
+    Ok((media_type, ManifestRefs { blobs, manifests, platforms }))
 }
 
 #[cfg(test)]
@@ -77,10 +97,14 @@ mod tests {
 
     #[test]
     fn index_without_embedded_media_type_uses_content_type() {
-        let json = format!(r#"{{"schemaVersion":2,"manifests":[{{"digest":"{D1}"}}]}}"#);
+        let json = format!(
+            r#"{{"schemaVersion":2,"manifests":[{{"digest":"{D1}"}},
+               {{"digest":"{D2}","platform":{{"os":"linux","architecture":"arm64","variant":"v8"}}}}]}}"#
+        );
         let (m, refs) = inspect(json.as_bytes(), Some(MediaType::OciIndex)).unwrap();
         assert_eq!(m, MediaType::OciIndex);
-        assert_eq!(refs.manifests, vec![D1.parse().unwrap()]);
+        assert_eq!(refs.manifests, vec![D1.parse().unwrap(), D2.parse().unwrap()]);
+        assert_eq!(refs.platforms, vec![None, Some("linux/arm64/v8".to_owned())]);
     }
 
     #[test]

@@ -18,6 +18,8 @@ use tokio::net::TcpListener;
 use super::HEADER_READ_TIMEOUT;
 use crate::app::App;
 use crate::body::{self, Body};
+use crate::error::Error;
+use crate::oci::RepoName;
 
 /// Serves until `shutdown` fires. Admin requests are short, so open
 /// connections are simply dropped then.
@@ -56,7 +58,10 @@ fn text(status: StatusCode, content_type: &'static str, bytes: Vec<u8>) -> Respo
     resp
 }
 
-async fn handle(app: &App, req: Request<Incoming>) -> Response<Body> {
+async fn handle(app: &Arc<App>, req: Request<Incoming>) -> Response<Body> {
+    if req.method() == Method::POST {
+        return operation(app, req.uri()).await;
+    }
     if req.method() != Method::GET && req.method() != Method::HEAD {
         return text(StatusCode::METHOD_NOT_ALLOWED, "text/plain", b"method not allowed\n".to_vec());
     }
@@ -75,4 +80,35 @@ async fn handle(app: &App, req: Request<Incoming>) -> Response<Body> {
         *resp.body_mut() = body::empty();
     }
     resp
+}
+
+/// `POST /prefetch?image=REF[&platform=os/arch]` and
+/// `POST /purge?upstream=NAME[&repo=REPO]`: answered with a JSON summary
+/// once done, or an OCI error envelope.
+async fn operation(app: &Arc<App>, uri: &http::Uri) -> Response<Body> {
+    let params: Vec<(String, String)> =
+        form_urlencoded::parse(uri.query().unwrap_or("").as_bytes()).into_owned().collect();
+    let param = |name: &str| params.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str());
+    let result = match uri.path() {
+        "/prefetch" => match param("image") {
+            Some(image) => crate::prefetch::prefetch(app, image, param("platform")).await.map(|r| serde_json::json!(r)),
+            None => Err(Error::NameInvalid(crate::oci::NameError::Empty)),
+        },
+        "/purge" => purge(app, param("upstream"), param("repo")).await,
+        _ => Err(Error::NotFound),
+    };
+    match result {
+        Ok(summary) => text(StatusCode::OK, "application/json", summary.to_string().into_bytes()),
+        Err(e) => e.into_response(false),
+    }
+}
+
+async fn purge(app: &App, upstream: Option<&str>, repo: Option<&str>) -> Result<serde_json::Value, Error> {
+    let name = upstream.ok_or(Error::NotFound)?;
+    // The canonical name, so that an alias purges the same rows.
+    let upstream = app.upstreams.get(name).ok_or_else(|| Error::UnknownUpstream(name.to_owned()))?;
+    let repo = repo.map(|r| r.parse::<RepoName>().map_err(Error::NameInvalid)).transpose()?;
+    let purged = app.cache.purge(upstream.name(), repo.as_ref()).await?;
+    tracing::info!(upstream = upstream.name(), repo = ?repo, ?purged, "purged");
+    Ok(serde_json::json!(purged))
 }
