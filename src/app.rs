@@ -8,12 +8,15 @@ use tokio::net::TcpListener;
 
 use crate::cache::Cache;
 use crate::config::Config;
+use crate::server::client_auth::ClientAuth;
 use crate::upstream::Upstreams;
 
 pub struct App {
     pub config: Config,
     pub upstreams: Upstreams,
     pub cache: Arc<Cache>,
+    /// Client authentication, when `[server.auth]` is configured.
+    pub auth: Option<Arc<ClientAuth>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -22,6 +25,10 @@ pub enum StartError {
     Cache { dir: String, source: crate::error::Error },
     #[error("{0}")]
     Upstream(String),
+    #[error("server.tls: {0}")]
+    Tls(String),
+    #[error("server.auth: {0}")]
+    Auth(String),
     #[error("listening on {addr}: {source}")]
     Listen { addr: SocketAddr, source: std::io::Error },
 }
@@ -40,6 +47,24 @@ pub async fn start(config: Config, shutdown: crate::server::Shutdown) -> Result<
         .await
         .map_err(|source| StartError::Cache { dir: config.cache.dir.display().to_string(), source })?;
     let upstreams = Upstreams::new(&config).map_err(StartError::Upstream)?;
+    let tls = match &config.server.tls {
+        Some(t) => {
+            let (acceptor, cert) = crate::server::tls::acceptor(t).map_err(StartError::Tls)?;
+            let paths = vec![t.cert.clone(), t.key.clone()];
+            crate::server::reload::watch("TLS certificate", paths, shutdown.clone(), move || cert.reload());
+            Some(acceptor)
+        }
+        None => None,
+    };
+    let auth = match &config.server.auth {
+        Some(a) => {
+            let auth = ClientAuth::load(a).map_err(StartError::Auth)?;
+            let watched = Arc::clone(&auth);
+            crate::server::reload::watch("htpasswd", vec![auth.path()], shutdown.clone(), move || watched.reload());
+            Some(auth)
+        }
+        None => None,
+    };
     let listener = TcpListener::bind(config.server.listen)
         .await
         .map_err(|source| StartError::Listen { addr: config.server.listen, source })?;
@@ -51,11 +76,11 @@ pub async fn start(config: Config, shutdown: crate::server::Shutdown) -> Result<
         None => None,
     };
     let admin_addr = admin.as_ref().and_then(|l| l.local_addr().ok());
-    let app = Arc::new(App { config, upstreams, cache });
+    let app = Arc::new(App { config, upstreams, cache, auth });
     tracing::info!(%addr, admin = ?admin_addr, cache_dir = %app.config.cache.dir.display(), "larder listening");
     let serve = {
         let grace = app.config.server.shutdown_grace;
-        let api = crate::server::serve(listener, Arc::clone(&app), shutdown.clone(), grace);
+        let api = crate::server::serve(listener, Arc::clone(&app), tls, shutdown.clone(), grace);
         let maintenance = app.cache.spawn_maintenance(shutdown.clone());
         async move {
             match admin {

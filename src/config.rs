@@ -46,6 +46,27 @@ pub struct ServerConfig {
     pub admin_listen: Option<SocketAddr>,
     /// After SIGTERM, how long in-flight responses may take to finish.
     pub shutdown_grace: Duration,
+    /// Serve the registry API over TLS.
+    pub tls: Option<TlsConfig>,
+    /// Require HTTP Basic credentials from clients.
+    pub auth: Option<ClientAuthConfig>,
+}
+
+#[derive(Debug, Clone)]
+pub struct TlsConfig {
+    /// PEM certificate chain and private key; re-read when they change.
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// Require client certificates signed by this CA (PEM).
+    pub client_ca: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ClientAuthConfig {
+    /// htpasswd file with bcrypt hashes (`htpasswd -B`); re-read when it changes.
+    pub htpasswd: PathBuf,
+    /// Realm named in the `WWW-Authenticate: Basic` challenge.
+    pub realm: String,
 }
 
 #[derive(Debug, Clone)]
@@ -137,6 +158,23 @@ struct RawServer {
     listen: Option<String>,
     admin_listen: Option<String>,
     shutdown_grace: Option<String>,
+    tls: Option<RawTls>,
+    auth: Option<RawAuth>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTls {
+    cert: String,
+    key: String,
+    client_ca: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAuth {
+    htpasswd: String,
+    realm: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -256,6 +294,30 @@ impl Validator<'_> {
         v.parse().map_err(|_| self.err(key, format!("{v:?} is not an address like \"0.0.0.0:5000\"")))
     }
 
+    fn readable(&self, key: &str, p: &str) -> Result<PathBuf, ConfigError> {
+        let path = self.path(p);
+        std::fs::File::open(&path).map_err(|e| self.err(key, format!("cannot read {}: {e}", path.display())))?;
+        Ok(path)
+    }
+
+    fn tls(&self, t: &RawTls) -> Result<TlsConfig, ConfigError> {
+        Ok(TlsConfig {
+            cert: self.readable("server.tls.cert", &t.cert)?,
+            key: self.readable("server.tls.key", &t.key)?,
+            client_ca: t.client_ca.as_deref().map(|c| self.readable("server.tls.client_ca", c)).transpose()?,
+        })
+    }
+
+    fn auth(&self, a: &RawAuth) -> Result<ClientAuthConfig, ConfigError> {
+        let realm = a.realm.clone().unwrap_or_else(|| "larder".to_owned());
+        if realm.is_empty() || realm.contains(['"', '\\']) || realm.chars().any(char::is_control) {
+            return Err(
+                self.err("server.auth.realm", "must be non-empty, without quotes, backslashes or control characters")
+            );
+        }
+        Ok(ClientAuthConfig { htpasswd: self.readable("server.auth.htpasswd", &a.htpasswd)?, realm })
+    }
+
     fn config(&self, raw: RawConfig) -> Result<Config, ConfigError> {
         let rs = raw.server.unwrap_or_default();
         let server = ServerConfig {
@@ -266,6 +328,8 @@ impl Validator<'_> {
                 rs.shutdown_grace.as_deref(),
                 DEFAULT_SHUTDOWN_GRACE,
             )?,
+            tls: rs.tls.as_ref().map(|t| self.tls(t)).transpose()?,
+            auth: rs.auth.as_ref().map(|a| self.auth(a)).transpose()?,
         };
         let rc = raw.cache.unwrap_or_default();
         let cache = CacheConfig {

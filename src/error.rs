@@ -35,6 +35,8 @@ pub enum Error {
     NotAcceptable,
     #[error(transparent)]
     Upstream(#[from] UpstreamError),
+    #[error("authentication required")]
+    Unauthorized { realm: String },
     #[error("the cache disk is full")]
     DiskFull,
     #[error("internal error: {0}")]
@@ -107,6 +109,9 @@ impl Error {
                 | UpstreamError::DigestMismatch { .. }
                 | UpstreamError::Auth(_) => (S::BAD_GATEWAY, "UNAVAILABLE", None),
             },
+            Error::Unauthorized { realm } => {
+                (S::UNAUTHORIZED, "UNAUTHORIZED", Some((header::WWW_AUTHENTICATE, format!("Basic realm=\"{realm}\""))))
+            }
             // Retryable: eviction is making room.
             Error::DiskFull => (S::SERVICE_UNAVAILABLE, "UNAVAILABLE", None),
             Error::Internal(_) => (S::INTERNAL_SERVER_ERROR, "UNKNOWN", None),

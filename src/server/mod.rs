@@ -2,9 +2,12 @@
 //! (hyper-util's auto builder), one task per connection.
 
 pub mod admin;
+pub mod client_auth;
 pub mod handlers;
 pub mod range;
+pub mod reload;
 pub mod routes;
+pub mod tls;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -18,6 +21,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
+use tokio_rustls::TlsAcceptor;
 
 use crate::app::App;
 use crate::body::Body;
@@ -29,6 +33,8 @@ use routes::Parsed;
 pub const MAX_CONNECTIONS: usize = 8192;
 /// Time a client has to send a request's headers.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// Time a client has to complete the TLS handshake.
+pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// HTTP/2 streams a client may have open on one connection.
 pub const MAX_CONCURRENT_STREAMS: u32 = 256;
 
@@ -38,7 +44,13 @@ pub type Shutdown = tokio::sync::watch::Receiver<()>;
 
 /// Accepts connections until `shutdown` fires, then drains the open ones
 /// for at most `grace`.
-pub async fn serve(listener: TcpListener, app: Arc<App>, mut shutdown: Shutdown, grace: Duration) {
+pub async fn serve(
+    listener: TcpListener,
+    app: Arc<App>,
+    tls: Option<TlsAcceptor>,
+    mut shutdown: Shutdown,
+    grace: Duration,
+) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT);
     builder.http2().timer(TokioTimer::new()).max_concurrent_streams(MAX_CONCURRENT_STREAMS);
@@ -64,14 +76,17 @@ pub async fn serve(listener: TcpListener, app: Arc<App>, mut shutdown: Shutdown,
             }
         };
         let _ = stream.set_nodelay(true);
-        let (app, builder, watcher) = (Arc::clone(&app), Arc::clone(&builder), graceful.watcher());
+        let (app, builder, watcher, tls) = (Arc::clone(&app), Arc::clone(&builder), graceful.watcher(), tls.clone());
         tokio::spawn(async move {
-            let service = service_fn(move |req| {
-                let app = Arc::clone(&app);
-                async move { Ok::<_, Infallible>(handle(app, req).await) }
-            });
-            let conn = builder.serve_connection(TokioIo::new(stream), service);
-            if let Err(e) = watcher.watch(conn).await {
+            let served = match tls {
+                None => serve_connection(&builder, stream, app, watcher).await,
+                Some(acceptor) => match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                    Ok(Ok(stream)) => serve_connection(&builder, stream, app, watcher).await,
+                    Ok(Err(e)) => Err(e.into()),
+                    Err(_) => Err("TLS handshake timed out".into()),
+                },
+            };
+            if let Err(e) = served {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
             drop(permit);
@@ -85,13 +100,35 @@ pub async fn serve(listener: TcpListener, app: Arc<App>, mut shutdown: Shutdown,
     }
 }
 
+/// Serves HTTP/1.1 or HTTP/2 on one accepted connection (plain or TLS).
+async fn serve_connection<I>(
+    builder: &auto::Builder<TokioExecutor>,
+    io: I,
+    app: Arc<App>,
+    watcher: hyper_util::server::graceful::Watcher,
+) -> Result<(), crate::body::BoxError>
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = service_fn(move |req| {
+        let app = Arc::clone(&app);
+        async move { Ok::<_, Infallible>(handle(app, req).await) }
+    });
+    watcher.watch(builder.serve_connection(TokioIo::new(io), service)).await
+}
+
 /// Routes a request, runs its handler, maps any error to its OCI response,
 /// records metrics and logs one line.
 pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
     let started = Instant::now();
     let (parts, _body) = req.into_parts();
     let head = parts.method == http::Method::HEAD;
-    let (route, outcome) = match routes::parse(&parts.method, &parts.uri, &app.upstreams) {
+    let authorized = match &app.auth {
+        Some(auth) => auth.check(&parts.headers).await,
+        None => Ok(()),
+    };
+    let parsed = authorized.and_then(|()| routes::parse(&parts.method, &parts.uri, &app.upstreams));
+    let (route, outcome) = match parsed {
         Ok(Parsed::Base) => ("base", handlers::base(&parts.method).map(|r| (r, None))),
         Ok(Parsed::Repo(route)) => {
             (route.endpoint.label(), handlers::route(&app, route, &parts.method, &parts.headers, &parts.uri).await)

@@ -128,6 +128,7 @@ pub struct LarderBuilder {
     cache_lines: Vec<String>,
     appended: Vec<String>,
     env: Vec<(String, String)>,
+    tcp_ready: bool,
 }
 
 impl Default for LarderBuilder {
@@ -144,6 +145,7 @@ impl Default for LarderBuilder {
                 // Plain logs: they are read from files and printed in test output.
                 ("NO_COLOR".to_owned(), "1".to_owned()),
             ],
+            tcp_ready: false,
         }
     }
 }
@@ -234,6 +236,13 @@ impl LarderBuilder {
             .unwrap_or_else(|e| panic!("cannot run `larder check-config`: {e}"))
     }
 
+    /// Readiness by TCP connect instead of `GET /v2/` = 200: for a listener
+    /// that speaks TLS or challenges for credentials.
+    pub fn ready_on_tcp(mut self) -> Self {
+        self.tcp_ready = true;
+        self
+    }
+
     /// Writes the config, starts larder and waits until `GET /v2/` answers 200.
     pub async fn start(self) -> Larder {
         assert!(!self.upstreams.is_empty(), "a larder needs at least one upstream");
@@ -248,6 +257,7 @@ impl LarderBuilder {
             env: self.env,
             process: None,
             starts: 0,
+            tcp_ready: self.tcp_ready,
             dir,
         };
         larder.spawn_and_wait().await;
@@ -263,6 +273,7 @@ pub struct Larder {
     env: Vec<(String, String)>,
     process: Option<LoggedChild>,
     starts: u32,
+    tcp_ready: bool,
     // Last, so the process is killed before its files are removed.
     dir: TempDir,
 }
@@ -362,8 +373,23 @@ impl Larder {
         super::process::append_marker(&self.log_path, &format!("larder start #{}", self.starts));
         let process = LoggedChild::spawn("larder", command, &self.log_path);
         let ready_url = format!("{}/v2/", self.url());
+        let (port, tcp_ready) = (self.port, self.tcp_ready);
         let process = self.process.insert(process);
-        process.wait_ready(&ready_url, 200).await;
+        if tcp_ready {
+            let started = std::time::Instant::now();
+            while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
+                process.assert_running("before accepting connections");
+                assert!(
+                    started.elapsed() < super::process::READY_TIMEOUT,
+                    "larder did not accept connections within {:?}; log:\n{}",
+                    super::process::READY_TIMEOUT,
+                    process.log_tail(80)
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        } else {
+            process.wait_ready(&ready_url, 200).await;
+        }
     }
 }
 

@@ -14,7 +14,9 @@ use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs
 /// A test certificate authority and a server certificate for 127.0.0.1.
 pub struct TestCa {
     pub ca_pem: String,
-    leaf_der: CertificateDer<'static>,
+    pub leaf_pem: String,
+    pub leaf_key_pem: String,
+    pub leaf_der: CertificateDer<'static>,
     leaf_key_der: Vec<u8>,
 }
 
@@ -30,7 +32,25 @@ impl TestCa {
         let leaf_params =
             CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()]).expect("leaf params");
         let leaf = leaf_params.signed_by(&leaf_key, &ca, &ca_key).expect("sign the leaf");
-        TestCa { ca_pem: ca.pem(), leaf_der: leaf.der().clone(), leaf_key_der: leaf_key.serialize_der() }
+        TestCa {
+            ca_pem: ca.pem(),
+            leaf_pem: leaf.pem(),
+            leaf_key_pem: leaf_key.serialize_pem(),
+            leaf_der: leaf.der().clone(),
+            leaf_key_der: leaf_key.serialize_der(),
+        }
+    }
+
+    /// Writes the server certificate and key (PEM) as `tls.crt` and
+    /// `tls.key` in `dir`, replacing them atomically (as a rotation does).
+    pub fn write_leaf(&self, dir: &Path) -> (PathBuf, PathBuf) {
+        let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
+        for (path, pem) in [(&cert, &self.leaf_pem), (&key, &self.leaf_key_pem)] {
+            let tmp = path.with_extension("new");
+            std::fs::write(&tmp, pem).expect("write PEM");
+            std::fs::rename(&tmp, path).expect("rename PEM into place");
+        }
+        (cert, key)
     }
 
     /// Writes the CA certificate (PEM) into `dir` and returns its path.
