@@ -75,6 +75,12 @@ fn main() -> ExitCode {
         return verify(&config, repair);
     }
     init_logs(cli.log_format);
+    // Each client connection and each blob being read holds a descriptor;
+    // the usual soft limit of 1024 is far below the connection limit.
+    match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(limit) => tracing::debug!(limit, "open file limit"),
+        Err(e) => tracing::warn!(error = %e, "cannot raise the open file limit"),
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

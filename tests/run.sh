@@ -4,7 +4,7 @@
 #      (distribution as the origin registry, skopeo, containerd, dockerd);
 #      nothing is started through systemd: each test starts its own;
 #   2. checks formatting and lints;
-#   3. runs every unit and integration test.
+#   3. runs every unit and integration test, then the Helm chart's test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,6 +21,12 @@ if ((${#need[@]})); then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
+# The Helm chart is rendered, linted and validated with Helm's own engine
+# (bundled in helm-python-sdk) and the Kubernetes schemas.
+python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
+  helm-python-sdk kubernetes-validate pyyaml
+
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings
 cargo test --all-targets --locked "$@"
+LARDER_BIN=target/debug/larder python3 charts/test_chart.py

@@ -8,6 +8,7 @@ pub mod range;
 pub mod reload;
 pub mod routes;
 pub mod tls;
+pub mod watchdog;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -110,11 +111,19 @@ async fn serve_connection<I>(
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
+    let activity = watchdog::Activity::new();
+    let io = watchdog::Tracked::new(io, Arc::clone(&activity));
+    let requests = Arc::clone(&activity);
     let service = service_fn(move |req| {
+        requests.request();
         let app = Arc::clone(&app);
         async move { Ok::<_, Infallible>(handle(app, req).await) }
     });
-    watcher.watch(builder.serve_connection(TokioIo::new(io), service)).await
+    let conn = watcher.watch(builder.serve_connection(TokioIo::new(io), service));
+    tokio::select! {
+        served = conn => served,
+        () = activity.expired() => Err("connection timed out (no request, or idle)".into()),
+    }
 }
 
 /// Routes a request, runs its handler, maps any error to its OCI response,

@@ -1,0 +1,144 @@
+//! Per-connection deadlines hyper cannot enforce on its own. The auto
+//! builder reads a connection's first bytes (to tell HTTP/1 from HTTP/2)
+//! before hyper's header timeout applies, so a client that connects and
+//! sends nothing, or trickles bytes, would hold a connection forever. The
+//! watchdog closes a connection that has not delivered its first request
+//! within [`FIRST_REQUEST_TIMEOUT`], and after that one on which no byte
+//! moved either way for [`IDLE_TIMEOUT`].
+
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::Instant;
+
+/// Time from accept until the first request's headers are complete.
+pub const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest time without a byte read or written, once a request was seen.
+/// Longer than the upstream response-header and body-idle timeouts, so a
+/// request waiting on a slow upstream is not cut off by it.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// What the watchdog watches, shared with the connection's IO and service.
+pub struct Activity {
+    start: Instant,
+    /// Milliseconds since `start` of the last byte moved.
+    last_ms: AtomicU64,
+    requested: AtomicBool,
+}
+
+impl Activity {
+    pub fn new() -> Arc<Activity> {
+        Arc::new(Activity { start: Instant::now(), last_ms: AtomicU64::new(0), requested: AtomicBool::new(false) })
+    }
+
+    fn touch(&self) {
+        self.last_ms.store(self.start.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// A request's headers were parsed.
+    pub fn request(&self) {
+        self.requested.store(true, Ordering::Relaxed);
+        self.touch();
+    }
+
+    /// Resolves when the connection should be closed.
+    pub async fn expired(&self) {
+        let first_deadline = self.start + FIRST_REQUEST_TIMEOUT;
+        loop {
+            let deadline = if self.requested.load(Ordering::Relaxed) {
+                self.start + Duration::from_millis(self.last_ms.load(Ordering::Relaxed)) + IDLE_TIMEOUT
+            } else {
+                first_deadline
+            };
+            if Instant::now() >= deadline {
+                return;
+            }
+            tokio::time::sleep_until(deadline).await;
+        }
+    }
+}
+
+/// An IO stream that records when bytes move.
+pub struct Tracked<I> {
+    inner: I,
+    activity: Arc<Activity>,
+}
+
+impl<I> Tracked<I> {
+    pub fn new(inner: I, activity: Arc<Activity>) -> Tracked<I> {
+        Tracked { inner, activity }
+    }
+}
+
+impl<I: AsyncRead + Unpin> AsyncRead for Tracked<I> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.activity.touch();
+        }
+        polled
+    }
+}
+
+impl<I: AsyncWrite + Unpin> AsyncWrite for Tracked<I> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write(cx, data);
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            self.activity.touch();
+        }
+        polled
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            self.activity.touch();
+        }
+        polled
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_connection_expires_at_the_first_request_deadline() {
+        let activity = Activity::new();
+        let started = Instant::now();
+        activity.expired().await;
+        assert_eq!(started.elapsed(), FIRST_REQUEST_TIMEOUT);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn after_a_request_only_idleness_counts() {
+        let activity = Activity::new();
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        activity.request();
+        let started = Instant::now();
+        activity.expired().await;
+        assert_eq!(started.elapsed(), IDLE_TIMEOUT);
+    }
+}
