@@ -111,6 +111,12 @@ fn select_upstream<'a, 'u>(
         if let Some(upstream) = upstreams.get(first) {
             return Ok((upstream, rest));
         }
+        // Docker's reference grammar reads a first component with a dot or a
+        // port, or `localhost`, as a registry host. One that is not
+        // configured is refused, not sent to the default upstream.
+        if first.contains(['.', ':']) || first == "localhost" {
+            return Err(Error::UnknownUpstream(first.chars().take(255).collect()));
+        }
     }
     let upstream =
         upstreams.default_upstream().ok_or_else(|| Error::UnknownUpstream("(no default upstream)".into()))?;
@@ -194,9 +200,13 @@ mod tests {
         let (up, repo, ep) = route(Method::GET, &format!("/v2/ghcr.io/org/app/blobs/{D}")).unwrap();
         assert_eq!((up.as_str(), repo.as_str()), ("ghcr.io", "org/app"));
         assert_eq!(ep, Endpoint::Blob(D.parse().unwrap()));
-        // A prefix that is no upstream is part of the name on the default upstream.
-        let (up, repo, _) = route(Method::GET, "/v2/evil.example/app/manifests/1").unwrap();
-        assert_eq!((up.as_str(), repo.as_str()), ("docker.io", "evil.example/app"));
+        // A prefix that looks like a registry host but is no upstream is refused.
+        for path in ["/v2/evil.example/app/manifests/1", "/v2/localhost/app/manifests/1"] {
+            assert!(matches!(route(Method::GET, path), Err(Error::UnknownUpstream(_))), "{path}");
+        }
+        // Other first components are part of the name on the default upstream.
+        let (up, repo, _) = route(Method::GET, "/v2/team/app/manifests/1").unwrap();
+        assert_eq!((up.as_str(), repo.as_str()), ("docker.io", "team/app"));
     }
 
     #[test]
