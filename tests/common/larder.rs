@@ -352,6 +352,29 @@ impl Larder {
         }
     }
 
+    /// Sends SIGTERM, what Kubernetes sends to stop a pod.
+    pub fn send_sigterm(&mut self) {
+        let process = self.process.as_mut().expect("larder is running");
+        let pid = process.pid().expect("larder has a pid");
+        process.write_log_marker("SIGTERM");
+        let sent = Command::new("kill").arg("-TERM").arg(pid.to_string()).status().expect("run kill");
+        assert!(sent.success(), "kill -TERM {pid} failed");
+    }
+
+    /// Waits up to `timeout` for larder to exit: its exit status, or `None`
+    /// if it is still running.
+    pub async fn wait_exit(&mut self, timeout: std::time::Duration) -> Option<std::process::ExitStatus> {
+        let process = self.process.as_mut()?;
+        let started = std::time::Instant::now();
+        while started.elapsed() < timeout {
+            if let Some(status) = process.exit_status() {
+                return Some(status);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        None
+    }
+
     /// Kills larder (SIGKILL, by PID): nothing gets a chance to flush.
     pub fn stop(&mut self) {
         if let Some(mut process) = self.process.take() {
