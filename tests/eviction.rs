@@ -9,7 +9,8 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{AccessLog, ImageBuilder, KIB, Larder, Origin, PulledImage, PushedImage, http, skopeo};
+use common::metrics::{ADMIN_LISTEN, metric};
+use common::{AccessLog, ImageBuilder, KIB, Larder, Origin, PulledImage, PushedImage, skopeo};
 
 const MAX_SIZE: u64 = 4 << 20;
 /// `max_size × high_watermark` (the default 0.95): above it, eviction runs.
@@ -168,38 +169,4 @@ async fn wait_for_eviction(larder: &Larder) {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-}
-
-/// `[server]` line: the admin listener (`/metrics`) on a port the OS picks,
-/// so it cannot collide with another test's; [`metric`] finds it in the log.
-const ADMIN_LISTEN: &str = r#"admin_listen = "127.0.0.1:0""#;
-
-/// The value of one series on larder's `/metrics` (`name{labels}` exactly
-/// as larder prints it); 0 while the series has not appeared.
-async fn metric(larder: &Larder, series: &str) -> f64 {
-    let url = format!("http://{}/metrics", admin_address(larder));
-    let text = http::client()
-        .get(&url)
-        .send()
-        .await
-        .and_then(|r| r.error_for_status())
-        .unwrap_or_else(|e| panic!("GET {url}: {e}"))
-        .text()
-        .await
-        .unwrap_or_else(|e| panic!("reading {url}: {e}"));
-    text.lines()
-        .filter(|line| !line.starts_with('#'))
-        .filter_map(|line| line.rsplit_once(' '))
-        .find(|(name, _)| *name == series)
-        .map_or(0.0, |(_, value)| value.parse().unwrap_or_else(|e| panic!("{series} = {value:?}: {e}")))
-}
-
-/// The admin address the latest start of larder logged it listens on
-/// (`larder listening addr=… admin=Some(127.0.0.1:PORT)`).
-fn admin_address(larder: &Larder) -> String {
-    let log = larder.log();
-    let line = log.lines().rev().find(|l| l.contains("larder listening"));
-    line.and_then(|l| l.split_whitespace().find_map(|w| w.strip_prefix("admin=Some(")?.strip_suffix(')')))
-        .unwrap_or_else(|| panic!("larder logged no admin address:\n{log}"))
-        .to_owned()
 }

@@ -11,7 +11,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{ImageBuilder, KIB, Larder, Origin, PulledImage, PushedImage, Upstream, http, skopeo};
+use common::metrics::{ADMIN_LISTEN, metric};
+use common::{ImageBuilder, KIB, Larder, Origin, PulledImage, PushedImage, Upstream, skopeo};
 use fake::client::{self, End, Response};
 use fake::{
     FakeUpstream, Faults, OCI_MANIFEST, REPO, UPSTREAM_NAME, digest, image_manifest, manifest_path, random_bytes,
@@ -207,38 +208,4 @@ async fn pull(source: &str) -> PulledImage {
 fn assert_same_image(pulled: &PulledImage, image: &PushedImage, step: &str) {
     assert_eq!(pulled.manifest_digest, image.digest, "{step}: manifest digest");
     assert_eq!(pulled.blob_digests(), image.blob_digests(), "{step}: blobs");
-}
-
-/// `[server]` line: the admin listener (`/metrics`) on a port the OS picks,
-/// so it cannot collide with another test's; [`metric`] finds it in the log.
-const ADMIN_LISTEN: &str = r#"admin_listen = "127.0.0.1:0""#;
-
-/// The value of one series on larder's `/metrics` (`name{labels}` exactly
-/// as larder prints it); 0 while the series has not appeared.
-async fn metric(larder: &Larder, series: &str) -> f64 {
-    let url = format!("http://{}/metrics", admin_address(larder));
-    let text = http::client()
-        .get(&url)
-        .send()
-        .await
-        .and_then(|r| r.error_for_status())
-        .unwrap_or_else(|e| panic!("GET {url}: {e}"))
-        .text()
-        .await
-        .unwrap_or_else(|e| panic!("reading {url}: {e}"));
-    text.lines()
-        .filter(|line| !line.starts_with('#'))
-        .filter_map(|line| line.rsplit_once(' '))
-        .find(|(name, _)| *name == series)
-        .map_or(0.0, |(_, value)| value.parse().unwrap_or_else(|e| panic!("{series} = {value:?}: {e}")))
-}
-
-/// The admin address the latest start of larder logged it listens on
-/// (`larder listening addr=… admin=Some(127.0.0.1:PORT)`).
-fn admin_address(larder: &Larder) -> String {
-    let log = larder.log();
-    let line = log.lines().rev().find(|l| l.contains("larder listening"));
-    line.and_then(|l| l.split_whitespace().find_map(|w| w.strip_prefix("admin=Some(")?.strip_suffix(')')))
-        .unwrap_or_else(|| panic!("larder logged no admin address:\n{log}"))
-        .to_owned()
 }

@@ -24,6 +24,7 @@ pub mod access_log;
 pub mod http;
 pub mod image;
 pub mod larder;
+pub mod metrics;
 pub mod origin;
 pub mod process;
 pub mod skopeo;
