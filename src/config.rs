@@ -37,7 +37,24 @@ pub struct Config {
     pub server: ServerConfig,
     pub cache: CacheConfig,
     pub upstreams: Vec<UpstreamConfig>,
+    pub log: LogConfig,
 }
+
+#[derive(Debug, Clone)]
+pub struct LogConfig {
+    /// A `tracing` filter (`"info"`, `"warn,larder=debug"`); `RUST_LOG` wins.
+    pub level: String,
+    pub format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Default log filter: larder's own lines at info, other crates' warnings.
+pub const DEFAULT_LOG_LEVEL: &str = "warn,larder=info";
 
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -148,6 +165,7 @@ pub enum ConfigError {
 struct RawConfig {
     server: Option<RawServer>,
     cache: Option<RawCache>,
+    log: Option<RawLog>,
     #[serde(default)]
     upstream: Vec<RawUpstream>,
 }
@@ -175,6 +193,13 @@ struct RawTls {
 struct RawAuth {
     htpasswd: String,
     realm: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawLog {
+    level: Option<String>,
+    format: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -371,7 +396,16 @@ impl Validator<'_> {
         if upstreams.iter().filter(|u| u.default).count() > 1 {
             return Err(self.err("upstream.default", "only one upstream can be `default = true`"));
         }
-        Ok(Config { server, cache, upstreams })
+        let rl = raw.log.unwrap_or_default();
+        let level = rl.level.unwrap_or_else(|| DEFAULT_LOG_LEVEL.to_owned());
+        tracing_subscriber::EnvFilter::try_new(&level)
+            .map_err(|e| self.err("log.level", format!("{level:?} is not a log filter like \"info\": {e}")))?;
+        let format = match rl.format.as_deref() {
+            None | Some("text") => LogFormat::Text,
+            Some("json") => LogFormat::Json,
+            Some(other) => return Err(self.err("log.format", format!("{other:?} is not \"text\" or \"json\""))),
+        };
+        Ok(Config { server, cache, upstreams, log: LogConfig { level, format } })
     }
 
     fn upstream(&self, i: usize, u: RawUpstream) -> Result<UpstreamConfig, ConfigError> {
@@ -548,6 +582,8 @@ mod tests {
             ("[cache]\ntag_ttl = \"soon\"\n", "cache.tag_ttl"),
             ("[cache]\nmax_size = \"lots\"\n", "cache.max_size"),
             ("[server]\nlisten = \"nowhere\"\n", "server.listen"),
+            ("[log]\nlevel = \"larder=loud\"\n", "log.level"),
+            ("[log]\nformat = \"xml\"\n", "log.format"),
         ];
         for (prefix, key) in cases {
             let e = parse(&format!("{prefix}{MINIMAL}")).unwrap_err().to_string();

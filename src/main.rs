@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use larder::config::Config;
+use larder::config::{Config, LogConfig, LogFormat};
 
 #[derive(Parser)]
 #[command(version, about = "A pull-through caching proxy for OCI/Docker registries")]
@@ -12,9 +12,9 @@ struct Cli {
     /// Config file (TOML). Without it, larder runs its embedded default.
     #[arg(long, global = true)]
     config: Option<PathBuf>,
-    /// Log format.
-    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
-    log_format: LogFormat,
+    /// Log format; overrides the config's `log.format`.
+    #[arg(long, value_enum, global = true)]
+    log_format: Option<CliLogFormat>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -35,7 +35,7 @@ enum Command {
 }
 
 #[derive(Clone, Copy, ValueEnum)]
-enum LogFormat {
+enum CliLogFormat {
     Text,
     Json,
 }
@@ -47,9 +47,15 @@ fn load(path: Option<&PathBuf>) -> Result<Config, larder::config::ConfigError> {
     }
 }
 
-fn init_logs(format: LogFormat) {
+/// Logs to stderr: `RUST_LOG` if set, else the config's filter.
+fn init_logs(config: &LogConfig, cli: Option<CliLogFormat>) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("larder=info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&config.level));
+    let format = match cli {
+        Some(CliLogFormat::Text) => LogFormat::Text,
+        Some(CliLogFormat::Json) => LogFormat::Json,
+        None => config.format,
+    };
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
@@ -74,7 +80,7 @@ fn main() -> ExitCode {
     if let Some(Command::Verify { repair }) = cli.command {
         return verify(&config, repair);
     }
-    init_logs(cli.log_format);
+    init_logs(&config.log, cli.log_format);
     // Each client connection and each blob being read holds a descriptor;
     // the usual soft limit of 1024 is far below the connection limit.
     match rlimit::increase_nofile_limit(u64::MAX) {

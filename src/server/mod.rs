@@ -23,6 +23,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
+use tracing::Instrument;
 
 use crate::app::App;
 use crate::body::Body;
@@ -128,7 +129,19 @@ where
 
 /// Routes a request, runs its handler, maps any error to its OCI response,
 /// records metrics and logs one line.
+/// Every log line of a request carries its id (also sent back as
+/// `X-Request-Id`), so one pull can be followed through the logs.
 pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
+    let id = format!("{:016x}", rand::random::<u64>());
+    let span = tracing::info_span!("request", id = %id);
+    let mut resp = handle_request(app, req).instrument(span).await;
+    if let Ok(value) = http::HeaderValue::from_str(&id) {
+        resp.headers_mut().insert("x-request-id", value);
+    }
+    resp
+}
+
+async fn handle_request(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
     let started = Instant::now();
     let (parts, _body) = req.into_parts();
     let head = parts.method == http::Method::HEAD;
@@ -162,11 +175,15 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
     if let Some(c) = cache {
         m.cache_requests.with_label_values(&[route, c.as_str()]).inc();
     }
+    // The body is still to be sent: its length is what will be sent, unless
+    // the connection is aborted (a failed fill) or the client goes away.
+    let bytes = resp.headers().get(http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     tracing::info!(
         method = %parts.method,
         path = parts.uri.path(),
         route,
         status = resp.status().as_u16(),
+        bytes,
         cache = cache.map(|c| c.as_str()),
         error = error.as_deref(),
         ms = elapsed.as_millis() as u64,
