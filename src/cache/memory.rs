@@ -9,7 +9,7 @@ use bytes::Bytes;
 use http::HeaderValue;
 
 use crate::oci::{Digest, MediaType};
-use crate::upstream::TagsPage;
+use crate::upstream::Page;
 
 /// A manifest ready to serve.
 #[derive(Debug)]
@@ -53,13 +53,14 @@ pub struct Memory {
     blob_sizes: moka::sync::Cache<Digest, u64>,
     /// Repository membership rows known to exist (see the index's MEMBERS).
     members: moka::sync::Cache<String, ()>,
-    /// `tags/list` pages by (upstream, repo, query), with when they were fetched.
-    tag_lists: moka::sync::Cache<String, (TagsPage, Instant)>,
+    /// `tags/list` and `referrers` pages by (upstream, repo, listing, query),
+    /// with when they were fetched.
+    listings: moka::sync::Cache<String, (Page, Instant)>,
 }
 
-/// Memory for cached `tags/list` pages, apart from the budget above: pages
-/// are few and short-lived.
-const TAG_LISTS_BYTES: u64 = 16 << 20;
+/// Memory for cached listing pages, apart from the budget above: pages are
+/// few and short-lived.
+const LISTINGS_BYTES: u64 = 16 << 20;
 
 impl Memory {
     pub fn new(budget: u64) -> Memory {
@@ -81,11 +82,11 @@ impl Memory {
                 .weigher(|k: &String, _| u32::try_from(k.len()).unwrap_or(u32::MAX).saturating_add(ENTRY_OVERHEAD))
                 .max_capacity(small_budget / 2)
                 .build(),
-            tag_lists: moka::sync::Cache::builder()
-                .weigher(|k: &String, (page, _): &(TagsPage, Instant)| {
+            listings: moka::sync::Cache::builder()
+                .weigher(|k: &String, (page, _): &(Page, Instant)| {
                     u32::try_from(k.len() + page.body.len()).unwrap_or(u32::MAX).saturating_add(ENTRY_OVERHEAD)
                 })
-                .max_capacity(TAG_LISTS_BYTES)
+                .max_capacity(LISTINGS_BYTES)
                 .build(),
         }
     }
@@ -98,12 +99,12 @@ impl Memory {
         self.manifests.insert(m.digest, m);
     }
 
-    /// Drops every cached tag mapping, membership row and tags/list page;
+    /// Drops every cached tag mapping, membership row and listing page;
     /// they are read again from the index (or upstream) on demand.
     pub fn forget_tags_and_members(&self) {
         self.tags.invalidate_all();
         self.members.invalidate_all();
-        self.tag_lists.invalidate_all();
+        self.listings.invalidate_all();
     }
 
     pub fn remove_manifest(&self, digest: &Digest) {
@@ -138,12 +139,12 @@ impl Memory {
         self.members.insert(key, ());
     }
 
-    pub fn tag_list(&self, key: &str) -> Option<(TagsPage, Instant)> {
-        self.tag_lists.get(key)
+    pub fn listing(&self, key: &str) -> Option<(Page, Instant)> {
+        self.listings.get(key)
     }
 
-    pub fn insert_tag_list(&self, key: String, page: TagsPage) {
-        self.tag_lists.insert(key, (page, Instant::now()));
+    pub fn insert_listing(&self, key: String, page: Page) {
+        self.listings.insert(key, (page, Instant::now()));
     }
 
     pub fn remove_blob_size(&self, digest: &Digest) {

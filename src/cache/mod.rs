@@ -24,7 +24,7 @@ use crate::config::CacheConfig;
 use crate::error::{Error, UpstreamError};
 use crate::metrics::metrics;
 use crate::oci::{Digest, Reference, RepoName, Tag};
-use crate::upstream::{FetchedManifest, Opened, TagsPage, Upstream, content_length};
+use crate::upstream::{FetchedManifest, Listing, Opened, Page, Upstream, content_length};
 use disk::Store;
 use evict::{Evictor, Limits};
 use fill::{Fills, Progress, Writer};
@@ -87,8 +87,8 @@ pub struct Cache {
     manifest_fetches: SingleFlight<String, Arc<StoredManifest>>,
     /// One upstream HEAD per tag being revalidated.
     revalidations: SingleFlight<String, Option<Digest>>,
-    /// One upstream `tags/list` request per page however many ask.
-    tag_list_fetches: SingleFlight<String, Option<TagsPage>>,
+    /// One upstream `tags/list` or `referrers` request per page however many ask.
+    listing_fetches: SingleFlight<String, Option<Page>>,
     /// Upstreams whose last revalidation failed, until when stale tags are
     /// served without asking them. A std Mutex: never held across `.await`.
     revalidation_backoff: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
@@ -157,7 +157,7 @@ impl Cache {
             manifest_fetches: SingleFlight::default(),
             revalidations: SingleFlight::default(),
             revalidation_backoff: std::sync::Mutex::default(),
-            tag_list_fetches: SingleFlight::default(),
+            listing_fetches: SingleFlight::default(),
         }))
     }
 
@@ -522,40 +522,51 @@ impl Cache {
         Ok(())
     }
 
-    // ---- tags/list ---------------------------------------------------------
+    // ---- tags/list and referrers ------------------------------------------
 
-    /// A `tags/list` page: cached for the upstream's tag TTL, fetched once
-    /// however many ask, and served stale (up to `stale_if_error`) when
-    /// upstream fails. Pages live in memory only.
-    pub async fn tag_list(
+    /// A page of `tags/list` or `referrers`: cached in memory for the
+    /// upstream's tag TTL, fetched once however many ask, and served stale
+    /// (up to `stale_if_error`) when upstream fails. A registry without the
+    /// referrers API (404) has no referrers: an empty index.
+    pub async fn listing(
         &self,
         upstream: &Arc<Upstream>,
         repo: &RepoName,
+        listing: &Listing,
         query: Option<&str>,
-    ) -> Result<(TagsPage, CacheResult), Error> {
-        let key = format!("{}\0{repo}\0{}", upstream.name(), query.unwrap_or(""));
+    ) -> Result<(Page, CacheResult), Error> {
+        let what = match listing {
+            Listing::Tags => "tags".to_owned(),
+            Listing::Referrers(d) => format!("referrers/{d}"),
+        };
+        let key = format!("{}\0{repo}\0{what}\0{}", upstream.name(), query.unwrap_or(""));
         let ttl = upstream.config.tag_ttl(&self.config);
-        let cached = self.memory.tag_list(&key);
+        let cached = self.memory.listing(&key);
         if let Some((page, fetched)) = &cached {
             if fetched.elapsed() < ttl {
                 return Ok((page.clone(), CacheResult::Hit));
             }
         }
         let fetch = {
-            let (upstream, repo, query) = (Arc::clone(upstream), repo.clone(), query.map(str::to_owned));
-            move || async move { upstream.get_tags(&repo, query.as_deref()).await }
+            let (upstream, repo, listing, query) =
+                (Arc::clone(upstream), repo.clone(), listing.clone(), query.map(str::to_owned));
+            move || async move { upstream.get_listing(&repo, &listing, query.as_deref()).await }
         };
-        let (answer, joined) = self.tag_list_fetches.run(key.clone(), fetch).await;
+        let (answer, joined) = self.listing_fetches.run(key.clone(), fetch).await;
+        let answer = match (answer, listing) {
+            (Ok(None), Listing::Referrers(_)) => Ok(Some(Page::empty_referrers())),
+            (answer, _) => answer,
+        };
         match (answer, cached) {
             (Ok(Some(page)), _) => {
-                self.memory.insert_tag_list(key, page.clone());
+                self.memory.insert_listing(key, page.clone());
                 Ok((page, CacheResult::of(joined)))
             }
             (Ok(None), _) => Err(Error::NameUnknown),
             (Err(Error::Upstream(e)), Some((page, fetched)))
                 if fetched.elapsed() < ttl + self.config.stale_if_error =>
             {
-                tracing::warn!(upstream = upstream.name(), %repo, error = %e, "serving stale tags/list");
+                tracing::warn!(upstream = upstream.name(), %repo, what, error = %e, "serving a stale listing");
                 Ok((page, CacheResult::Stale))
             }
             (Err(e), _) => Err(e),

@@ -14,6 +14,7 @@ use crate::cache::fill::{read_body, wait_for_headers};
 use crate::cache::{BlobSource, CacheResult};
 use crate::error::Error;
 use crate::oci::{Accept, Digest, Reference};
+use crate::upstream::Listing;
 
 const API_VERSION: (&str, &str) = ("Docker-Distribution-API-Version", "registry/2.0");
 
@@ -124,19 +125,25 @@ async fn blob_head(app: &App, route: &Route, digest: Digest) -> Result<(Response
     Ok((built(resp)?, result))
 }
 
-/// `GET /v2/<name>/tags/list`: forwarded with the pagination parameters.
-pub async fn tags(
+/// `GET /v2/<name>/tags/list` and `GET /v2/<name>/referrers/<digest>`:
+/// forwarded with the pagination (and `artifactType`) parameters.
+pub async fn listing(
     app: &App,
     route: &Route,
+    listing: &Listing,
     query: Option<&str>,
     method: &Method,
     uri: &Uri,
 ) -> Result<(Response<Body>, CacheResult), Error> {
-    let (page, result) = app.cache.tag_list(&route.upstream, &route.repo, query).await?;
-    let mut builder =
-        response(StatusCode::OK).header(CONTENT_TYPE, "application/json").header(CONTENT_LENGTH, page.body.len());
+    let (page, result) = app.cache.listing(&route.upstream, &route.repo, listing, query).await?;
+    let mut builder = response(StatusCode::OK)
+        .header(CONTENT_TYPE, page.content_type.clone())
+        .header(CONTENT_LENGTH, page.body.len());
     if let Some(link) = page.link.as_ref().and_then(|l| next_page_link(l, uri)) {
         builder = builder.header(LINK, link);
+    }
+    if let Some(filters) = page.filters_applied {
+        builder = builder.header("OCI-Filters-Applied", filters);
     }
     let body = if method == Method::HEAD { body::empty() } else { body::full(page.body) };
     Ok((built(builder.body(body))?, result))
@@ -144,14 +151,14 @@ pub async fn tags(
 
 /// Upstream's `Link: </v2/<repo>/tags/list?n=…&last=…>; rel="next"` names
 /// upstream's path; the client needs its own (path prefix, `ns`), with the
-/// upstream's pagination parameters.
+/// upstream's pagination (and filter) parameters.
 fn next_page_link(link: &HeaderValue, uri: &Uri) -> Option<HeaderValue> {
     let link = link.to_str().ok()?;
     let (target, rest) = link.trim_start().strip_prefix('<')?.split_once('>')?;
     let mut query = form_urlencoded::Serializer::new(String::new());
     if let Some((_, upstream_query)) = target.split_once('?') {
         for (k, v) in form_urlencoded::parse(upstream_query.as_bytes()) {
-            if k == "n" || k == "last" {
+            if k == "n" || k == "last" || k == "artifactType" {
                 query.append_pair(&k, &v);
             }
         }
@@ -185,7 +192,11 @@ pub async fn route(
             Ok((r, Some(c)))
         }
         Endpoint::TagsList(query) => {
-            let (r, c) = tags(app, &route, query.as_deref(), method, uri).await?;
+            let (r, c) = listing(app, &route, &Listing::Tags, query.as_deref(), method, uri).await?;
+            Ok((r, Some(c)))
+        }
+        Endpoint::Referrers(digest, query) => {
+            let (r, c) = listing(app, &route, &Listing::Referrers(*digest), query.as_deref(), method, uri).await?;
             Ok((r, Some(c)))
         }
     }

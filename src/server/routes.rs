@@ -18,6 +18,9 @@ pub enum Endpoint {
     Blob(Digest),
     /// `tags/list` with the client's pagination query (`n`, `last`), if any.
     TagsList(Option<String>),
+    /// `referrers/<digest>` with the client's `artifactType` filter and
+    /// pagination, if any.
+    Referrers(Digest, Option<String>),
 }
 
 impl Endpoint {
@@ -27,6 +30,7 @@ impl Endpoint {
             Endpoint::Manifest(_) => "manifest",
             Endpoint::Blob(_) => "blob",
             Endpoint::TagsList(_) => "tags",
+            Endpoint::Referrers(..) => "referrers",
         }
     }
 }
@@ -75,6 +79,9 @@ pub fn parse(method: &Method, uri: &Uri, upstreams: &Upstreams) -> Result<Parsed
             return Err(Error::Unsupported);
         }
         (name, Endpoint::Blob(digest.parse().map_err(Error::DigestInvalid)?))
+    } else if let Some((name, digest)) = rest.rsplit_once("/referrers/") {
+        let query = keep_params(uri.query(), &["artifactType", "n", "last"]);
+        (name, Endpoint::Referrers(digest.parse().map_err(Error::DigestInvalid)?, query))
     } else {
         return Err(Error::NotFound);
     };
@@ -129,10 +136,15 @@ fn ns(query: Option<&str>) -> Option<String> {
 
 /// The `n` and `last` parameters of a `tags/list` query, re-encoded.
 fn pagination(query: Option<&str>) -> Option<String> {
+    keep_params(query, &["n", "last"])
+}
+
+/// The query's parameters named in `keep`, re-encoded; `None` if none.
+fn keep_params(query: Option<&str>, keep: &[&str]) -> Option<String> {
     let mut out = form_urlencoded::Serializer::new(String::new());
     let mut any = false;
     for (k, v) in form_urlencoded::parse(query?.as_bytes()) {
-        if k == "n" || k == "last" {
+        if keep.contains(&k.as_ref()) {
             out.append_pair(&k, &v);
             any = true;
         }
@@ -214,6 +226,16 @@ mod tests {
         let (_, repo, ep) = route(Method::GET, "/v2/ghcr.io/a/b/tags/list?n=10&last=v2&x=1").unwrap();
         assert_eq!(repo, "a/b");
         assert_eq!(ep, Endpoint::TagsList(Some("n=10&last=v2".into())));
+    }
+
+    #[test]
+    fn referrers_keep_their_filter() {
+        let (up, repo, ep) =
+            route(Method::GET, &format!("/v2/org/app/referrers/{D}?artifactType=application%2Fspdx&ns=ghcr.io&x=1"))
+                .unwrap();
+        assert_eq!((up.as_str(), repo.as_str()), ("ghcr.io", "org/app"));
+        assert_eq!(ep, Endpoint::Referrers(D.parse().unwrap(), Some("artifactType=application%2Fspdx".into())));
+        assert_eq!(route(Method::GET, "/v2/a/referrers/sha256:nope").err().unwrap().status(), 400);
     }
 
     #[test]

@@ -29,8 +29,8 @@ use client::HttpClient;
 
 /// Redirects followed for one request (blob GETs go to a CDN); more is an error.
 pub const MAX_REDIRECTS: usize = 5;
-/// Largest `tags/list` page read from upstream.
-pub const MAX_TAGS_PAGE: usize = 4 << 20;
+/// Largest `tags/list` or `referrers` page read from upstream.
+pub const MAX_LIST_PAGE: usize = 4 << 20;
 
 pub struct Upstream {
     pub config: UpstreamConfig,
@@ -58,11 +58,47 @@ pub struct FetchedManifest {
     pub refs: ManifestRefs,
 }
 
-/// One page of `tags/list`.
+/// What a listing endpoint lists.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Listing {
+    /// `tags/list`
+    Tags,
+    /// `referrers/<digest>`: manifests whose `subject` is the digest.
+    Referrers(Digest),
+}
+
+impl Listing {
+    fn path(&self, repo: &RepoName) -> String {
+        match self {
+            Listing::Tags => format!("/v2/{repo}/tags/list"),
+            Listing::Referrers(d) => format!("/v2/{repo}/referrers/{d}"),
+        }
+    }
+}
+
+/// One page of a listing, as upstream sent it.
 #[derive(Clone, Debug)]
-pub struct TagsPage {
+pub struct Page {
     pub body: Bytes,
+    pub content_type: HeaderValue,
+    /// Upstream's next-page `Link`, on upstream's own path.
     pub link: Option<HeaderValue>,
+    /// `OCI-Filters-Applied` of a filtered referrers answer.
+    pub filters_applied: Option<HeaderValue>,
+}
+
+impl Page {
+    /// The answer for a registry without the referrers API: no referrers.
+    pub fn empty_referrers() -> Page {
+        Page {
+            body: Bytes::from_static(
+                br#"{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json","manifests":[]}"#,
+            ),
+            content_type: HeaderValue::from_static(MediaType::OciIndex.as_str()),
+            link: None,
+            filters_applied: None,
+        }
+    }
 }
 
 impl Upstream {
@@ -230,11 +266,17 @@ impl Upstream {
         }
     }
 
-    /// GET one page of `tags/list`, with the client's pagination query.
-    pub async fn get_tags(&self, repo: &RepoName, query: Option<&str>) -> Result<Option<TagsPage>, Error> {
+    /// GET one page of a listing, with the client's query (pagination,
+    /// `artifactType`). `Ok(None)`: upstream answered 404.
+    pub async fn get_listing(
+        &self,
+        repo: &RepoName,
+        listing: &Listing,
+        query: Option<&str>,
+    ) -> Result<Option<Page>, Error> {
         let path = match query {
-            Some(q) => format!("/v2/{repo}/tags/list?{q}"),
-            None => format!("/v2/{repo}/tags/list"),
+            Some(q) => format!("{}?{q}", listing.path(repo)),
+            None => listing.path(repo),
         };
         let opened = self.open(Method::GET, &path, repo, None).await?;
         let resp = opened.response;
@@ -243,9 +285,15 @@ impl Upstream {
             StatusCode::NOT_FOUND => return Ok(None),
             status => return Err(failure(status, resp.headers()).into()),
         }
+        let default_type = match listing {
+            Listing::Tags => HeaderValue::from_static("application/json"),
+            Listing::Referrers(_) => HeaderValue::from_static(MediaType::OciIndex.as_str()),
+        };
+        let content_type = resp.headers().get(CONTENT_TYPE).cloned().unwrap_or(default_type);
         let link = resp.headers().get(LINK).cloned();
-        let body = self.http.read_body(resp.into_body(), MAX_TAGS_PAGE).await?;
-        Ok(Some(TagsPage { body, link }))
+        let filters_applied = resp.headers().get("oci-filters-applied").cloned();
+        let body = self.http.read_body(resp.into_body(), MAX_LIST_PAGE).await?;
+        Ok(Some(Page { body, content_type, link, filters_applied }))
     }
 }
 

@@ -1,6 +1,7 @@
-//! `tags/list` through larder against the real origin: forwarded with its
-//! pagination parameters, cached for the tag TTL, and served stale when the
-//! origin is gone.
+//! Listings through larder against the real origin: `tags/list` forwarded
+//! with its pagination parameters, cached for the tag TTL, and served stale
+//! when the origin is gone; `referrers` from a registry without the API is
+//! an empty index.
 
 mod common;
 
@@ -44,4 +45,24 @@ async fn tag_lists_are_forwarded_cached_and_served_stale() {
     tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
     let (status, _, body) = get(&first).await;
     assert_eq!((status, &body["tags"]), (200, &serde_json::json!(["v1", "v2", "v3"])));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn referrers_from_an_upstream_without_the_api_are_an_empty_index() {
+    let origin = Origin::start().await;
+    let image = ImageBuilder::oci().layers(&[4 * KIB]).push(&origin, "team/app", "v1").await;
+    let larder = Larder::builder().upstream(&origin).start().await;
+
+    let url = format!("{}/v2/team/app/referrers/{}?artifactType=application%2Fspdx%2Bjson", larder.url(), image.digest);
+    let resp = http::client().get(&url).send().await.expect("larder answers");
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "application/vnd.oci.image.index.v1+json");
+    let body: serde_json::Value = serde_json::from_slice(&resp.bytes().await.expect("body")).expect("JSON");
+    assert_eq!(body["manifests"], serde_json::json!([]));
+    assert_eq!(body["schemaVersion"], 2);
+
+    // distribution 2.8 has no referrers API: it was asked, and answered 404.
+    let asked = origin.access_log();
+    let referrers: Vec<_> = asked.under("/v2/team/app/referrers/").into_iter().map(|e| e.status).collect();
+    assert_eq!(referrers, [404]);
 }
