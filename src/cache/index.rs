@@ -152,11 +152,17 @@ impl Index {
         Ok((tags, members, content))
     }
 
-    /// Indexes a blob file found without its row (see `reconcile`). No
-    /// membership is recorded: a repository gets it after an upstream check.
-    pub fn adopt_blob(&self, digest: &Digest, size: u64, now_ms: u64) -> Result<(), redb::Error> {
+    /// Indexes blob files found without their rows (see `reconcile`), in
+    /// one transaction. No membership is recorded: a repository gets it
+    /// after an upstream check.
+    pub fn adopt_blobs(&self, blobs: &[(Digest, u64)], now_ms: u64) -> Result<(), redb::Error> {
         let txn = self.db.begin_write()?;
-        txn.open_table(BLOBS)?.insert(digest.hex().as_str(), (size, now_ms))?;
+        {
+            let mut table = txn.open_table(BLOBS)?;
+            for (digest, size) in blobs {
+                table.insert(digest.hex().as_str(), (*size, now_ms))?;
+            }
+        }
         txn.commit()?;
         Ok(())
     }

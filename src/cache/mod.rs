@@ -5,7 +5,7 @@
 mod disk;
 mod evict;
 pub mod fill;
-mod index;
+pub mod index;
 mod memory;
 mod reconcile;
 

@@ -78,6 +78,7 @@ pub fn reconcile(store: &Store, index: &Index, rehash: bool, repair: bool, now_m
         }
     }
 
+    let mut adopted = Vec::new();
     for path in store.blob_files()? {
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
         let digest = format!("sha256:{name}").parse::<Digest>().ok().filter(|d| store.blob_path(d) == path);
@@ -86,10 +87,7 @@ pub fn reconcile(store: &Store, index: &Index, rehash: bool, repair: bool, now_m
             Some(d) => match hash_file(&path) {
                 Ok(actual) if actual == d => {
                     report.adopted += 1;
-                    if repair {
-                        let size = std::fs::metadata(&path)?.len();
-                        index.adopt_blob(&d, size, now_ms)?;
-                    }
+                    adopted.push((d, std::fs::metadata(&path)?.len()));
                 }
                 Ok(actual) => {
                     report.bad_files += 1;
@@ -111,6 +109,9 @@ pub fn reconcile(store: &Store, index: &Index, rehash: bool, repair: bool, now_m
                 }
             }
         }
+    }
+    if repair && !adopted.is_empty() {
+        index.adopt_blobs(&adopted, now_ms)?;
     }
     Ok(report)
 }

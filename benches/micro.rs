@@ -1,0 +1,216 @@
+//! Micro-benchmarks of larder's hot paths (criterion):
+//! - verifying a blob while streaming it (write + sha256) against sha256 alone,
+//! - parsing a request into a route,
+//! - the redb index with 10^4 and 10^6 blobs: lookup and insert,
+//! - a follower reading a blob file (the path every blob response takes),
+//! - a manifest served from the memory tier, by digest and by tag.
+//!
+//! `cargo bench --bench micro`; numbers depend on the machine, so compare
+//! them within one run (see benches/README.md).
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use http::{HeaderMap, Method, Uri};
+use http_body_util::{BodyExt, Full};
+use larder::app::App;
+use larder::cache::Cache;
+use larder::cache::fill::{Writer, read_body};
+use larder::cache::index::Index;
+use larder::config::Config;
+use larder::oci::{Digest, Hasher};
+use larder::server::{handlers, routes};
+use larder::upstream::Upstreams;
+
+const CHUNK: usize = 256 << 10;
+const BLOB: usize = 8 << 20;
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime")
+}
+
+fn streaming_verification(c: &mut Criterion) {
+    let rt = runtime();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let chunk = Bytes::from(vec![0x5au8; CHUNK]);
+    let mut group = c.benchmark_group("verify_while_streaming_8MiB");
+    group.throughput(Throughput::Bytes(BLOB as u64));
+    group.bench_function("sha256_only", |b| {
+        b.iter(|| {
+            let mut h = Hasher::default();
+            for _ in 0..BLOB / CHUNK {
+                h.update(&chunk);
+            }
+            h.finish()
+        })
+    });
+    group.bench_function("fill_writer_write_and_hash", |b| {
+        b.to_async(&rt).iter(|| async {
+            let mut w = Writer::new(tempfile::NamedTempFile::new_in(dir.path()).expect("temp file"));
+            for _ in 0..BLOB / CHUNK {
+                w = w.write(chunk.clone()).await.expect("write");
+            }
+            w.finish()
+        })
+    });
+    group.finish();
+}
+
+const CONFIG: &str = r#"
+[[upstream]]
+name = "docker.io"
+url = "https://registry-1.docker.io"
+default = true
+[[upstream]]
+name = "ghcr.io"
+url = "https://ghcr.io"
+"#;
+
+fn route_parsing(c: &mut Criterion) {
+    let config = Config::parse(CONFIG, "bench.toml", None).expect("config");
+    let upstreams = Upstreams::new(&config).expect("upstreams");
+    let uris: Vec<Uri> = [
+        "/v2/library/alpine/manifests/3.20?ns=docker.io",
+        "/v2/ghcr.io/org/app/blobs/sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+        "/v2/nginx/manifests/sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+    ]
+    .iter()
+    .map(|u| u.parse().expect("uri"))
+    .collect();
+    c.bench_function("route_parse_3_requests", |b| {
+        b.iter(|| {
+            for uri in &uris {
+                std::hint::black_box(routes::parse(&Method::GET, uri, &upstreams).is_ok());
+            }
+        })
+    });
+}
+
+fn digest(n: u64) -> Digest {
+    Digest::of(&n.to_le_bytes())
+}
+
+fn index_at_scale(c: &mut Criterion) {
+    let mut group = c.benchmark_group("redb_index");
+    group.sample_size(20);
+    // `cargo test --all-targets` runs each benchmark once, without `--bench`,
+    // on a debug build: there, the 10^6-row setup would only cost time.
+    let benchmarking = std::env::args().any(|a| a == "--bench");
+    let sizes: &[u64] = if benchmarking { &[10_000, 1_000_000] } else { &[10_000] };
+    for &rows in sizes {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let index = Index::open(&dir.path().join("index.redb")).expect("index");
+        let all: Vec<(Digest, u64)> = (0..rows).map(|n| (digest(n), n)).collect();
+        for batch in all.chunks(100_000) {
+            index.adopt_blobs(batch, 1).expect("fill the index");
+        }
+        let mut probe = 0u64;
+        group.bench_with_input(BenchmarkId::new("lookup", rows), &rows, |b, rows| {
+            b.iter(|| {
+                probe = (probe + 7919) % rows;
+                index.blob_size(&digest(probe)).expect("lookup")
+            })
+        });
+        let mut next = rows;
+        group.bench_with_input(BenchmarkId::new("insert_committed", rows), &rows, |b, _| {
+            b.iter(|| {
+                next += 1;
+                index.insert_blob(&digest(next), next, "docker.io\0library/x\0bench", 1).expect("insert")
+            })
+        });
+    }
+    group.finish();
+}
+
+fn follower_read(c: &mut Criterion) {
+    let rt = runtime();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("blob");
+    std::fs::write(&path, vec![0x33u8; BLOB]).expect("blob file");
+    let mut group = c.benchmark_group("blob_read_8MiB");
+    group.throughput(Throughput::Bytes(BLOB as u64));
+    group.bench_function("read_body_committed", |b| {
+        b.to_async(&rt).iter(|| async {
+            let file = Arc::new(std::fs::File::open(&path).expect("open"));
+            let mut body = read_body(file, None, 0, Some(BLOB as u64));
+            let mut n = 0;
+            while let Some(frame) = body.frame().await {
+                n += frame.expect("frame").into_data().map_or(0, |d| d.len());
+            }
+            assert_eq!(n, BLOB);
+        })
+    });
+    group.finish();
+}
+
+/// A one-manifest upstream, so the memory tier can be warmed for real.
+async fn manifest_upstream(manifest: Bytes) -> String {
+    let digest = Digest::of(&manifest).to_string();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let (manifest, digest) = (manifest.clone(), digest.clone());
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |_req| {
+                    let resp = http::Response::builder()
+                        .header("content-type", "application/vnd.oci.image.manifest.v1+json")
+                        .header("docker-content-digest", digest.as_str())
+                        .body(Full::new(manifest.clone()))
+                        .expect("response");
+                    async move { Ok::<_, Infallible>(resp) }
+                });
+                let io = hyper_util::rt::TokioIo::new(stream);
+                let _ = hyper::server::conn::http1::Builder::new().serve_connection(io, service).await;
+            });
+        }
+    });
+    url
+}
+
+fn memory_tier_hit(c: &mut Criterion) {
+    let rt = runtime();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let manifest = Bytes::from(format!(
+        r#"{{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"{}","size":2}},"layers":[]}}"#,
+        Digest::of(b"{}")
+    ));
+    let digest = Digest::of(&manifest);
+    let app = rt.block_on(async {
+        let url = manifest_upstream(manifest.clone()).await;
+        let text = format!(
+            "[cache]\ndir = \"{}\"\n[[upstream]]\nname = \"bench.test\"\nurl = \"{url}\"\ndefault = true\n",
+            dir.path().display()
+        );
+        let config = Config::parse(&text, "bench.toml", None).expect("config");
+        let upstreams = Upstreams::new(&config).expect("upstreams");
+        let cache = Cache::open(config.cache.clone()).await.expect("cache");
+        Arc::new(App { config, upstreams, cache, auth: None })
+    });
+    let mut group = c.benchmark_group("manifest_memory_hit");
+    for (name, path) in
+        [("by_digest", format!("/v2/team/app/manifests/{digest}")), ("by_tag", "/v2/team/app/manifests/v1".into())]
+    {
+        let uri: Uri = path.parse().expect("uri");
+        let routes::Parsed::Repo(route) = routes::parse(&Method::GET, &uri, &app.upstreams).expect("route") else {
+            panic!("a repository route")
+        };
+        let routes::Endpoint::Manifest(reference) = route.endpoint.clone() else { panic!("a manifest route") };
+        let headers = HeaderMap::new();
+        // Warm: the first request fetches from the one-manifest upstream.
+        rt.block_on(handlers::manifest(&app, &route, &reference, &Method::GET, &headers)).expect("warm");
+        group.bench_function(name, |b| {
+            b.to_async(&rt).iter(|| async {
+                let (resp, _) =
+                    handlers::manifest(&app, &route, &reference, &Method::GET, &headers).await.expect("hit");
+                resp.into_body().collect().await.expect("body").to_bytes()
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, streaming_verification, route_parsing, index_at_scale, follower_read, memory_tier_hit);
+criterion_main!(benches);
