@@ -16,6 +16,12 @@
 //! released, the next requests failed with a status, and the whole server
 //! taken down and brought back.
 //!
+//! For attack tests it can also act as a registry that wants credentials
+//! ([`FakeUpstreamBuilder::challenge`]), hands out a token at `/token`,
+//! redirects a blob to a "CDN" ([`FakeUpstreamBuilder::redirect`]), serves
+//! `/cdn/<digest>` itself for same-host redirects, and keeps an item to one
+//! repository ([`FakeUpstreamBuilder::only_in`]).
+//!
 //! Every connection carries exactly one request (no keep-alive), so the
 //! fake can look at a request before choosing how to answer it: through
 //! hyper, or on the raw socket when a fault breaks HTTP framing in a way
@@ -33,7 +39,10 @@ use bytes::Bytes;
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Empty, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
-use hyper::header::{CONTENT_LENGTH, CONTENT_TYPE, RANGE, RETRY_AFTER};
+use hyper::header::{
+    AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, HeaderValue, LOCATION, RANGE, RETRY_AFTER, SET_COOKIE,
+    WWW_AUTHENTICATE,
+};
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response};
 use hyper_util::rt::TokioIo;
@@ -98,6 +107,8 @@ pub struct Logged {
     pub path: String,
     /// The `Range` header, if the request carried one.
     pub range: Option<String>,
+    /// The `Authorization` header, if the request carried one.
+    pub authorization: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,6 +124,27 @@ struct Item {
     /// `Content-Type` of a manifest.
     media_type: Option<String>,
     faults: Faults,
+    /// A GET is answered `307` with this `Location` instead of the content.
+    redirect: Option<String>,
+    /// Sent without `Content-Length` (chunked).
+    chunked: bool,
+    /// The only repository that has the item; `None`: every repository.
+    only_in: Option<String>,
+}
+
+impl Item {
+    /// An empty blob without faults, for `..Item::plain()`.
+    fn plain() -> Item {
+        Item {
+            kind: Kind::Blob,
+            bytes: Bytes::new(),
+            media_type: None,
+            faults: Faults::default(),
+            redirect: None,
+            chunked: false,
+            only_in: None,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -122,6 +154,13 @@ struct Content {
     /// `(repo, tag)` → manifest digest.
     tags: HashMap<(String, String), String>,
     global: Faults,
+    /// `WWW-Authenticate` of the `401` answered to every request (but
+    /// `/token` and `/cdn/…`) without the accepted `Authorization`.
+    challenge: Option<String>,
+    /// The `Authorization` value that passes the challenge.
+    accepted_authorization: Option<String>,
+    /// Body of `GET /token`.
+    token_response: Option<Bytes>,
 }
 
 #[derive(Default, Clone, Copy)]
@@ -154,8 +193,8 @@ impl State {
         self.changed.send_modify(|v| *v += 1);
     }
 
-    fn record(&self, method: &str, path: &str, range: Option<String>) {
-        lock(&self.log).push(Logged { method: method.to_owned(), path: path.to_owned(), range });
+    fn record(&self, method: &str, path: &str, range: Option<String>, authorization: Option<String>) {
+        lock(&self.log).push(Logged { method: method.to_owned(), path: path.to_owned(), range, authorization });
     }
 
     fn progress(&self, key: &str, f: impl FnOnce(&mut BodyProgress)) {
@@ -170,7 +209,11 @@ impl State {
         } else {
             content.tags.get(&(repo.to_owned(), reference.to_owned()))?.clone()
         };
-        let item = content.items.get(&key).filter(|i| i.kind == kind)?.clone();
+        let item = content
+            .items
+            .get(&key)
+            .filter(|i| i.kind == kind && i.only_in.as_ref().is_none_or(|only| only == repo))?
+            .clone();
         let faults = item.faults.or(&content.global);
         Some((key, item, faults))
     }
@@ -213,9 +256,7 @@ impl FakeUpstreamBuilder {
     pub fn blob(mut self, bytes: impl Into<Bytes>) -> Self {
         let bytes = bytes.into();
         let key = super::digest(&bytes);
-        self.content
-            .items
-            .insert(key.clone(), Item { kind: Kind::Blob, bytes, media_type: None, faults: Faults::default() });
+        self.content.items.insert(key.clone(), Item { kind: Kind::Blob, bytes, media_type: None, ..Item::plain() });
         self.last = Some(key);
         self
     }
@@ -226,17 +267,59 @@ impl FakeUpstreamBuilder {
         let key = super::digest(&bytes);
         self.content.items.insert(
             key.clone(),
-            Item { kind: Kind::Manifest, bytes, media_type: Some(media_type.to_owned()), faults: Faults::default() },
+            Item { kind: Kind::Manifest, bytes, media_type: Some(media_type.to_owned()), ..Item::plain() },
         );
         self.content.tags.insert((repo.to_owned(), tag.to_owned()), key.clone());
         self.last = Some(key);
         self
     }
 
-    fn last(mut self, f: impl FnOnce(&mut Faults)) -> Self {
+    fn last(self, f: impl FnOnce(&mut Faults)) -> Self {
+        self.last_item(|item| f(&mut item.faults))
+    }
+
+    fn last_item(mut self, f: impl FnOnce(&mut Item)) -> Self {
         let key = self.last.as_ref().expect("add a blob or manifest before its faults");
         let item = self.content.items.get_mut(key).expect("the last item");
-        f(&mut item.faults);
+        f(item);
+        self
+    }
+
+    /// A `GET` of the last item is answered `307 Temporary Redirect` to
+    /// `location` (absolute or relative, sent as is), with a `Set-Cookie`
+    /// that a client must not carry to another host.
+    pub fn redirect(self, location: &str) -> Self {
+        self.last_item(|item| item.redirect = Some(location.to_owned()))
+    }
+
+    /// Only `repo` has the last item: asked for in any other repository,
+    /// it is `404` (by default every repository has every item).
+    pub fn only_in(self, repo: &str) -> Self {
+        self.last_item(|item| item.only_in = Some(repo.to_owned()))
+    }
+
+    /// The last item is sent without `Content-Length` (chunked encoding).
+    pub fn chunked(self) -> Self {
+        self.last_item(|item| item.chunked = true)
+    }
+
+    /// Every request (but `/token` and `/cdn/…`) that does not carry the
+    /// [`Self::accept_authorization`] value is answered `401` with this
+    /// `WWW-Authenticate`.
+    pub fn challenge(mut self, www_authenticate: &str) -> Self {
+        self.content.challenge = Some(www_authenticate.to_owned());
+        self
+    }
+
+    /// The `Authorization` value that passes [`Self::challenge`].
+    pub fn accept_authorization(mut self, authorization: &str) -> Self {
+        self.content.accepted_authorization = Some(authorization.to_owned());
+        self
+    }
+
+    /// `GET /token` answers `200` with this JSON body.
+    pub fn token_response(mut self, body: impl Into<Bytes>) -> Self {
+        self.content.token_response = Some(body.into());
         self
     }
 
@@ -362,6 +445,12 @@ impl FakeUpstream {
             item.faults.stall_after = None;
         }
         self.state.bump();
+    }
+
+    /// Replaces the challenge (see [`FakeUpstreamBuilder::challenge`]);
+    /// `None` serves without one.
+    pub fn set_challenge(&self, www_authenticate: Option<&str>) {
+        lock(&self.state.content).challenge = www_authenticate.map(str::to_owned);
     }
 
     /// Replaces the global faults.
@@ -518,7 +607,7 @@ async fn serve_connection(mut stream: TcpStream, state: Arc<State>) {
         if stream.read_exact(&mut head).await.is_err() {
             return;
         }
-        state.record(&peeked.method, &peeked.path, peeked.range);
+        state.record(&peeked.method, &peeked.path, peeked.range, None);
         let _guard = OpenGuard::new(&state);
         raw.send(&mut stream, &state).await;
         return;
@@ -620,9 +709,41 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<FakeBody>
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
     let range = req.headers().get(RANGE).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
-    state.record(method.as_str(), &path, range);
+    let authorization = req.headers().get(AUTHORIZATION).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+    state.record(method.as_str(), &path, range, authorization.clone());
     let guard = OpenGuard::new(&state);
     let head = method == Method::HEAD;
+
+    let (challenge, accepted, token) = {
+        let content = lock(&state.content);
+        (content.challenge.clone(), content.accepted_authorization.clone(), content.token_response.clone())
+    };
+    if let (Some(body), "/token") = (token, path.as_str()) {
+        return Response::builder()
+            .header(CONTENT_TYPE, "application/json")
+            .header(CONTENT_LENGTH, body.len())
+            .body(if head { empty() } else { full(body) })
+            .expect("a valid token response");
+    }
+    if let Some(digest) = path.strip_prefix("/cdn/") {
+        let item = lock(&state.content).items.get(digest).cloned();
+        let Some(item) = item else {
+            return error(404, "BLOB_UNKNOWN", None, head);
+        };
+        return Response::builder()
+            .header(CONTENT_TYPE, "application/octet-stream")
+            .header(CONTENT_LENGTH, item.bytes.len())
+            .body(if head { empty() } else { full(item.bytes) })
+            .expect("a valid CDN response");
+    }
+    if let Some(challenge) = challenge {
+        if authorization.is_none() || authorization != accepted {
+            let mut resp = error(401, "UNAUTHORIZED", None, head);
+            let value = HeaderValue::from_str(&challenge).expect("a valid WWW-Authenticate value");
+            resp.headers_mut().insert(WWW_AUTHENTICATE, value);
+            return resp;
+        }
+    }
 
     if path == "/v2/" || path == "/v2" {
         return Response::builder()
@@ -648,6 +769,15 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<FakeBody>
     if let Some(status) = faults.status {
         return error(status, status_code(status), None, head);
     }
+    if let (Some(location), false) = (&item.redirect, head) {
+        return Response::builder()
+            .status(307)
+            .header(LOCATION, location.as_str())
+            .header(SET_COOKIE, "session=fake-upstream-session; Path=/")
+            .header(CONTENT_LENGTH, 0)
+            .body(empty())
+            .expect("a valid redirect");
+    }
     if let Some(d) = faults.stall_headers {
         tokio::time::sleep(d).await;
     }
@@ -668,10 +798,12 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<FakeBody>
         }
     };
     let digest_header = if faults.wrong_digest_header { super::digest(b"some other content") } else { key.clone() };
-    let builder = Response::builder()
+    let mut builder = Response::builder()
         .header(CONTENT_TYPE, item.media_type.as_deref().unwrap_or("application/octet-stream"))
-        .header(CONTENT_LENGTH, bytes.len())
         .header("Docker-Content-Digest", digest_header);
+    if !item.chunked {
+        builder = builder.header(CONTENT_LENGTH, bytes.len());
+    }
     if head {
         return builder.body(empty()).expect("a valid response");
     }
