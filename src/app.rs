@@ -46,25 +46,32 @@ pub async fn start(config: Config, shutdown: crate::server::Shutdown) -> Result<
     let cache = Cache::open(config.cache.clone())
         .await
         .map_err(|source| StartError::Cache { dir: config.cache.dir.display().to_string(), source })?;
-    let upstreams = Upstreams::new(&config).map_err(StartError::Upstream)?;
-    let tls = match &config.server.tls {
-        Some(t) => {
-            let (acceptor, cert) = crate::server::tls::acceptor(t).map_err(StartError::Tls)?;
+    // Reading CA files, the certificate and the htpasswd file is blocking
+    // file I/O: done on the blocking pool like every other.
+    let setup = {
+        let config = config.clone();
+        tokio::task::spawn_blocking(move || -> Result<_, StartError> {
+            let upstreams = Upstreams::new(&config).map_err(StartError::Upstream)?;
+            let tls =
+                config.server.tls.as_ref().map(crate::server::tls::acceptor).transpose().map_err(StartError::Tls)?;
+            let auth = config.server.auth.as_ref().map(ClientAuth::load).transpose().map_err(StartError::Auth)?;
+            Ok((upstreams, tls, auth))
+        })
+    };
+    let (upstreams, tls, auth) =
+        setup.await.map_err(|e| StartError::Upstream(format!("start-up task failed: {e}")))??;
+    let tls = match (tls, &config.server.tls) {
+        (Some((acceptor, cert)), Some(t)) => {
             let paths = vec![t.cert.clone(), t.key.clone()];
             crate::server::reload::watch("TLS certificate", paths, shutdown.clone(), move || cert.reload());
             Some(acceptor)
         }
-        None => None,
+        _ => None,
     };
-    let auth = match &config.server.auth {
-        Some(a) => {
-            let auth = ClientAuth::load(a).map_err(StartError::Auth)?;
-            let watched = Arc::clone(&auth);
-            crate::server::reload::watch("htpasswd", vec![auth.path()], shutdown.clone(), move || watched.reload());
-            Some(auth)
-        }
-        None => None,
-    };
+    if let Some(auth) = &auth {
+        let watched = Arc::clone(auth);
+        crate::server::reload::watch("htpasswd", vec![auth.path()], shutdown.clone(), move || watched.reload());
+    }
     let listener = TcpListener::bind(config.server.listen)
         .await
         .map_err(|source| StartError::Listen { addr: config.server.listen, source })?;
