@@ -28,14 +28,19 @@ pub fn watch(
     reload: impl Fn() -> Result<(), String> + Send + Sync + 'static,
 ) {
     let reload = std::sync::Arc::new(reload);
+    let paths = std::sync::Arc::new(paths);
+    let stamp_now = move || {
+        let paths = std::sync::Arc::clone(&paths);
+        async move { tokio::task::spawn_blocking(move || stamp(&paths)).await.ok() }
+    };
     tokio::spawn(async move {
-        let mut last = stamp(&paths);
+        let mut last = stamp_now().await;
         loop {
             tokio::select! {
                 _ = shutdown.changed() => return,
                 () = tokio::time::sleep(RELOAD_INTERVAL) => {}
             }
-            let now = stamp(&paths);
+            let now = stamp_now().await;
             if now == last {
                 continue;
             }
