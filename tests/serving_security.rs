@@ -36,8 +36,23 @@ async fn served_certificate(port: u16, cas: &[&TestCa]) -> CertificateDer<'stati
 
 /// `skopeo copy` over verified HTTPS, trusting only `ca`.
 async fn pull_verified(larder: &Larder, ca: &TestCa, image: &str) -> Result<Vec<u8>, skopeo::SkopeoError> {
+    pull_verified_as(larder, ca, None, image).await
+}
+
+/// The same, presenting `client` (a certificate and its key) when given.
+async fn pull_verified_as(
+    larder: &Larder,
+    ca: &TestCa,
+    client: Option<&TestCa>,
+    image: &str,
+) -> Result<Vec<u8>, skopeo::SkopeoError> {
     let certs = tempfile::tempdir().expect("cert dir");
     std::fs::write(certs.path().join("ca.crt"), &ca.ca_pem).expect("write ca.crt");
+    if let Some(client) = client {
+        // containers/image: `<name>.cert` with `<name>.key` in the cert dir.
+        std::fs::write(certs.path().join("client.cert"), &client.client_pem).expect("write client.cert");
+        std::fs::write(certs.path().join("client.key"), &client.client_key_pem).expect("write client.key");
+    }
     let out = tempfile::tempdir().expect("out dir");
     let args = [
         "copy".to_owned(),
@@ -111,4 +126,38 @@ async fn htpasswd_users_must_authenticate() {
         .await
         .unwrap_or_else(|e| panic!("pull with credentials: {e}\n{}", larder.log()));
     assert_eq!(pulled.manifest_digest, image.digest);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn client_certificates_are_required_when_a_client_ca_is_configured() {
+    let origin = Origin::start().await;
+    let image = ImageBuilder::oci().layers(&[16 * KIB]).push(&origin, "team/mtls", "v1").await;
+    let dir = tempfile::tempdir().expect("tls dir");
+    let server = TestCa::new();
+    let (cert, key) = server.write_leaf(dir.path());
+    let clients = TestCa::new();
+    let client_ca = dir.path().join("clients-ca.pem");
+    std::fs::write(&client_ca, &clients.ca_pem).expect("client CA");
+    let larder = Larder::builder()
+        .upstream(&origin)
+        .server_line(&format!(
+            "tls = {{ cert = \"{}\", key = \"{}\", client_ca = \"{}\" }}",
+            cert.display(),
+            key.display(),
+            client_ca.display()
+        ))
+        .ready_on_tcp()
+        .start()
+        .await;
+
+    assert!(pull_verified(&larder, &server, "team/mtls:v1").await.is_err(), "no client certificate");
+    let strangers = TestCa::new();
+    assert!(
+        pull_verified_as(&larder, &server, Some(&strangers), "team/mtls:v1").await.is_err(),
+        "a client certificate from another CA"
+    );
+    let manifest = pull_verified_as(&larder, &server, Some(&clients), "team/mtls:v1")
+        .await
+        .unwrap_or_else(|e| panic!("pull with a client certificate: {e}\n{}", larder.log()));
+    assert_eq!(common::origin::sha256_digest(&manifest), image.digest);
 }

@@ -18,6 +18,9 @@ pub struct TestCa {
     pub leaf_key_pem: String,
     pub leaf_der: CertificateDer<'static>,
     leaf_key_der: Vec<u8>,
+    /// A client certificate (TLS client auth) from the same CA, and its key.
+    pub client_pem: String,
+    pub client_key_pem: String,
 }
 
 impl TestCa {
@@ -32,12 +35,19 @@ impl TestCa {
         let leaf_params =
             CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()]).expect("leaf params");
         let leaf = leaf_params.signed_by(&leaf_key, &ca, &ca_key).expect("sign the leaf");
+        let client_key = KeyPair::generate().expect("client key");
+        let mut client_params = CertificateParams::new(Vec::<String>::new()).expect("client params");
+        client_params.distinguished_name.push(DnType::CommonName, "larder test client");
+        client_params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        let client = client_params.signed_by(&client_key, &ca, &ca_key).expect("sign the client certificate");
         TestCa {
             ca_pem: ca.pem(),
             leaf_pem: leaf.pem(),
             leaf_key_pem: leaf_key.serialize_pem(),
             leaf_der: leaf.der().clone(),
             leaf_key_der: leaf_key.serialize_der(),
+            client_pem: client.pem(),
+            client_key_pem: client_key.serialize_pem(),
         }
     }
 
