@@ -161,36 +161,93 @@ impl Writer {
     }
 }
 
+/// The writer between chunks: idle, or busy writing and hashing one chunk
+/// on the blocking pool while the next one is read from upstream.
+enum Slot {
+    Idle(Writer),
+    Busy(tokio::task::JoinHandle<Result<Writer, Error>>),
+}
+
+/// What happened first while a write was in flight.
+enum Step {
+    Wrote(Result<Result<Writer, Error>, tokio::task::JoinError>),
+    Read(Result<(Bytes, bool), Error>),
+}
+
+impl Slot {
+    /// The writer once its chunk (if any) is written and hashed.
+    async fn settle(self) -> Result<Writer, Error> {
+        match self {
+            Slot::Idle(w) => Ok(w),
+            Slot::Busy(task) => task.await.map_err(|e| Error::Internal(format!("fill write task failed: {e}")))?,
+        }
+    }
+}
+
 /// Streams a blob body from upstream into `writer`, publishing progress,
 /// and checks the length against `declared`. Returns the writer at EOF.
+///
+/// One chunk is written and hashed while the next is read from upstream,
+/// so hashing overlaps the network instead of adding to it; chunks stay in
+/// order because at most one write is in flight.
 pub async fn copy_body(
     mut body: Incoming,
-    mut writer: Writer,
+    writer: Writer,
     declared: Option<u64>,
     idle: Duration,
     tx: &watch::Sender<Progress>,
     received: &prometheus::IntCounter,
 ) -> Result<Writer, Error> {
+    let publish = |written: u64| {
+        tx.send_modify(|p| {
+            if let Progress::Streaming { written: w, .. } = p {
+                *w = written;
+            }
+        })
+    };
+    let mut slot = Slot::Idle(writer);
     loop {
-        let (chunk, eof) = next_chunk(&mut body, idle).await?;
-        if !chunk.is_empty() {
-            let after = writer.written() + chunk.len() as u64;
-            if declared.is_some_and(|d| after > d) {
+        // Read the next chunk; a write finishing meanwhile is published at
+        // once, so followers see bytes as soon as they are on disk even
+        // while upstream stalls.
+        let (chunk, eof) = {
+            let next = next_chunk(&mut body, idle);
+            tokio::pin!(next);
+            loop {
+                let step = match &mut slot {
+                    Slot::Busy(task) => tokio::select! {
+                        done = task => Step::Wrote(done),
+                        read = &mut next => Step::Read(read),
+                    },
+                    Slot::Idle(_) => Step::Read((&mut next).await),
+                };
+                match step {
+                    Step::Read(read) => break read?,
+                    Step::Wrote(done) => {
+                        let writer = done.map_err(|e| Error::Internal(format!("fill write task failed: {e}")))??;
+                        publish(writer.written());
+                        slot = Slot::Idle(writer);
+                    }
+                }
+            }
+        };
+        let writer = slot.settle().await?;
+        publish(writer.written());
+        slot = if chunk.is_empty() {
+            Slot::Idle(writer)
+        } else {
+            if declared.is_some_and(|d| writer.written() + chunk.len() as u64 > d) {
                 return Err(UpstreamError::Protocol("blob body is longer than its Content-Length".into()).into());
             }
             received.inc_by(chunk.len() as u64);
-            writer = writer.write(chunk).await?;
-            let written = writer.written();
-            tx.send_modify(|p| {
-                if let Progress::Streaming { written: w, .. } = p {
-                    *w = written;
-                }
-            });
-        }
+            Slot::Busy(tokio::spawn(writer.write(chunk)))
+        };
         if eof {
             break;
         }
     }
+    let writer = slot.settle().await?;
+    publish(writer.written());
     if let Some(d) = declared.filter(|d| *d != writer.written()) {
         let got = writer.written();
         return Err(UpstreamError::Protocol(format!("blob body ended after {got} of {d} bytes")).into());
@@ -299,8 +356,8 @@ impl Reader {
                 // validated against the size first, but never spin on it.
                 return Err("blob ended before the requested range".into());
             };
-            if rx.changed().await.is_err() && !matches!(&*rx.borrow(), Progress::Complete { .. } | Progress::Failed(_))
-            {
+            let terminal = |p: &Progress| matches!(p, Progress::Complete { .. } | Progress::Failed(_));
+            if rx.changed().await.is_err() && !terminal(&rx.borrow()) {
                 return Err("fill ended without a result".into());
             }
         }

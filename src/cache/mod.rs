@@ -713,6 +713,9 @@ impl Cache {
             metrics().digest_mismatch.inc();
             return Err(UpstreamError::DigestMismatch { expected: digest, actual: actual.to_string() }.into());
         }
+        // Readers get the last byte only once the blob is committed, so a
+        // client that has a blob can rely on it being cached, even if larder
+        // is killed right after.
         let (store, index) = (self.store.clone(), Arc::clone(&self.index));
         let member = member_key(upstream.name(), repo, &digest);
         self.memory.insert_member(member.clone());
