@@ -576,9 +576,9 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
-def build_larder() -> Path:
+def build_larder(cargo: str = "cargo") -> Path:
     log("building larder: cargo build --release --locked")
-    r = subprocess.run(["cargo", "build", "--release", "--locked"], cwd=REPO_ROOT, env=CHILD_ENV)
+    r = subprocess.run([cargo, "build", "--release", "--locked"], cwd=REPO_ROOT, env=CHILD_ENV)
     if r.returncode != 0:
         raise RuntimeError(f"cargo build failed with {r.returncode}")
     binary = REPO_ROOT / "target" / "release" / "larder"

@@ -964,26 +964,11 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
-def build_larder(cargo: str) -> Path:
-    log("building larder: cargo build --release --locked")
-    r = subprocess.run([cargo, "build", "--release", "--locked"], cwd=REPO_ROOT, env=CHILD_ENV)
-    if r.returncode != 0:
-        raise RuntimeError(f"cargo build failed with {r.returncode}")
-    binary = REPO_ROOT / "target" / "release" / "larder"
-    if not binary.is_file():
-        raise RuntimeError(f"{binary} missing after the build")
-    return binary
-
-
-def _raise_exit(signum, _frame):
-    raise SystemExit(128 + signum)
-
-
 def main() -> int:
     args = parse_args()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _raise_exit)
+        signal.signal(sig, herd._raise_exit)
 
     needed = ["docker-registry", "skopeo", "nginx", "wrk", "oha", "curl"] + ([] if args.larder_bin else ["cargo"])
     tools = {t: find_tool(t) for t in needed}
@@ -1000,7 +985,7 @@ def main() -> int:
         return 2
     oha_flag = oha_json_flag(tools["oha"])
 
-    binary = args.larder_bin.resolve() if args.larder_bin else build_larder(tools["cargo"])
+    binary = args.larder_bin.resolve() if args.larder_bin else herd.build_larder(tools["cargo"])
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="larder-load-results-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     machine = machine_info(tools)
