@@ -22,6 +22,15 @@ pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(25);
 pub const DEFAULT_HIGH_WATERMARK: f64 = 0.95;
 /// Default share of `max_size` eviction brings usage down to.
 pub const DEFAULT_LOW_WATERMARK: f64 = 0.85;
+/// Longest duration accepted anywhere in the config.
+pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 86_400);
+/// Longest duration text, and longest run of digits in it, accepted: with
+/// these no sum of its parts can overflow while parsing.
+const MAX_DURATION_TEXT: usize = 64;
+const MAX_DURATION_DIGITS: usize = 10;
+/// Largest `max_concurrency` accepted (tokio's semaphore has a limit, and
+/// more open requests than this to one registry is a mistake).
+pub const MAX_MAX_CONCURRENCY: usize = 65_536;
 /// Default number of open upstream requests per upstream.
 pub const DEFAULT_MAX_CONCURRENCY: usize = 32;
 /// Default time allowed to establish an upstream connection (TCP + TLS).
@@ -298,11 +307,20 @@ impl Validator<'_> {
     }
 
     fn duration(&self, key: &str, v: Option<&str>, default: Duration) -> Result<Duration, ConfigError> {
-        match v {
-            None => Ok(default),
-            Some(s) => humantime::parse_duration(s)
-                .map_err(|e| self.err(key, format!("{s:?} is not a duration like \"30s\", \"5m\" or \"7d\": {e}"))),
+        let Some(s) = v else { return Ok(default) };
+        // humantime panics on sums that overflow a Duration (found by
+        // fuzzing): bound the text before parsing, and the value after, so
+        // that durations can be added to each other anywhere.
+        let digit_run_too_long = s.split(|c: char| !c.is_ascii_digit()).any(|run| run.len() > MAX_DURATION_DIGITS);
+        if s.len() > MAX_DURATION_TEXT || digit_run_too_long {
+            return Err(self.err(key, format!("{s:?} is far too long for a duration")));
         }
+        let d = humantime::parse_duration(s)
+            .map_err(|e| self.err(key, format!("{s:?} is not a duration like \"30s\", \"5m\" or \"7d\": {e}")))?;
+        if d > MAX_DURATION {
+            return Err(self.err(key, format!("{s:?} is longer than 100 years")));
+        }
+        Ok(d)
     }
 
     fn size(&self, key: &str, v: Option<&str>, default: u64) -> Result<u64, ConfigError> {
@@ -462,7 +480,8 @@ impl Validator<'_> {
             })
             .collect::<Result<_, _>>()?;
         let max_concurrency = NonZeroUsize::new(u.max_concurrency.unwrap_or(DEFAULT_MAX_CONCURRENCY))
-            .ok_or_else(|| self.err(key("max_concurrency"), "must be at least 1"))?;
+            .filter(|n| n.get() <= MAX_MAX_CONCURRENCY)
+            .ok_or_else(|| self.err(key("max_concurrency"), format!("must be between 1 and {MAX_MAX_CONCURRENCY}")))?;
         let ca_file = u.ca_file.as_deref().map(|f| self.path(f));
         if let Some(ca) = &ca_file {
             if !ca.is_file() {
@@ -583,6 +602,9 @@ mod tests {
             ("[cache]\nmax_size = \"lots\"\n", "cache.max_size"),
             ("[server]\nlisten = \"nowhere\"\n", "server.listen"),
             ("[log]\nlevel = \"larder=loud\"\n", "log.level"),
+            // Found by fuzzing: humantime panics on these.
+            ("[server]\nshutdown_grace = \"18446744073709551615s 500ms 500ms\"\n", "server.shutdown_grace"),
+            ("[cache]\ntag_ttl = \"101y\"\n", "cache.tag_ttl"),
             ("[log]\nformat = \"xml\"\n", "log.format"),
         ];
         for (prefix, key) in cases {
@@ -597,6 +619,12 @@ mod tests {
             parse(&format!("{MINIMAL}\n[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nmax_concurrency = 0\n"))
                 .unwrap_err()
                 .to_string();
+        assert!(e.contains("`upstream[1].max_concurrency`"), "{e}");
+        let e = parse(&format!(
+            "{MINIMAL}\n[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nmax_concurrency = 9223372036854775807\n"
+        ))
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("`upstream[1].max_concurrency`"), "{e}");
         let e = parse(&format!(
             "{MINIMAL}\n[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nimmutable_tags = [\"(\"]\n"

@@ -52,8 +52,13 @@ impl RepoName {
     }
 
     /// `library/<name>`: Docker Hub's namespace for one-component names.
-    pub fn in_library(&self) -> RepoName {
-        RepoName(format!("library/{}", self.0))
+    /// Refused if the prefix makes the name too long.
+    pub fn in_library(&self) -> Result<RepoName, NameError> {
+        let name = format!("library/{}", self.0);
+        if name.len() > MAX_NAME_LEN {
+            return Err(NameError::TooLong);
+        }
+        Ok(RepoName(name))
     }
 }
 
@@ -213,6 +218,9 @@ mod tests {
     fn library_namespace() {
         let n: RepoName = "alpine".parse().unwrap();
         assert_eq!(n.components(), 1);
-        assert_eq!(n.in_library().as_str(), "library/alpine");
+        assert_eq!(n.in_library().unwrap().as_str(), "library/alpine");
+        // Found by fuzzing: a 250-character name cannot take the prefix.
+        let long: RepoName = "a".repeat(250).parse().unwrap();
+        assert_eq!(long.in_library(), Err(NameError::TooLong));
     }
 }

@@ -89,7 +89,7 @@ pub fn parse(method: &Method, uri: &Uri, upstreams: &Upstreams) -> Result<Parsed
     let (upstream, name) = select_upstream(name, ns(uri.query()).as_deref(), upstreams)?;
     let mut repo: RepoName = name.parse().map_err(Error::NameInvalid)?;
     if upstream.config.library_namespace && repo.components() == 1 {
-        repo = repo.in_library();
+        repo = repo.in_library().map_err(Error::NameInvalid)?;
     }
     Ok(Parsed::Repo(Route { upstream: Arc::clone(upstream), repo, endpoint }))
 }

@@ -26,6 +26,8 @@ use crate::error::{Error, UpstreamError};
 pub const MAX_TOKEN_RESPONSE: usize = 1 << 20;
 /// Lifetime assumed when a token response has no `expires_in` (the spec's default).
 const DEFAULT_TOKEN_LIFETIME: Duration = Duration::from_secs(60);
+/// Longest a token is cached, whatever its `expires_in` says.
+const MAX_TOKEN_LIFETIME: Duration = Duration::from_secs(24 * 3600);
 /// A token is dropped from the cache this long before it expires, so that
 /// it is not sent while it expires in flight.
 const TOKEN_EXPIRY_MARGIN: Duration = Duration::from_secs(5);
@@ -211,7 +213,8 @@ async fn fetch_token(
         .filter(|t| !t.is_empty())
         .ok_or_else(|| UpstreamError::Auth("token response has no token".into()))?;
     crate::metrics::metrics().tokens_fetched.inc();
-    let lifetime = parsed.expires_in.map(Duration::from_secs).unwrap_or(DEFAULT_TOKEN_LIFETIME);
+    // An untrusted number: clamped, so that `now + lifetime` cannot overflow.
+    let lifetime = parsed.expires_in.map(Duration::from_secs).unwrap_or(DEFAULT_TOKEN_LIFETIME).min(MAX_TOKEN_LIFETIME);
     Ok((Secret::new(token), lifetime))
 }
 
