@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Fuzzes larder's parsers: every cargo-fuzz target in tests/fuzz/, one after
+# the other, each for SECONDS_PER_TARGET seconds (default 20).
+#
+#   tests/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]
+#
+# Installs cargo-fuzz if missing (from crates.io), builds all targets once,
+# then runs each on a scratch copy of its seed corpus (tests/fuzz/corpus/<t>/
+# is never written). Exits non-zero if any target crashes, times out or
+# fails to build; a failing input is kept in tests/fuzz/artifacts/<t>/ and the
+# command reproducing it is printed. The last line is `N passed, M failed`.
+#
+# Only stable Rust is needed: RUSTC_BOOTSTRAP=1 unlocks the -Z flags
+# (-Zsanitizer=address) cargo-fuzz passes to rustc.
+#
+# Environment:
+#   CARGO_FUZZ_FLAGS  extra `cargo fuzz build/run` options, e.g. "--sanitizer none"
+#   FUZZ_TIMEOUT      seconds one input may take before it counts as a hang (default 30)
+#   FUZZ_WORK_DIR     keep the build log, each target's libFuzzer log (<t>.log)
+#                     and the grown corpora (corpus/<t>/) here instead of in a
+#                     temporary folder that is removed at the end
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+seconds="${1:-20}"
+shift $(($# > 0 ? 1 : 0))
+if ! [[ "$seconds" =~ ^[0-9]+$ ]] || [ "$seconds" -eq 0 ]; then
+  echo "usage: tests/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]" >&2
+  exit 2
+fi
+fuzz_dir=tests/fuzz
+if (($#)); then
+  targets=("$@")
+else
+  targets=()
+  for f in "$fuzz_dir"/fuzz_targets/*.rs; do
+    targets+=("$(basename "$f" .rs)")
+  done
+fi
+read -r -a flags <<<"${CARGO_FUZZ_FLAGS:-}"
+export RUSTC_BOOTSTRAP=1
+
+if ! cargo fuzz --version >/dev/null 2>&1; then
+  started=$SECONDS
+  echo "fuzz: installing cargo-fuzz"
+  cargo install cargo-fuzz --locked --quiet
+  echo "fuzz: cargo-fuzz installed in $((SECONDS - started))s"
+fi
+
+if [ -n "${FUZZ_WORK_DIR:-}" ]; then
+  work="$FUZZ_WORK_DIR"
+  mkdir -p "$work"
+else
+  work="$(mktemp -d "${TMPDIR:-/tmp}/larder-fuzz.XXXXXX")"
+  trap 'rm -rf "$work"' EXIT
+fi
+
+started=$SECONDS
+echo "fuzz: building ${#targets[@]} targets"
+if cargo fuzz build --fuzz-dir "$fuzz_dir" "${flags[@]}" >"$work/build.log" 2>&1; then
+  echo "fuzz: built in $((SECONDS - started))s"
+else
+  # A target that does not build fails below; the others still run.
+  echo "fuzz: build failed after $((SECONDS - started))s:"
+  tail -n 40 "$work/build.log"
+fi
+
+passed=0
+failed=0
+for t in "${targets[@]}"; do
+  corpus="$work/corpus/$t"
+  rm -rf "$corpus"
+  mkdir -p "$corpus"
+  if [ -d "$fuzz_dir/corpus/$t" ]; then
+    cp -R "$fuzz_dir/corpus/$t/." "$corpus/"
+  fi
+  log="$work/$t.log"
+  echo "fuzz: $t for ${seconds}s"
+  if cargo fuzz run --fuzz-dir "$fuzz_dir" "${flags[@]}" "$t" "$corpus" -- \
+    -max_total_time="$seconds" -timeout="${FUZZ_TIMEOUT:-30}" -print_final_stats=1 >"$log" 2>&1; then
+    passed=$((passed + 1))
+    # libFuzzer's last status line (#runs, cov:, ft:, corp:) and its totals.
+    stats="$(grep -E '^#[0-9]+' "$log" | tail -n 1 | sed -E 's/^#([0-9]+)[[:space:]]+[A-Z]+[[:space:]]+/\1 runs: /')"
+    echo "fuzz: $t passed: ${stats:-no stats}"
+  else
+    failed=$((failed + 1))
+    echo "fuzz: $t FAILED:"
+    # The panic message (or sanitizer report) and libFuzzer's verdict; the
+    # whole output is in $log when FUZZ_WORK_DIR is set.
+    {
+      grep -m 1 -A 8 -E "panicked at|ERROR: AddressSanitizer" "$log" | grep -v -E "^stack backtrace:|^ +[0-9]+: |^ +at " || true
+      grep -E "^SUMMARY: |ERROR: libFuzzer|^error(\[|:)" "$log" || true
+    } | cut -c 1-2000 | sed 's/^/    /'
+    grep -q -E "Test unit written to|panicked at|ERROR: libFuzzer" "$log" || tail -n 40 "$log" | sed 's/^/    /'
+    artifacts="$(grep -oE 'Test unit written to [^ ]+' "$log" | sed 's/^Test unit written to //' || true)"
+    for a in $artifacts; do
+      echo "fuzz: $t: failing input kept in $a"
+      echo "fuzz: reproduce with: RUSTC_BOOTSTRAP=1 cargo fuzz run --fuzz-dir $fuzz_dir $t $a"
+    done
+  fi
+done
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
