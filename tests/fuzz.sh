@@ -56,8 +56,13 @@ else
 fi
 
 started=$SECONDS
-echo "fuzz: building ${#targets[@]} targets"
-if cargo fuzz build --fuzz-dir "$fuzz_dir" "${flags[@]}" >"$work/build.log" 2>&1; then
+# One target named: build only it; otherwise all of them in one cargo run.
+only=()
+if ((${#targets[@]} == 1)); then
+  only=("${targets[0]}")
+fi
+echo "fuzz: building ${only[0]:-all targets}"
+if cargo fuzz build --fuzz-dir "$fuzz_dir" "${flags[@]}" "${only[@]}" >"$work/build.log" 2>&1; then
   echo "fuzz: built in $((SECONDS - started))s"
 else
   # A target that does not build fails below; the others still run.
