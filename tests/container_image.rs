@@ -343,26 +343,12 @@ impl DockerCli {
     /// Runs `docker <args>` (bounded by [`clients::PULL_TIMEOUT`]); its
     /// stdout, or a panic with everything it said.
     fn ok(&self, args: &[&str]) -> String {
-        let mut command = self.command(args);
-        let child = command
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot run {command:?}: {e}"));
-        let pid = child.id();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let _ = tx.send(child.wait_with_output());
-        });
-        let Ok(output) = rx.recv_timeout(clients::PULL_TIMEOUT) else {
-            let _ = Command::new("kill").arg("-KILL").arg(pid.to_string()).status();
-            panic!("{command:?} did not finish in {:?}", clients::PULL_TIMEOUT);
-        };
-        let output = output.unwrap_or_else(|e| panic!("waiting for {command:?}: {e}"));
+        let command = self.command(args);
+        let described = format!("{command:?}");
+        let output = clients::run_output(command).unwrap_or_else(|e| panic!("{e}"));
         let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
         if !output.status.success() {
-            panic!("{command:?} failed ({}):\n{stdout}{}", output.status, String::from_utf8_lossy(&output.stderr));
+            panic!("{described} failed ({}):\n{stdout}{}", output.status, String::from_utf8_lossy(&output.stderr));
         }
         stdout
     }

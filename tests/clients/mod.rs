@@ -34,9 +34,9 @@ pub fn wait_until_ready(what: &str, log: &Path, mut probe: impl FnMut() -> Comma
     }
 }
 
-/// Runs a client command to completion (bounded by [`PULL_TIMEOUT`]) and
-/// returns its combined output, or the output as the error if it failed.
-pub fn run(mut command: Command) -> Result<String, String> {
+/// Runs a command to completion, bounded by [`PULL_TIMEOUT`] (killed
+/// after it): its output, whatever its exit status.
+pub fn run_output(mut command: Command) -> Result<std::process::Output, String> {
     let child = command
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
@@ -48,15 +48,22 @@ pub fn run(mut command: Command) -> Result<String, String> {
     std::thread::spawn(move || {
         let _ = tx.send(child.wait_with_output());
     });
-    let output = match rx.recv_timeout(PULL_TIMEOUT) {
-        Ok(output) => output.unwrap_or_else(|e| panic!("waiting for {command:?}: {e}")),
+    match rx.recv_timeout(PULL_TIMEOUT) {
+        Ok(output) => Ok(output.unwrap_or_else(|e| panic!("waiting for {command:?}: {e}"))),
         Err(_) => {
             let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
-            return Err(format!("{command:?} did not finish in {PULL_TIMEOUT:?}"));
+            Err(format!("{command:?} did not finish in {PULL_TIMEOUT:?}"))
         }
-    };
+    }
+}
+
+/// Runs a client command to completion (bounded by [`PULL_TIMEOUT`]) and
+/// returns its combined output, or the output as the error if it failed.
+pub fn run(command: Command) -> Result<String, String> {
+    let described = format!("{command:?}");
+    let output = run_output(command)?;
     let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
-    if output.status.success() { Ok(text) } else { Err(format!("{command:?} failed ({}):\n{text}", output.status)) }
+    if output.status.success() { Ok(text) } else { Err(format!("{described} failed ({}):\n{text}", output.status)) }
 }
 
 pub fn tail(path: &Path, lines: usize) -> String {
