@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use common::{AccessLog, ImageBuilder, KIB, Larder, Origin, PulledImage, PushedImage, Upstream, http, skopeo};
 use fake::client::{self, End};
-use fake::{FakeUpstream, OCI_MANIFEST, REPO, UPSTREAM_NAME, digest, image_manifest, manifest_path, random_bytes};
+use fake::{UPSTREAM_NAME, manifest_path};
 
 /// Small layers: these tests are about manifests.
 const LAYERS: [usize; 2] = [16 * KIB, 64 * KIB];
@@ -137,16 +137,7 @@ async fn a_tag_deleted_at_the_origin_is_404_while_its_digest_stays_servable() {
 
 #[tokio::test]
 async fn a_head_answered_404_makes_the_tag_404_and_leaves_its_digest_servable() {
-    let config = random_bytes(512, 1);
-    let layer = random_bytes(8 * KIB, 2);
-    let manifest = image_manifest((&digest(&config), config.len()), &[(&digest(&layer), layer.len())]);
-    let manifest_digest = digest(&manifest);
-    let up = FakeUpstream::builder()
-        .manifest(REPO, "v1", OCI_MANIFEST, manifest.clone())
-        .blob(config)
-        .blob(layer)
-        .start()
-        .await;
+    let (manifest, manifest_digest, up) = fake::fake_with_v1().await;
     let larder =
         Larder::builder().upstream(Upstream::new(UPSTREAM_NAME, &up.url()).default(true)).tag_ttl("1s").start().await;
     let addr: SocketAddr = larder.host_port().parse().expect("larder's address");

@@ -14,9 +14,7 @@ use bytes::Bytes;
 use common::metrics::{ADMIN_LISTEN, metric};
 use common::{ImageBuilder, KIB, Larder, Origin, PulledImage, PushedImage, Upstream, skopeo};
 use fake::client::{self, End, Response};
-use fake::{
-    FakeUpstream, Faults, OCI_MANIFEST, REPO, UPSTREAM_NAME, digest, image_manifest, manifest_path, random_bytes,
-};
+use fake::{Faults, UPSTREAM_NAME, manifest_path};
 
 const LAYERS: [usize; 2] = [16 * KIB, 64 * KIB];
 
@@ -50,7 +48,7 @@ async fn with_the_origin_gone_cached_tags_and_digests_are_served_also_after_a_re
 
 #[tokio::test]
 async fn a_failing_revalidation_serves_the_stale_tag_whatever_the_failure() {
-    let (manifest, manifest_digest, up) = fake_with_v1().await;
+    let (manifest, manifest_digest, up) = fake::fake_with_v1().await;
     let upstream = Upstream::new(UPSTREAM_NAME, &up.url()).default(true).line(r#"response_timeout = "1s""#);
     let mut larder = Larder::builder().upstream(upstream).tag_ttl("1s").server_line(ADMIN_LISTEN).start().await;
     let addr = address(&larder);
@@ -117,7 +115,7 @@ enum Failure {
 
 #[tokio::test]
 async fn a_stale_tag_is_served_only_for_stale_if_error_past_its_ttl() {
-    let (manifest, manifest_digest, up) = fake_with_v1().await;
+    let (manifest, manifest_digest, up) = fake::fake_with_v1().await;
     let larder = Larder::builder()
         .upstream(Upstream::new(UPSTREAM_NAME, &up.url()).default(true))
         .tag_ttl("1s")
@@ -144,7 +142,7 @@ async fn a_stale_tag_is_served_only_for_stale_if_error_past_its_ttl() {
 
 #[tokio::test]
 async fn a_cold_tag_with_upstream_failing_says_whether_to_retry_and_is_never_404() {
-    let (manifest, manifest_digest, up) = fake_with_v1().await;
+    let (manifest, manifest_digest, up) = fake::fake_with_v1().await;
     let larder = Larder::builder().upstream(Upstream::new(UPSTREAM_NAME, &up.url()).default(true)).start().await;
     let addr = address(&larder);
 
@@ -173,22 +171,6 @@ async fn a_cold_tag_with_upstream_failing_says_whether_to_retry_and_is_never_404
 }
 
 // ---- helpers ----------------------------------------------------------------
-
-/// A fake upstream serving `test/app:v1` (a manifest, its config and
-/// layer); returns the manifest and its digest too.
-async fn fake_with_v1() -> (Bytes, String, FakeUpstream) {
-    let config = random_bytes(512, 1);
-    let layer = random_bytes(8 * KIB, 2);
-    let manifest = image_manifest((&digest(&config), config.len()), &[(&digest(&layer), layer.len())]);
-    let manifest_digest = digest(&manifest);
-    let up = FakeUpstream::builder()
-        .manifest(REPO, "v1", OCI_MANIFEST, manifest.clone())
-        .blob(config)
-        .blob(layer)
-        .start()
-        .await;
-    (manifest, manifest_digest, up)
-}
 
 fn address(larder: &Larder) -> SocketAddr {
     larder.host_port().parse().expect("larder's address")

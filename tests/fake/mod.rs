@@ -83,3 +83,19 @@ pub async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// A fake upstream serving `test/app:v1` (a manifest, its config and
+/// layer); returns the manifest and its digest too.
+pub async fn fake_with_v1() -> (Bytes, String, FakeUpstream) {
+    let config = random_bytes(512, 1);
+    let layer = random_bytes(8 * KIB, 2);
+    let manifest = image_manifest((&digest(&config), config.len()), &[(&digest(&layer), layer.len())]);
+    let manifest_digest = digest(&manifest);
+    let up = FakeUpstream::builder()
+        .manifest(REPO, "v1", OCI_MANIFEST, manifest.clone())
+        .blob(config)
+        .blob(layer)
+        .start()
+        .await;
+    (manifest, manifest_digest, up)
+}
