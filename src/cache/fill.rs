@@ -10,7 +10,6 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write;
-use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -340,15 +339,9 @@ impl Reader {
             }
             if self.offset < limit {
                 let len = (limit - self.offset).min(READ_CHUNK as u64) as usize;
-                let (file, offset) = (Arc::clone(&self.file), self.offset);
-                let bytes = blocking(move || {
-                    let mut buf = vec![0u8; len];
-                    file.read_exact_at(&mut buf, offset)?;
-                    Ok(Bytes::from(buf))
-                })
-                .await?;
-                self.offset += len as u64;
-                self.served.inc_by(len as u64);
+                let bytes = super::pread::read_at(&self.file, self.offset, len).await?;
+                self.offset += bytes.len() as u64;
+                self.served.inc_by(bytes.len() as u64);
                 return Ok(Some(bytes));
             }
             let Some(rx) = self.progress.as_mut().filter(|_| !verified) else {

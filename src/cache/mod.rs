@@ -7,6 +7,7 @@ mod evict;
 pub mod fill;
 pub mod index;
 mod memory;
+mod pread;
 mod reconcile;
 
 use std::fs::File;
