@@ -1,9 +1,12 @@
 //! The memory tier: manifests by digest (exact bytes plus the header
 //! values every response needs, built once) and tag mappings, in moka
-//! caches bounded by the `cache.memory` budget.
+//! caches bounded by the `cache.memory` budget; and open handles of the
+//! blobs served lately, so a warm blob costs no `open(2)` (a trip to the
+//! blocking pool) per request.
 
+use std::fs::File;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
 use http::HeaderValue;
@@ -56,11 +59,18 @@ pub struct Memory {
     /// `tags/list` and `referrers` pages by (upstream, repo, listing, query),
     /// with when they were fetched.
     listings: moka::sync::Cache<String, (Page, Instant)>,
+    open_blobs: moka::sync::Cache<Digest, (Arc<File>, u64)>,
 }
 
 /// Memory for cached listing pages, apart from the budget above: pages are
 /// few and short-lived.
 const LISTINGS_BYTES: u64 = 16 << 20;
+/// Blob files kept open between requests: a small share of the process's
+/// file descriptors (larder raises its soft limit at start).
+const OPEN_BLOB_HANDLES: u64 = 256;
+/// An open handle unused this long is closed; eviction and purge close
+/// theirs at once, so a deleted blob's disk space is not held.
+const OPEN_BLOB_IDLE: Duration = Duration::from_secs(60);
 
 impl Memory {
     pub fn new(budget: u64) -> Memory {
@@ -87,6 +97,10 @@ impl Memory {
                     u32::try_from(k.len() + page.body.len()).unwrap_or(u32::MAX).saturating_add(ENTRY_OVERHEAD)
                 })
                 .max_capacity(LISTINGS_BYTES)
+                .build(),
+            open_blobs: moka::sync::Cache::builder()
+                .max_capacity(OPEN_BLOB_HANDLES)
+                .time_to_idle(OPEN_BLOB_IDLE)
                 .build(),
         }
     }
@@ -147,7 +161,38 @@ impl Memory {
         self.listings.insert(key, (page, Instant::now()));
     }
 
+    /// Forgets a committed blob: its size and its open handle.
     pub fn remove_blob_size(&self, digest: &Digest) {
         self.blob_sizes.invalidate(digest);
+        self.open_blobs.invalidate(digest);
+    }
+
+    /// A committed blob's open file and size, if it was served lately.
+    pub fn open_blob(&self, digest: &Digest) -> Option<(Arc<File>, u64)> {
+        self.open_blobs.get(digest)
+    }
+
+    pub fn insert_open_blob(&self, digest: Digest, file: Arc<File>, size: u64) {
+        self.open_blobs.insert(digest, (file, size));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn forgetting_a_blob_closes_its_open_handle() {
+        let memory = Memory::new(1 << 20);
+        let (kept, dropped) = (Digest::of(b"kept"), Digest::of(b"dropped"));
+        let file = Arc::new(tempfile::tempfile().unwrap());
+        for d in [kept, dropped] {
+            memory.insert_blob_size(d, 4);
+            memory.insert_open_blob(d, Arc::clone(&file), 4);
+        }
+        memory.remove_blob_size(&dropped);
+        assert!(memory.open_blob(&dropped).is_none(), "an evicted or purged blob must not be served from a handle");
+        assert!(memory.blob_size(&dropped).is_none());
+        assert_eq!(memory.open_blob(&kept).map(|(_, size)| size), Some(4));
     }
 }

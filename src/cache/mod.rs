@@ -576,9 +576,13 @@ impl Cache {
 
     // ---- blobs -----------------------------------------------------------
 
-    /// A committed blob, checked against its index row: a row whose file is
-    /// missing or has the wrong size is dropped and reported as absent.
+    /// A committed blob: the handle kept open since it was last served, or
+    /// the file opened and checked against its index row (a row whose file
+    /// is missing or has the wrong size is dropped and reported as absent).
     async fn committed_blob(&self, digest: &Digest) -> Result<Option<(Arc<File>, u64)>, Error> {
+        if let Some(open) = self.memory.open_blob(digest) {
+            return Ok(Some(open));
+        }
         let size = match self.memory.blob_size(digest) {
             Some(size) => Some(size),
             None => {
@@ -599,8 +603,10 @@ impl Cache {
         .await?;
         match file {
             Some(f) => {
+                let file = Arc::new(f);
                 self.memory.insert_blob_size(*digest, size);
-                Ok(Some((Arc::new(f), size)))
+                self.memory.insert_open_blob(*digest, Arc::clone(&file), size);
+                Ok(Some((file, size)))
             }
             None => {
                 self.memory.remove_blob_size(digest);
@@ -674,6 +680,7 @@ impl Cache {
             match cache.fill(&upstream, &repo, digest, &tx).await {
                 Ok((file, size)) => {
                     cache.memory.insert_blob_size(digest, size);
+                    cache.memory.insert_open_blob(digest, Arc::clone(&file), size);
                     tx.send_replace(Progress::Complete { file, size });
                     tracing::debug!(%digest, size, upstream = upstream.name(), "fill committed");
                 }
