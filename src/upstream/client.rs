@@ -20,6 +20,15 @@ use crate::error::UpstreamError;
 /// How long an idle pooled upstream connection is kept.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
+/// HTTP/2 flow-control windows towards upstreams. Upstreams are far away
+/// and speak h2 over TLS, and one blob can never go faster than its stream
+/// window per round trip: hyper's default (2 MiB) pulled a 64 MiB blob over
+/// a 100 ms RTT in 3.9 s, its adaptive window in 2.3 s, 16 MiB in 0.69 s
+/// (benches/README.md, "HTTP/2 windows"). The connection window bounds what
+/// one upstream connection can buffer in larder when the disk stalls.
+const UPSTREAM_H2_STREAM_WINDOW: u32 = 16 << 20;
+const UPSTREAM_H2_CONNECTION_WINDOW: u32 = 32 << 20;
+
 #[derive(Clone)]
 pub struct HttpClient {
     inner: Client<HttpsConnector<HttpConnector>, Empty<Bytes>>,
@@ -59,7 +68,11 @@ impl HttpClient {
             .enable_http1()
             .enable_http2()
             .wrap_connector(http);
-        let inner = Client::builder(TokioExecutor::new()).pool_idle_timeout(POOL_IDLE_TIMEOUT).build(https);
+        let inner = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+            .http2_initial_stream_window_size(UPSTREAM_H2_STREAM_WINDOW)
+            .http2_initial_connection_window_size(UPSTREAM_H2_CONNECTION_WINDOW)
+            .build(https);
         Ok(HttpClient { inner, response_timeout: config.response_timeout, body_idle_timeout: config.body_idle_timeout })
     }
 
