@@ -1,5 +1,6 @@
 //! Micro-benchmarks of larder's hot paths (criterion):
-//! - verifying a blob while streaming it (write + sha256) against sha256 alone,
+//! - verifying a blob while streaming it (write + sha256) against raw sha2,
+//!   larder's hasher and the temp-file write alone,
 //! - parsing a request into a route,
 //! - the redb index with 10^4 and 10^6 blobs: lookup and insert,
 //! - a follower reading a blob file (the path every blob response takes),
@@ -8,15 +9,12 @@
 //! `cargo bench --bench micro`; numbers depend on the machine, so compare
 //! them within one run (see benches/README.md).
 
-use std::convert::Infallible;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use http::{HeaderMap, Method, Uri};
-use http_body_util::{BodyExt, Full};
-use larder::app::App;
-use larder::cache::Cache;
+use http_body_util::BodyExt;
 use larder::cache::fill::{Writer, read_body};
 use larder::cache::index::Index;
 use larder::config::Config;
@@ -24,12 +22,9 @@ use larder::oci::{Digest, Hasher};
 use larder::server::{handlers, routes};
 use larder::upstream::Upstreams;
 
-const CHUNK: usize = 256 << 10;
-const BLOB: usize = 8 << 20;
+mod support;
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime")
-}
+use support::{BLOB, CHUNK, runtime};
 
 fn streaming_verification(c: &mut Criterion) {
     let rt = runtime();
@@ -37,6 +32,15 @@ fn streaming_verification(c: &mut Criterion) {
     let chunk = Bytes::from(vec![0x5au8; CHUNK]);
     let mut group = c.benchmark_group("verify_while_streaming_8MiB");
     group.throughput(Throughput::Bytes(BLOB as u64));
+    group.bench_function("raw_sha2", |b| {
+        b.iter(|| {
+            let mut h = <sha2::Sha256 as sha2::Digest>::new();
+            for _ in 0..BLOB / CHUNK {
+                sha2::Digest::update(&mut h, &chunk);
+            }
+            sha2::Digest::finalize(h)
+        })
+    });
     group.bench_function("sha256_only", |b| {
         b.iter(|| {
             let mut h = Hasher::default();
@@ -44,6 +48,15 @@ fn streaming_verification(c: &mut Criterion) {
                 h.update(&chunk);
             }
             h.finish()
+        })
+    });
+    group.bench_function("temp_file_write_only", |b| {
+        b.iter(|| {
+            let mut f = tempfile::NamedTempFile::new_in(dir.path()).expect("temp file");
+            for _ in 0..BLOB / CHUNK {
+                std::io::Write::write_all(&mut f, &chunk).expect("write");
+            }
+            f
         })
     });
     group.bench_function("fill_writer_write_and_hash", |b| {
@@ -145,59 +158,13 @@ fn follower_read(c: &mut Criterion) {
     group.finish();
 }
 
-/// A one-manifest upstream, so the memory tier can be warmed for real.
-async fn manifest_upstream(manifest: Bytes) -> String {
-    let digest = Digest::of(&manifest).to_string();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let url = format!("http://{}", listener.local_addr().expect("addr"));
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let (manifest, digest) = (manifest.clone(), digest.clone());
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(move |_req| {
-                    let resp = http::Response::builder()
-                        .header("content-type", "application/vnd.oci.image.manifest.v1+json")
-                        .header("docker-content-digest", digest.as_str())
-                        .body(Full::new(manifest.clone()))
-                        .expect("response");
-                    async move { Ok::<_, Infallible>(resp) }
-                });
-                let io = hyper_util::rt::TokioIo::new(stream);
-                let _ = hyper::server::conn::http1::Builder::new().serve_connection(io, service).await;
-            });
-        }
-    });
-    url
-}
-
 fn memory_tier_hit(c: &mut Criterion) {
     let rt = runtime();
     let dir = tempfile::tempdir().expect("temp dir");
-    let manifest = Bytes::from(format!(
-        r#"{{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"{}","size":2}},"layers":[]}}"#,
-        Digest::of(b"{}")
-    ));
-    let digest = Digest::of(&manifest);
-    let app = rt.block_on(async {
-        let url = manifest_upstream(manifest.clone()).await;
-        let text = format!(
-            "[cache]\ndir = \"{}\"\n[[upstream]]\nname = \"bench.test\"\nurl = \"{url}\"\ndefault = true\n",
-            dir.path().display()
-        );
-        let config = Config::parse(&text, "bench.toml", None).expect("config");
-        let upstreams = Upstreams::new(&config).expect("upstreams");
-        let cache = Cache::open(config.cache.clone()).await.expect("cache");
-        Arc::new(App { config, upstreams, cache, auth: None })
-    });
+    let (app, digest) = rt.block_on(support::manifest_app(dir.path()));
     let mut group = c.benchmark_group("manifest_memory_hit");
-    for (name, path) in
-        [("by_digest", format!("/v2/team/app/manifests/{digest}")), ("by_tag", "/v2/team/app/manifests/v1".into())]
-    {
-        let uri: Uri = path.parse().expect("uri");
-        let routes::Parsed::Repo(route) = routes::parse(&Method::GET, &uri, &app.upstreams).expect("route") else {
-            panic!("a repository route")
-        };
-        let routes::Endpoint::Manifest(reference) = route.endpoint.clone() else { panic!("a manifest route") };
+    for (name, path) in support::manifest_paths(&digest) {
+        let (route, reference) = support::manifest_route(&app, &path);
         let headers = HeaderMap::new();
         // Warm: the first request fetches from the one-manifest upstream.
         rt.block_on(handlers::manifest(&app, &route, &reference, &Method::GET, &headers)).expect("warm");
