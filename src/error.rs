@@ -138,7 +138,7 @@ impl Error {
             .status(status)
             .header(header::CONTENT_TYPE, "application/json")
             .header(header::CONTENT_LENGTH, bytes.len())
-            .header("Docker-Distribution-API-Version", "registry/2.0");
+            .header(crate::oci::headers::API_VERSION, crate::oci::headers::API_VERSION_V2);
         if let Some((name, value)) = extra {
             if let Ok(v) = HeaderValue::from_str(&value) {
                 builder = builder.header(name, v);

@@ -39,7 +39,7 @@ impl Store {
 
     pub fn blob_path(&self, digest: &Digest) -> PathBuf {
         let hex = digest.hex();
-        self.root.join("blobs/sha256").join(&hex[..2]).join(hex)
+        self.root.join("blobs/sha256").join(&hex[..2]).join(hex.as_str())
     }
 
     /// A new temp file for a fill; it deletes itself when dropped uncommitted.

@@ -22,17 +22,20 @@ pub struct StoredManifest {
     pub digest: Digest,
     pub content_type: HeaderValue,
     pub digest_header: HeaderValue,
+    pub etag: HeaderValue,
+    pub content_length: HeaderValue,
 }
 
 impl StoredManifest {
     pub fn new(bytes: Bytes, media_type: MediaType, digest: Digest) -> StoredManifest {
-        let digest_header = HeaderValue::from_str(&digest.to_string()).expect("a digest is a valid header value");
         StoredManifest {
             content_type: HeaderValue::from_static(media_type.as_str()),
+            digest_header: digest.header_value(),
+            etag: digest.etag(),
+            content_length: HeaderValue::from(bytes.len()),
             bytes,
             media_type,
             digest,
-            digest_header,
         }
     }
 }

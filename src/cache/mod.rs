@@ -119,7 +119,7 @@ fn tag_key(upstream: &str, repo: &RepoName, tag: &Tag) -> String {
 }
 
 fn member_key(upstream: &str, repo: &RepoName, digest: &Digest) -> String {
-    format!("{upstream}\0{repo}\0{}", digest.hex())
+    format!("{upstream}\0{repo}\0{}", digest.hex().as_str())
 }
 
 /// What a membership check confirms upstream, if it must.

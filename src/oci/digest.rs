@@ -26,9 +26,30 @@ impl Digest {
         Digest(Sha256::digest(bytes).into())
     }
 
-    /// The 64 lowercase hex characters without the algorithm prefix.
-    pub fn hex(&self) -> String {
-        hex::encode(self.0)
+    /// The 64 lowercase hex characters without the algorithm prefix,
+    /// encoded on the stack (a digest is formatted on every request).
+    pub fn hex(&self) -> Hex {
+        let mut out = [0u8; 64];
+        hex::encode_to_slice(self.0, &mut out).expect("64 bytes hold 32 bytes in hex");
+        Hex(out)
+    }
+}
+
+/// A digest's hex text, without an allocation.
+#[derive(Clone, Copy)]
+pub struct Hex([u8; 64]);
+
+impl Hex {
+    pub fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.0).expect("hex digits are ASCII")
+    }
+}
+
+impl std::ops::Deref for Hex {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        self.as_str()
     }
 }
 
@@ -59,7 +80,8 @@ impl FromStr for Digest {
 
 impl fmt::Display for Digest {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "sha256:{}", self.hex())
+        f.write_str("sha256:")?;
+        f.write_str(&self.hex())
     }
 }
 

@@ -3,11 +3,12 @@
 //! on these types, never on raw path segments.
 
 mod digest;
+pub mod headers;
 mod manifest;
 mod media;
 mod reference;
 
-pub use digest::{Digest, DigestError, Hasher};
+pub use digest::{Digest, DigestError, Hasher, Hex};
 pub use manifest::{MAX_MANIFEST_SIZE, ManifestRefs, inspect as inspect_manifest};
 pub use media::{Accept, MediaType};
 pub use reference::{NameError, Reference, RepoName, Tag};

@@ -13,13 +13,15 @@ use crate::body::{self, Body};
 use crate::cache::fill::{read_body, wait_for_headers};
 use crate::cache::{BlobSource, CacheResult};
 use crate::error::Error;
+use crate::oci::headers::{API_VERSION, API_VERSION_V2, DOCKER_CONTENT_DIGEST};
 use crate::oci::{Accept, Digest, Reference};
 use crate::upstream::Listing;
 
-const API_VERSION: (&str, &str) = ("Docker-Distribution-API-Version", "registry/2.0");
+const OCTET_STREAM: HeaderValue = HeaderValue::from_static("application/octet-stream");
+const BYTES: HeaderValue = HeaderValue::from_static("bytes");
 
 fn response(status: StatusCode) -> http::response::Builder {
-    Response::builder().status(status).header(API_VERSION.0, API_VERSION.1)
+    Response::builder().status(status).header(API_VERSION, API_VERSION_V2)
 }
 
 fn built(r: Result<Response<Body>, http::Error>) -> Result<Response<Body>, Error> {
@@ -55,9 +57,9 @@ pub async fn manifest(
     };
     let resp = response(StatusCode::OK)
         .header(CONTENT_TYPE, m.content_type.clone())
-        .header(CONTENT_LENGTH, m.bytes.len())
-        .header("Docker-Content-Digest", m.digest_header.clone())
-        .header(http::header::ETAG, format!("\"{}\"", m.digest))
+        .header(CONTENT_LENGTH, m.content_length.clone())
+        .header(DOCKER_CONTENT_DIGEST, m.digest_header.clone())
+        .header(http::header::ETAG, m.etag.clone())
         .body(body);
     Ok((built(resp)?, result))
 }
@@ -82,12 +84,11 @@ pub async fn blob(
             (file, size, Some(rx))
         }
     };
-    let digest_header = HeaderValue::from_str(&digest.to_string()).map_err(|e| Error::Internal(e.to_string()))?;
     let builder = response(StatusCode::OK)
-        .header(CONTENT_TYPE, "application/octet-stream")
-        .header("Docker-Content-Digest", digest_header)
-        .header(ACCEPT_RANGES, "bytes")
-        .header(http::header::ETAG, format!("\"{digest}\""));
+        .header(CONTENT_TYPE, OCTET_STREAM)
+        .header(DOCKER_CONTENT_DIGEST, digest.header_value())
+        .header(ACCEPT_RANGES, BYTES)
+        .header(http::header::ETAG, digest.etag());
     // Without a known size (upstream sent no Content-Length) a Range cannot
     // be resolved before the fill ends; RFC 9110 lets a server ignore Range,
     // so the whole blob is sent.
@@ -117,10 +118,10 @@ async fn blob_head(app: &App, route: &Route, digest: Digest) -> Result<(Response
         ),
     };
     let resp = response(StatusCode::OK)
-        .header(CONTENT_TYPE, "application/octet-stream")
+        .header(CONTENT_TYPE, OCTET_STREAM)
         .header(CONTENT_LENGTH, size)
-        .header("Docker-Content-Digest", digest.to_string())
-        .header(ACCEPT_RANGES, "bytes")
+        .header(DOCKER_CONTENT_DIGEST, digest.header_value())
+        .header(ACCEPT_RANGES, BYTES)
         .body(body::empty());
     Ok((built(resp)?, result))
 }
