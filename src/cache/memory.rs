@@ -164,10 +164,15 @@ impl Memory {
         self.listings.insert(key, (page, Instant::now()));
     }
 
-    /// Forgets a committed blob: its size and its open handle.
+    /// Forgets a committed blob: its size and its open handle. The handle
+    /// is closed before this returns: moka keeps a removed value until its
+    /// pending maintenance runs, and an evicted file's space is only freed
+    /// once no descriptor holds it (the disk-full test needs it back).
     pub fn remove_blob_size(&self, digest: &Digest) {
         self.blob_sizes.invalidate(digest);
-        self.open_blobs.invalidate(digest);
+        if self.open_blobs.remove(digest).is_some() {
+            self.open_blobs.run_pending_tasks();
+        }
     }
 
     /// A committed blob's open file and size, if it was served lately.
@@ -194,6 +199,7 @@ mod tests {
             memory.insert_open_blob(d, Arc::clone(&file), 4);
         }
         memory.remove_blob_size(&dropped);
+        assert_eq!(Arc::strong_count(&file), 2, "the dropped blob's handle is closed at once, the kept one stays");
         assert!(memory.open_blob(&dropped).is_none(), "an evicted or purged blob must not be served from a handle");
         assert!(memory.blob_size(&dropped).is_none());
         assert_eq!(memory.open_blob(&kept).map(|(_, size)| size), Some(4));
