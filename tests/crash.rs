@@ -102,7 +102,7 @@ async fn killed_right_after_a_commit() {
 }
 
 #[tokio::test]
-async fn blob_files_deleted_or_truncated_while_stopped_are_dropped_at_start_and_fetched_again() {
+async fn blob_files_deleted_or_truncated_while_stopped_are_dropped_and_fetched_again() {
     let blobs = [random_bytes(256 * KIB, 1), random_bytes(256 * KIB, 2), random_bytes(256 * KIB, 3)];
     let [deleted, truncated, intact] = blobs.each_ref().map(|b| digest(b));
     let up = fake_serving(&blobs).await;
@@ -118,8 +118,9 @@ async fn blob_files_deleted_or_truncated_while_stopped_are_dropped_at_start_and_
     assert_eq!((report.ok, report.bad, report.code), (1, 2, Some(1)), "larder verify:\n{}", report.output);
     assert!(report.names_bad(&deleted) && report.names_bad(&truncated), "larder verify:\n{}", report.output);
 
-    // Started without repairing: start-up drops the rows whose file is
-    // missing or of the wrong size, and the next GET fetches them again.
+    // Started without repairing: start-up drops the row whose file is
+    // missing, opening the truncated file finds its size wrong and drops
+    // that row, and the next GET fetches each of them again.
     larder.restart().await;
     for blob in &blobs {
         assert_served(&larder, blob).await;

@@ -60,19 +60,20 @@ impl Store {
     }
 
     /// Every file under `blobs/sha256/`, whatever its name.
-    pub fn blob_files(&self) -> io::Result<Vec<PathBuf>> {
-        let mut out = Vec::new();
+    /// Calls `visit` with every file under `blobs/`, one folder at a time
+    /// (a cache of a million blobs is not listed into memory at once).
+    pub fn visit_blob_files(&self, mut visit: impl FnMut(PathBuf) -> io::Result<()>) -> io::Result<()> {
         for shard in std::fs::read_dir(self.root.join("blobs/sha256"))? {
             let shard = shard?.path();
             if shard.is_dir() {
                 for file in std::fs::read_dir(&shard)? {
-                    out.push(file?.path());
+                    visit(file?.path())?;
                 }
             } else {
-                out.push(shard);
+                visit(shard)?;
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Removes a blob file; one that is already gone is not an error.

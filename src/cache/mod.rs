@@ -137,13 +137,11 @@ impl Cache {
             let store = Store::open(&dir)?;
             let index = Index::open(&store.index_path())?;
             let report = reconcile::reconcile(&store, &index, false, true, unix_ms(SystemTime::now()))?;
-            if report != Report::default() && (report.adopted > 0 || report.bad() > 0) {
+            if report.adopted > 0 || report.bad() > 0 {
                 tracing::warn!(?report, "reconciled the index with the blob files");
             }
-            let usage = [Kind::Blob, Kind::Manifest]
-                .into_iter()
-                .map(|k| Ok(index.entries(k)?.iter().map(|e| e.size).sum::<u64>()))
-                .sum::<Result<u64, Error>>()?;
+            let manifest_bytes = index.entries(Kind::Manifest)?.iter().map(|e| e.size).sum::<u64>();
+            let usage = report.blob_bytes + manifest_bytes;
             Ok((store, index, usage))
         })
         .await?;
