@@ -736,6 +736,18 @@ def verdict(ok: bool | None) -> str:
     return "met" if ok else "**missed**"
 
 
+def per_rep_ratio(larder_rs: list, peer_ok: list, key: str, reps: int) -> dict | None:
+    """larder's `key` ÷ the peer's, per repetition (runs seconds apart),
+    summarized; reps where either run failed are left out."""
+    ratios = []
+    for rep in range(reps):
+        a = [r for r in peer_ok if r["rep"] == rep]
+        lr = [r for r in larder_rs if r["rep"] == rep and r["ok"]]
+        if a and lr and a[0][key]:
+            ratios.append(lr[0][key] / a[0][key])
+    return summary(ratios)
+
+
 def build_report(doc: dict) -> str:
     runs, args = doc["runs"], doc["params"]
     out = [machine_line(doc["machine"]), "",
@@ -757,15 +769,9 @@ def build_report(doc: dict) -> str:
                 ok_rs = [r for r in rs if r["ok"]]
                 rps = summary([r["rps"] for r in ok_rs])
                 mbps = summary([r["mbps"] for r in ok_rs])
-                ratios = []
-                if srv != "larder":
-                    for rep in range(args["reps"]):
-                        a = [r for r in ok_rs if r["rep"] == rep]
-                        lr = [r for r in runs["blob"] if r["blob"] == blob and r["conns"] == conns
-                              and r["server"] == "larder" and r["rep"] == rep and r["ok"]]
-                        if a and lr and a[0]["mbps"]:
-                            ratios.append(lr[0]["mbps"] / a[0]["mbps"])
-                ratio = summary(ratios)
+                larder_rs = [r for r in runs["blob"] if r["blob"] == blob and r["conns"] == conns
+                             and r["server"] == "larder"]
+                ratio = None if srv == "larder" else per_rep_ratio(larder_rs, ok_rs, "mbps", args["reps"])
                 cpu_gb = summary([r["server_cpu_ms_per_gb"] for r in ok_rs])
                 cli = summary([r["client_cores"] for r in ok_rs])
                 blob_summary[f"{blob}/c{conns}/{srv}"] = {"rps": rps, "mbps": mbps, "larder_ratio": ratio,
@@ -796,15 +802,8 @@ def build_report(doc: dict) -> str:
                 continue
             ok_rs = [r for r in rs if r["ok"]]
             rps = summary([r["rps"] for r in ok_rs])
-            ratios = []
-            if srv != "larder":
-                for rep in range(args["reps"]):
-                    a = [r for r in ok_rs if r["rep"] == rep]
-                    lr = [r for r in runs["manifest"] if r["ref"] == ref and r["server"] == "larder"
-                          and r["rep"] == rep and r["ok"]]
-                    if a and lr and a[0]["rps"]:
-                        ratios.append(lr[0]["rps"] / a[0]["rps"])
-            ratio = summary(ratios)
+            larder_rs = [r for r in runs["manifest"] if r["ref"] == ref and r["server"] == "larder"]
+            ratio = None if srv == "larder" else per_rep_ratio(larder_rs, ok_rs, "rps", args["reps"])
             cpu_req = summary([r["server_cpu_us_per_req"] for r in ok_rs])
             cli = summary([r["client_cores"] for r in ok_rs])
             man_summary[f"{ref}/{srv}"] = {"rps": rps, "larder_ratio": ratio, "server_cpu_us_per_req": cpu_req,
