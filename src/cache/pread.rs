@@ -12,7 +12,8 @@
 //! only on the blocking pool", and it cannot block.
 
 use std::fs::File;
-use std::io::{self, IoSliceMut};
+use std::io::IoSliceMut;
+use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -25,41 +26,20 @@ use crate::error::Error;
 /// the file ends first. A read served from the page cache may be shorter
 /// (never empty); the caller asks again for the rest.
 pub async fn read_at(file: &Arc<File>, offset: u64, len: usize) -> Result<Bytes, Error> {
-    if let Some(bytes) = read_cached(file, offset, len) {
-        return Ok(bytes);
-    }
-    let file = Arc::clone(file);
-    blocking(move || Ok(read_exact_at(&file, offset, len)?)).await
-}
-
-/// What the page cache holds of the range, without blocking; `None` when
-/// it holds nothing of it (or the kernel cannot tell without waiting).
-fn read_cached(file: &File, offset: u64, len: usize) -> Option<Bytes> {
     let mut buf = vec![0u8; len];
-    match rustix::io::preadv2(file, &mut [IoSliceMut::new(&mut buf)], offset, ReadWriteFlags::NOWAIT) {
-        Ok(0) | Err(_) => None,
-        Ok(n) => {
-            buf.truncate(n);
-            Some(Bytes::from(buf))
-        }
+    let cached = rustix::io::preadv2(&**file, &mut [IoSliceMut::new(&mut buf)], offset, ReadWriteFlags::NOWAIT);
+    if let Ok(n @ 1..) = cached {
+        buf.truncate(n);
+        return Ok(Bytes::from(buf));
     }
-}
-
-/// A blocking read of exactly `len` bytes into fresh, unzeroed memory.
-fn read_exact_at(file: &File, offset: u64, len: usize) -> io::Result<Bytes> {
-    let mut buf = Vec::with_capacity(len);
-    while buf.len() < len {
-        let at = offset + buf.len() as u64;
-        match rustix::io::pread(file, rustix::buffer::spare_capacity(&mut buf), at) {
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(_) => {}
-            Err(rustix::io::Errno::INTR) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    // The allocator may have given more capacity than asked for.
-    buf.truncate(len);
-    Ok(Bytes::from(buf))
+    // Nothing cached (EAGAIN), RWF_NOWAIT unsupported, or an error the
+    // blocking read reports properly: the same buffer, on the blocking pool.
+    let file = Arc::clone(file);
+    blocking(move || {
+        file.read_exact_at(&mut buf, offset)?;
+        Ok(Bytes::from(buf))
+    })
+    .await
 }
 
 #[cfg(test)]
@@ -86,12 +66,19 @@ mod tests {
         assert_eq!(got, &data[1000..301_000]);
     }
 
-    #[test]
-    fn the_blocking_path_reads_exactly_and_reports_a_short_file() {
+    #[tokio::test]
+    async fn a_file_shorter_than_the_range_is_reported_not_padded() {
         let (_temp, file) = file_with(b"0123456789");
-        assert_eq!(read_exact_at(&file, 2, 5).unwrap(), "23456");
-        let err = read_exact_at(&file, 8, 5).unwrap_err();
-        assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
+        assert_eq!(read_at(&file, 2, 5).await.unwrap(), "23456");
+        let mut got = Vec::new();
+        let err = loop {
+            match read_at(&file, 8 + got.len() as u64, 5 - got.len()).await {
+                Ok(bytes) => got.extend_from_slice(&bytes),
+                Err(e) => break e,
+            }
+        };
+        assert_eq!(got, b"89", "what the file holds, then an error");
+        assert!(err.to_string().contains("failed to fill whole buffer"), "an end-of-file error: {err}");
     }
 
     #[tokio::test]
