@@ -1,5 +1,6 @@
-//! Shared state and start-up order: config → store and index → upstreams →
-//! listener.
+//! Start-up order: config → store and index → upstreams → listeners; and
+//! the future that serves until shutdown. The shared state itself is
+//! [`crate::state::App`].
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -9,15 +10,8 @@ use tokio::net::TcpListener;
 use crate::cache::Cache;
 use crate::config::Config;
 use crate::server::client_auth::ClientAuth;
+use crate::state::App;
 use crate::upstream::Upstreams;
-
-pub struct App {
-    pub config: Config,
-    pub upstreams: Upstreams,
-    pub cache: Arc<Cache>,
-    /// Client authentication, when `[server.auth]` is configured.
-    pub auth: Option<Arc<ClientAuth>>,
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -42,7 +36,7 @@ pub struct Started {
 
 /// Opens the cache, binds the listeners and returns the future that
 /// serves until `shutdown` fires and connections have drained.
-pub async fn start(config: Config, shutdown: crate::server::Shutdown) -> Result<Started, StartError> {
+pub async fn start(config: Config, shutdown: crate::shutdown::Shutdown) -> Result<Started, StartError> {
     let cache = Cache::open(config.cache.clone())
         .await
         .map_err(|source| StartError::Cache { dir: config.cache.dir.display().to_string(), source })?;

@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 
 pub mod app;
+pub mod blocking;
 pub mod body;
 pub mod cache;
 pub mod coalesce;
@@ -13,8 +14,9 @@ pub mod config;
 pub mod error;
 pub mod metrics;
 pub mod oci;
-pub mod prefetch;
 pub mod server;
+pub mod shutdown;
+pub mod state;
 pub mod upstream;
 
 /// Sent upstream as `User-Agent`.

@@ -7,11 +7,11 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::{Method, Uri};
 use http_body_util::Full;
-use larder::app::App;
 use larder::cache::Cache;
 use larder::config::Config;
 use larder::oci::{Digest, Reference};
 use larder::server::routes;
+use larder::state::App;
 use larder::upstream::Upstreams;
 
 pub const CHUNK: usize = 256 << 10;

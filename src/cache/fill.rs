@@ -19,7 +19,7 @@ use http_body_util::{BodyExt, StreamBody};
 use hyper::body::{Frame, Incoming};
 use tokio::sync::watch;
 
-use super::blocking;
+use crate::blocking::blocking;
 use crate::body::Body;
 use crate::error::{Error, UpstreamError};
 use crate::oci::{Digest, Hasher};

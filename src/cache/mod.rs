@@ -8,6 +8,7 @@ pub mod fill;
 pub mod index;
 mod memory;
 mod pread;
+pub mod prefetch;
 mod reconcile;
 
 use std::fs::File;
@@ -20,6 +21,7 @@ use tokio::sync::watch;
 pub use memory::StoredManifest;
 pub use reconcile::Report;
 
+use crate::blocking::blocking;
 use crate::coalesce::{Joined, SingleFlight};
 use crate::config::CacheConfig;
 use crate::error::{Error, UpstreamError};
@@ -95,15 +97,6 @@ pub struct Cache {
     revalidation_backoff: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
 }
 
-/// Runs blocking work (redb, `std::fs`) on tokio's blocking pool.
-pub async fn blocking<T, F>(f: F) -> Result<T, Error>
-where
-    F: FnOnce() -> Result<T, Error> + Send + 'static,
-    T: Send + 'static,
-{
-    tokio::task::spawn_blocking(f).await.map_err(|e| Error::Internal(format!("blocking task failed: {e}")))?
-}
-
 /// After a revalidation fails (upstream down, 5xx, 429, timeout), stale tags
 /// of that upstream are served for this long without asking it again.
 const REVALIDATION_BACKOFF: Duration = Duration::from_secs(30);
@@ -177,7 +170,7 @@ impl Cache {
     /// Runs until `shutdown` fires: writes access times in batches and
     /// evicts when usage crosses the high watermark or a write hit ENOSPC.
     /// Access times are flushed once more on the way out.
-    pub fn spawn_maintenance(self: &Arc<Self>, mut shutdown: crate::server::Shutdown) -> tokio::task::JoinHandle<()> {
+    pub fn spawn_maintenance(self: &Arc<Self>, mut shutdown: crate::shutdown::Shutdown) -> tokio::task::JoinHandle<()> {
         let cache = Arc::clone(self);
         tokio::spawn(async move {
             loop {

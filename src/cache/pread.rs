@@ -19,7 +19,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use rustix::io::ReadWriteFlags;
 
-use super::blocking;
+use crate::blocking::blocking;
 use crate::error::Error;
 
 /// Up to `len` bytes of `file` from `offset`: all of them, or an error if

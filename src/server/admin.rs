@@ -16,14 +16,15 @@ use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 
 use super::HEADER_READ_TIMEOUT;
-use crate::app::App;
+use super::routes::{self, Endpoint, Parsed, Route};
 use crate::body::{self, Body};
 use crate::error::Error;
-use crate::oci::RepoName;
+use crate::oci::{Reference, RepoName};
+use crate::state::App;
 
 /// Serves until `shutdown` fires. Admin requests are short, so open
 /// connections are simply dropped then.
-pub async fn serve(listener: TcpListener, app: Arc<App>, mut shutdown: super::Shutdown) {
+pub async fn serve(listener: TcpListener, app: Arc<App>, mut shutdown: crate::shutdown::Shutdown) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT);
     let builder = Arc::new(builder);
@@ -91,7 +92,7 @@ async fn operation(app: &Arc<App>, uri: &http::Uri) -> Response<Body> {
     let param = |name: &str| params.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str());
     let result = match uri.path() {
         "/prefetch" => match param("image") {
-            Some(image) => crate::prefetch::prefetch(app, image, param("platform")).await.map(|r| serde_json::json!(r)),
+            Some(image) => prefetch(app, image, param("platform")).await,
             None => Err(Error::NameInvalid(crate::oci::NameError::Empty)),
         },
         "/purge" => purge(app, param("upstream"), param("repo")).await,
@@ -101,6 +102,36 @@ async fn operation(app: &Arc<App>, uri: &http::Uri) -> Response<Body> {
         Ok(summary) => text(StatusCode::OK, "application/json", summary.to_string().into_bytes()),
         Err(e) => e.into_response(false),
     }
+}
+
+/// Resolves `image` (`[registry/]repo[:tag|@digest]`) as a client's pull
+/// would be routed: a registry that names a configured upstream selects it,
+/// anything else goes to the default upstream.
+fn resolve(app: &App, image: &str) -> Result<(Route, Reference), Error> {
+    let (name, reference) = match image.split_once('@') {
+        Some((name, digest)) => (name, digest.to_owned()),
+        None => match image.rsplit_once(':').filter(|(_, tag)| !tag.contains('/')) {
+            Some((name, tag)) => (name, tag.to_owned()),
+            None => (image, "latest".to_owned()),
+        },
+    };
+    let uri: http::Uri = format!("/v2/{name}/manifests/{reference}")
+        .parse()
+        .map_err(|_| Error::NameInvalid(crate::oci::NameError::BadComponent(image.chars().take(64).collect())))?;
+    match routes::parse(&Method::GET, &uri, &app.upstreams)? {
+        Parsed::Repo(route) => match route.endpoint.clone() {
+            Endpoint::Manifest(reference) => Ok((route, reference)),
+            _ => Err(Error::NotFound),
+        },
+        Parsed::Base => Err(Error::NotFound),
+    }
+}
+
+async fn prefetch(app: &App, image: &str, platform: Option<&str>) -> Result<serde_json::Value, Error> {
+    let (route, reference) = resolve(app, image)?;
+    let report =
+        crate::cache::prefetch::prefetch(&app.cache, &route.upstream, &route.repo, &reference, image, platform).await?;
+    Ok(serde_json::json!(report))
 }
 
 async fn purge(app: &App, upstream: Option<&str>, repo: Option<&str>) -> Result<serde_json::Value, Error> {

@@ -81,7 +81,7 @@ impl ClientAuth {
         if known && self.verified.contains_key(&key) {
             return Ok(());
         }
-        let ok = crate::cache::blocking(move || Ok(bcrypt::verify(password, &hash).unwrap_or(false))).await?;
+        let ok = crate::blocking::blocking(move || Ok(bcrypt::verify(password, &hash).unwrap_or(false))).await?;
         if ok && known {
             self.verified.insert(key, ());
             Ok(())

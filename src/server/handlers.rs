@@ -8,13 +8,13 @@ use http::{HeaderMap, HeaderValue, Method, Response, StatusCode, Uri};
 
 use super::range::ByteRange;
 use super::routes::Route;
-use crate::app::App;
 use crate::body::{self, Body};
 use crate::cache::fill::{read_body, wait_for_headers};
 use crate::cache::{BlobSource, CacheResult};
 use crate::error::Error;
 use crate::oci::headers::{API_VERSION, API_VERSION_V2, DOCKER_CONTENT_DIGEST};
 use crate::oci::{Accept, Digest, Reference};
+use crate::state::App;
 use crate::upstream::Listing;
 
 const OCTET_STREAM: HeaderValue = HeaderValue::from_static("application/octet-stream");

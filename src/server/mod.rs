@@ -25,9 +25,10 @@ use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 use tracing::Instrument;
 
-use crate::app::App;
 use crate::body::Body;
 use crate::metrics::metrics;
+use crate::shutdown::Shutdown;
+use crate::state::App;
 use routes::Parsed;
 
 /// Open client connections at most; further connections wait in the
@@ -39,10 +40,6 @@ pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// HTTP/2 streams a client may have open on one connection.
 pub const MAX_CONCURRENT_STREAMS: u32 = 256;
-
-/// Signals the listeners to stop: once it changes, they stop accepting,
-/// let open connections finish their in-flight requests, and return.
-pub type Shutdown = tokio::sync::watch::Receiver<()>;
 
 /// Accepts connections until `shutdown` fires, then drains the open ones
 /// for at most `grace`.

@@ -24,7 +24,7 @@ pub fn stamp(paths: &[PathBuf]) -> Stamp {
 pub fn watch(
     what: &'static str,
     paths: Vec<PathBuf>,
-    mut shutdown: super::Shutdown,
+    mut shutdown: crate::shutdown::Shutdown,
     reload: impl Fn() -> Result<(), String> + Send + Sync + 'static,
 ) {
     let reload = std::sync::Arc::new(reload);
