@@ -9,6 +9,7 @@ use tokio::net::TcpListener;
 
 use crate::cache::Cache;
 use crate::config::Config;
+use crate::server::admin::AdminAuth;
 use crate::server::client_auth::ClientAuth;
 use crate::state::App;
 use crate::upstream::Upstreams;
@@ -23,6 +24,8 @@ pub enum StartError {
     Tls(String),
     #[error("server.auth: {0}")]
     Auth(String),
+    #[error("admin.token_file: {0}")]
+    AdminAuth(String),
     #[error("listening on {addr}: {source}")]
     Listen { addr: SocketAddr, source: std::io::Error },
 }
@@ -49,10 +52,16 @@ pub async fn start(config: Config, shutdown: crate::shutdown::Shutdown) -> Resul
             let tls =
                 config.server.tls.as_ref().map(crate::server::tls::acceptor).transpose().map_err(StartError::Tls)?;
             let auth = config.server.auth.as_ref().map(ClientAuth::load).transpose().map_err(StartError::Auth)?;
-            Ok((upstreams, tls, auth))
+            let admin_auth = config
+                .server
+                .admin_listen
+                .map(|listen| AdminAuth::load(&config.admin, listen))
+                .transpose()
+                .map_err(StartError::AdminAuth)?;
+            Ok((upstreams, tls, auth, admin_auth))
         })
     };
-    let (upstreams, tls, auth) =
+    let (upstreams, tls, auth, admin_auth) =
         setup.await.map_err(|e| StartError::Upstream(format!("start-up task failed: {e}")))??;
     let tls = match (tls, &config.server.tls) {
         (Some((acceptor, cert)), Some(t)) => {
@@ -77,6 +86,7 @@ pub async fn start(config: Config, shutdown: crate::shutdown::Shutdown) -> Resul
         None => None,
     };
     let admin_addr = admin.as_ref().and_then(|l| l.local_addr().ok());
+    let admin = admin.zip(admin_auth);
     let app = Arc::new(App { config, upstreams, cache, auth });
     tracing::info!(%addr, admin = ?admin_addr, cache_dir = %app.config.cache.dir.display(), "larder listening");
     let serve = {
@@ -85,8 +95,8 @@ pub async fn start(config: Config, shutdown: crate::shutdown::Shutdown) -> Resul
         let maintenance = app.cache.spawn_maintenance(shutdown.clone());
         async move {
             match admin {
-                Some(admin) => {
-                    tokio::join!(api, crate::server::admin::serve(admin, app, shutdown));
+                Some((admin, admin_auth)) => {
+                    tokio::join!(api, crate::server::admin::serve(admin, app, admin_auth, shutdown));
                 }
                 None => api.await,
             }

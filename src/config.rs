@@ -47,6 +47,34 @@ pub struct Config {
     pub cache: CacheConfig,
     pub upstreams: Vec<UpstreamConfig>,
     pub log: LogConfig,
+    pub admin: AdminConfig,
+}
+
+/// `[admin]`: who may use the admin listener's mutating endpoints.
+#[derive(Debug, Clone, Default)]
+pub struct AdminConfig {
+    /// File holding the bearer token `POST /prefetch` and `/purge` need;
+    /// re-read when it changes. Without it they are refused unless the
+    /// admin listener is on a loopback address.
+    pub token_file: Option<PathBuf>,
+}
+
+/// Shortest admin token accepted: long enough that guessing it over the
+/// network is hopeless (`openssl rand -hex 32` gives 64 characters).
+pub const MIN_ADMIN_TOKEN_LEN: usize = 16;
+
+/// Parses the contents of an admin `token_file`: one line of at least
+/// [`MIN_ADMIN_TOKEN_LEN`] visible ASCII characters (it travels in an HTTP
+/// header); a trailing newline is ignored.
+pub fn parse_admin_token(text: &str) -> Result<Secret, String> {
+    let token = text.trim_end_matches(['\r', '\n']);
+    if token.len() < MIN_ADMIN_TOKEN_LEN {
+        return Err(format!("the token must be at least {MIN_ADMIN_TOKEN_LEN} characters long"));
+    }
+    if !token.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err("the token must be one line of visible ASCII characters, without spaces".to_owned());
+    }
+    Ok(Secret::new(token))
 }
 
 #[derive(Debug, Clone)]
@@ -175,8 +203,15 @@ struct RawConfig {
     server: Option<RawServer>,
     cache: Option<RawCache>,
     log: Option<RawLog>,
+    admin: Option<RawAdmin>,
     #[serde(default)]
     upstream: Vec<RawUpstream>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawAdmin {
+    token_file: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -423,7 +458,17 @@ impl Validator<'_> {
             Some("json") => LogFormat::Json,
             Some(other) => return Err(self.err("log.format", format!("{other:?} is not \"text\" or \"json\""))),
         };
-        Ok(Config { server, cache, upstreams, log: LogConfig { level, format } })
+        let admin = self.admin(raw.admin.unwrap_or_default())?;
+        Ok(Config { server, cache, upstreams, log: LogConfig { level, format }, admin })
+    }
+
+    fn admin(&self, raw: RawAdmin) -> Result<AdminConfig, ConfigError> {
+        let Some(file) = raw.token_file else { return Ok(AdminConfig::default()) };
+        let path = self.path(&file);
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| self.err("admin.token_file", format!("cannot read {}: {e}", path.display())))?;
+        parse_admin_token(&text).map_err(|e| self.err("admin.token_file", format!("{}: {e}", path.display())))?;
+        Ok(AdminConfig { token_file: Some(path) })
     }
 
     fn upstream(&self, i: usize, u: RawUpstream) -> Result<UpstreamConfig, ConfigError> {
@@ -658,6 +703,25 @@ mod tests {
             "[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nusername = \"bob\"\npassword_file = \"nope\"\n";
         let e = Config::parse(missing, "t.toml", Some(dir.path())).unwrap_err().to_string();
         assert!(e.contains("`upstream[0].password_file`"), "{e}");
+    }
+
+    #[test]
+    fn admin_token_file_is_read_checked_and_never_shown() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("token"), "0123456789abcdef0123\n").unwrap();
+        std::fs::write(dir.path().join("short"), "abc\n").unwrap();
+        std::fs::write(dir.path().join("spaces"), "0123456789 abcdef0123\n").unwrap();
+        let with = |file: &str| format!("[admin]\ntoken_file = \"{file}\"\n{MINIMAL}");
+        let c = Config::parse(&with("token"), "t.toml", Some(dir.path())).unwrap();
+        assert_eq!(c.admin.token_file, Some(dir.path().join("token")));
+        assert!(!format!("{c:?}").contains("0123456789abcdef"));
+        for bad in ["short", "spaces", "missing"] {
+            let e = Config::parse(&with(bad), "t.toml", Some(dir.path())).unwrap_err().to_string();
+            assert!(e.contains("`admin.token_file`"), "{e}");
+        }
+        assert_eq!(parse(MINIMAL).unwrap().admin.token_file, None);
+        let e = parse(&format!("[admin]\ntoken = \"x\"\n{MINIMAL}")).unwrap_err().to_string();
+        assert!(e.contains("token"), "{e}");
     }
 
     #[test]

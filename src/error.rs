@@ -37,6 +37,12 @@ pub enum Error {
     Upstream(#[from] UpstreamError),
     #[error("authentication required")]
     Unauthorized { realm: String },
+    /// An admin operation without the right `Authorization: Bearer` token.
+    #[error("this admin operation needs `Authorization: Bearer <token>` with the token in [admin] token_file")]
+    AdminUnauthorized,
+    /// An admin operation on a non-loopback admin listener without `[admin] token_file`.
+    #[error("admin operations are disabled: set [admin] token_file, or bind server.admin_listen to a loopback address")]
+    AdminDisabled,
     #[error("the cache disk is full")]
     DiskFull,
     #[error("internal error: {0}")]
@@ -112,6 +118,12 @@ impl Error {
             Error::Unauthorized { realm } => {
                 (S::UNAUTHORIZED, "UNAUTHORIZED", Some((header::WWW_AUTHENTICATE, format!("Basic realm=\"{realm}\""))))
             }
+            Error::AdminUnauthorized => (
+                S::UNAUTHORIZED,
+                "UNAUTHORIZED",
+                Some((header::WWW_AUTHENTICATE, "Bearer realm=\"larder-admin\"".to_owned())),
+            ),
+            Error::AdminDisabled => (S::FORBIDDEN, "DENIED", None),
             // Retryable: eviction is making room.
             Error::DiskFull => (S::SERVICE_UNAVAILABLE, "UNAVAILABLE", None),
             Error::Internal(_) => (S::INTERNAL_SERVER_ERROR, "UNKNOWN", None),

@@ -31,6 +31,16 @@ pub struct Metrics {
     pub cache_evictions: IntCounterVec,
     pub digest_mismatch: IntCounter,
     pub tokens_fetched: IntCounter,
+    /// `admin_auth_failures_total{endpoint,reason}`: admin operations
+    /// refused; reason `missing|wrong|disabled`.
+    pub admin_auth_failures: IntCounterVec,
+    /// `ready`: 1 when the last readiness check (on every `/readyz` and
+    /// every scrape) passed, 0 when it failed.
+    pub ready: IntGauge,
+    /// `cache_max_size_bytes`: the configured `cache.max_size`.
+    pub cache_max_size: IntGauge,
+    /// `cache_high_watermark_bytes`: usage above which eviction starts.
+    pub cache_high_watermark: IntGauge,
 }
 
 const PREFIX: &str = "larder";
@@ -56,6 +66,15 @@ fn build() -> Result<Metrics, prometheus::Error> {
     registry.register(Box::new(digest_mismatch.clone()))?;
     let tokens_fetched = IntCounter::new("tokens_fetched_total", "Bearer tokens fetched from upstream realms")?;
     registry.register(Box::new(tokens_fetched.clone()))?;
+    let gauge = |name: &str, help: &str| -> Result<IntGauge, prometheus::Error> {
+        let g = IntGauge::new(name, help)?;
+        registry.register(Box::new(g.clone()))?;
+        Ok(g)
+    };
+    let ready = gauge("ready", "1 when the last readiness check passed (index readable, cache folder writable)")?;
+    let cache_max_size = gauge("cache_max_size_bytes", "The configured cache.max_size")?;
+    let cache_high_watermark =
+        gauge("cache_high_watermark_bytes", "Cache usage above which least recently used content is evicted")?;
     Ok(Metrics {
         requests: counter_vec("requests_total", "Requests served", &["route", "method", "status"])?,
         request_duration: histogram_vec("request_duration_seconds", "Time to response headers", &["route"])?,
@@ -77,6 +96,14 @@ fn build() -> Result<Metrics, prometheus::Error> {
         cache_evictions: counter_vec("cache_evictions_total", "Items evicted from the disk cache", &["kind"])?,
         digest_mismatch,
         tokens_fetched,
+        admin_auth_failures: counter_vec(
+            "admin_auth_failures_total",
+            "Admin operations refused for a missing or wrong token, or because they are disabled",
+            &["endpoint", "reason"],
+        )?,
+        ready,
+        cache_max_size,
+        cache_high_watermark,
         registry,
     })
 }

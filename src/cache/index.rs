@@ -317,6 +317,22 @@ impl Index {
         txn.commit()?;
         Ok(())
     }
+
+    /// Calls `f` with each membership row ("upstream\0repo\0digest hex",
+    /// unix millis recorded) in key order, at most `limit` rows, in one read
+    /// transaction. Returns whether every row was visited.
+    pub fn for_each_member(&self, limit: usize, mut f: impl FnMut(&str, u64)) -> Result<bool, redb::Error> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(MEMBERS)?;
+        for (i, row) in table.iter()?.enumerate() {
+            if i == limit {
+                return Ok(false);
+            }
+            let (key, recorded) = row?;
+            f(key.value(), recorded.value());
+        }
+        Ok(true)
+    }
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ mod memory;
 mod pread;
 pub mod prefetch;
 mod reconcile;
+pub mod stats;
 
 use std::fs::File;
 use std::sync::Arc;

@@ -1,14 +1,18 @@
 //! Warming the cache with an image before anyone pulls it (admin
 //! `POST /prefetch`): the same path a client's pull takes through the cache
 //! facade, so it is coalesced with concurrent pulls and verified the same
-//! way, without sending any bytes anywhere.
+//! way, without sending any bytes anywhere. Progress (blobs and bytes done
+//! of the totals the manifests declare) is published on a watch channel as
+//! it happens, so that the admin API can stream it to `larder prefetch`.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use futures_util::StreamExt;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
 
-use super::fill::wait_until_committed;
+use super::fill::Progress;
 use super::{BlobSource, Cache, CacheResult};
 use crate::error::Error;
 use crate::oci::{Digest, Reference, RepoName, inspect_manifest};
@@ -18,6 +22,7 @@ use crate::upstream::Upstream;
 /// upstream's `max_concurrency`).
 pub const PREFETCH_PARALLELISM: usize = 4;
 
+/// What a prefetch did, once done.
 #[derive(Debug, Default, Serialize, PartialEq, Eq)]
 pub struct Prefetched {
     pub image: String,
@@ -29,9 +34,53 @@ pub struct Prefetched {
     pub bytes: u64,
 }
 
+/// Where a prefetch is, published as it goes. Totals are known once the
+/// manifests are read (`planned`); `bytes_done` counts the bytes of blobs
+/// still downloading as they arrive.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PrefetchProgress {
+    /// The manifests are read and the totals below are final.
+    pub planned: bool,
+    pub manifests: usize,
+    pub blobs_total: usize,
+    /// Sum of the sizes the manifests declare for the blobs.
+    pub bytes_total: u64,
+    pub blobs_done: usize,
+    pub bytes_done: u64,
+    /// Blobs fetched from upstream (not cached before).
+    pub fetched: usize,
+}
+
+/// The sizes an image manifest declares for its config and layers.
+#[derive(Deserialize)]
+struct DeclaredSizes {
+    config: Option<Sized>,
+    #[serde(default)]
+    layers: Vec<Sized>,
+}
+
+#[derive(Deserialize)]
+struct Sized {
+    digest: String,
+    size: u64,
+}
+
+fn declared_sizes(bytes: &[u8], sizes: &mut HashMap<Digest, u64>) {
+    // The manifest already passed `inspect_manifest`; sizes only feed the
+    // progress totals, so a manifest without them just counts 0 bytes.
+    if let Ok(declared) = serde_json::from_slice::<DeclaredSizes>(bytes) {
+        for d in declared.config.into_iter().chain(declared.layers) {
+            if let Ok(digest) = d.digest.parse() {
+                sizes.insert(digest, d.size);
+            }
+        }
+    }
+}
+
 /// Fetches the manifest(s) of `repo:reference` and every blob into the
 /// cache. For an index, every platform, or those whose `os/arch[/variant]`
-/// starts with `platform`. `image` is only echoed in the report.
+/// starts with `platform`. `image` is only echoed in the report. Progress
+/// goes to `progress` (nobody needs to be listening).
 pub async fn prefetch(
     cache: &Arc<Cache>,
     upstream: &Arc<Upstream>,
@@ -39,9 +88,12 @@ pub async fn prefetch(
     reference: &Reference,
     image: &str,
     platform: Option<&str>,
+    progress: &watch::Sender<PrefetchProgress>,
 ) -> Result<Prefetched, Error> {
     let (top, _) = cache.manifest(upstream, repo, reference).await?;
     let (_, refs) = inspect_manifest(&top.bytes, Some(top.media_type)).map_err(Error::Internal)?;
+    let mut sizes = HashMap::new();
+    declared_sizes(&top.bytes, &mut sizes);
     let mut blobs: Vec<Digest> = refs.blobs.clone();
     let mut manifests = usize::from(refs.manifests.is_empty());
     for (child, child_platform) in refs.manifests.iter().zip(&refs.platforms) {
@@ -55,21 +107,34 @@ pub async fn prefetch(
         }
         let (m, _) = cache.manifest(upstream, repo, &Reference::Digest(*child)).await?;
         let (_, child_refs) = inspect_manifest(&m.bytes, Some(m.media_type)).map_err(Error::Internal)?;
+        declared_sizes(&m.bytes, &mut sizes);
         blobs.extend(child_refs.blobs);
         manifests += 1;
     }
     blobs.sort();
     blobs.dedup();
+    let bytes_total = blobs.iter().map(|d| sizes.get(d).copied().unwrap_or(0)).sum();
+    progress.send_modify(|p| {
+        *p = PrefetchProgress { planned: true, manifests, blobs_total: blobs.len(), bytes_total, ..p.clone() };
+    });
 
     let mut report = Prefetched { image: image.to_owned(), manifests, blobs: blobs.len(), ..Prefetched::default() };
     let mut results = futures_util::stream::iter(blobs)
         .map(|digest| async move {
             let (source, result) = cache.blob(upstream, repo, digest).await?;
             let size = match source {
-                BlobSource::Committed { size, .. } => size,
-                BlobSource::Filling(mut rx) => wait_until_committed(&mut rx).await?,
+                BlobSource::Committed { size, .. } => {
+                    progress.send_modify(|p| p.bytes_done += size);
+                    size
+                }
+                BlobSource::Filling(rx) => follow_fill(rx, progress).await?,
             };
-            Ok::<_, Error>((size, result == CacheResult::Miss))
+            let fetched = result == CacheResult::Miss;
+            progress.send_modify(|p| {
+                p.blobs_done += 1;
+                p.fetched += usize::from(fetched);
+            });
+            Ok::<_, Error>((size, fetched))
         })
         .buffer_unordered(PREFETCH_PARALLELISM);
     while let Some(result) = results.next().await {
@@ -78,4 +143,31 @@ pub async fn prefetch(
         report.fetched += usize::from(fetched);
     }
     Ok(report)
+}
+
+/// Waits for a fill to commit, adding its bytes to `bytes_done` as they
+/// are written. Returns the blob's size.
+async fn follow_fill(
+    mut rx: watch::Receiver<Progress>,
+    progress: &watch::Sender<PrefetchProgress>,
+) -> Result<u64, Error> {
+    let mut counted = 0u64;
+    loop {
+        let (written, outcome) = match &*rx.borrow_and_update() {
+            Progress::Connecting => (0, None),
+            Progress::Streaming { written, .. } => (*written, None),
+            Progress::Complete { size, .. } => (*size, Some(Ok(*size))),
+            Progress::Failed(e) => (counted, Some(Err(e.clone()))),
+        };
+        if written > counted {
+            progress.send_modify(|p| p.bytes_done += written - counted);
+            counted = written;
+        }
+        if let Some(outcome) = outcome {
+            return outcome;
+        }
+        if rx.changed().await.is_err() {
+            return Err(Error::Internal("fill ended without a result".into()));
+        }
+    }
 }

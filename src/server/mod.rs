@@ -4,24 +4,20 @@
 pub mod admin;
 pub mod client_auth;
 pub mod handlers;
+pub mod listener;
 pub mod range;
 pub mod reload;
 pub mod routes;
 pub mod tls;
 pub mod watchdog;
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use http::{Request, Response};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 use tracing::Instrument;
 
@@ -50,37 +46,16 @@ pub async fn serve(
     mut shutdown: Shutdown,
     grace: Duration,
 ) {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT);
-    builder.http2().timer(TokioTimer::new()).max_concurrent_streams(MAX_CONCURRENT_STREAMS);
-    let builder = Arc::new(builder);
-    let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let builder = Arc::new(listener::http_builder());
     let graceful = GracefulShutdown::new();
-    loop {
-        // The permit is taken before accept: backpressure, not a queue in memory.
-        let accepted = tokio::select! {
-            _ = shutdown.changed() => break,
-            accepted = async {
-                let permit = Arc::clone(&permits).acquire_owned().await;
-                (permit, listener.accept().await)
-            } => accepted,
-        };
-        let (permit, (stream, peer)) = match accepted {
-            (Ok(permit), Ok(conn)) => (permit, conn),
-            (Err(_), _) => break,
-            (_, Err(e)) => {
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let _ = stream.set_nodelay(true);
+    listener::accept_loop(&listener, MAX_CONNECTIONS, &mut shutdown, "registry", |stream, peer| {
         let (app, builder, watcher, tls) = (Arc::clone(&app), Arc::clone(&builder), graceful.watcher(), tls.clone());
-        tokio::spawn(async move {
+        async move {
+            let handler = move |req| handle(Arc::clone(&app), req);
             let served = match tls {
-                None => serve_connection(&builder, stream, app, watcher).await,
+                None => listener::serve_watched(&builder, stream, Some(watcher), handler).await,
                 Some(acceptor) => match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                    Ok(Ok(stream)) => serve_connection(&builder, stream, app, watcher).await,
+                    Ok(Ok(stream)) => listener::serve_watched(&builder, stream, Some(watcher), handler).await,
                     Ok(Err(e)) => Err(e.into()),
                     Err(_) => Err("TLS handshake timed out".into()),
                 },
@@ -88,39 +63,14 @@ pub async fn serve(
             if let Err(e) = served {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
-            drop(permit);
-        });
-    }
+        }
+    })
+    .await;
     drop(listener);
     tracing::info!(grace_secs = grace.as_secs_f64(), "stopped accepting; draining connections");
     match tokio::time::timeout(grace, graceful.shutdown()).await {
         Ok(()) => tracing::info!("all connections drained"),
         Err(_) => tracing::warn!("grace period over; closing the remaining connections"),
-    }
-}
-
-/// Serves HTTP/1.1 or HTTP/2 on one accepted connection (plain or TLS).
-async fn serve_connection<I>(
-    builder: &auto::Builder<TokioExecutor>,
-    io: I,
-    app: Arc<App>,
-    watcher: hyper_util::server::graceful::Watcher,
-) -> Result<(), crate::body::BoxError>
-where
-    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-{
-    let activity = watchdog::Activity::new();
-    let io = watchdog::Tracked::new(io, Arc::clone(&activity));
-    let requests = Arc::clone(&activity);
-    let service = service_fn(move |req| {
-        requests.request();
-        let app = Arc::clone(&app);
-        async move { Ok::<_, Infallible>(handle(app, req).await) }
-    });
-    let conn = watcher.watch(builder.serve_connection(TokioIo::new(io), service));
-    tokio::select! {
-        served = conn => served,
-        () = activity.expired() => Err("connection timed out (no request, or idle)".into()),
     }
 }
 

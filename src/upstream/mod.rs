@@ -5,6 +5,7 @@
 mod auth;
 mod challenge;
 mod client;
+pub mod health;
 mod upstreams;
 
 use std::sync::Arc;
@@ -39,6 +40,8 @@ pub struct Upstream {
     /// `max_concurrency` permits; one is held while an upstream request is
     /// open (until its body is read or dropped). Waiters are served in order.
     permits: Arc<Semaphore>,
+    /// Last error, last success and rate-limit headroom, for operators.
+    pub health: health::Health,
 }
 
 /// An upstream response whose body is still open, with the concurrency
@@ -106,7 +109,7 @@ impl Upstream {
         let http = HttpClient::new(&config)?;
         let auth = Auth::new(config.credentials.clone(), config.url.host().unwrap_or_default());
         let permits = Arc::new(Semaphore::new(config.max_concurrency.get()));
-        Ok(Upstream { config, http, auth, permits })
+        Ok(Upstream { config, http, auth, permits, health: health::Health::default() })
     }
 
     pub fn name(&self) -> &str {
@@ -167,6 +170,7 @@ impl Upstream {
             m.upstream_duration.with_label_values(&[self.name()]).observe(started.elapsed().as_secs_f64());
             let status_label = sent.as_ref().map_or("error", |r| status_label(r.status()));
             m.upstream_requests.with_label_values(&[self.name(), method.as_str(), status_label]).inc();
+            self.health.observe(&sent);
             let resp = sent?;
             let status = resp.status();
             if status == StatusCode::UNAUTHORIZED && own_origin && !answered_challenge {

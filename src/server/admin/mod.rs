@@ -1,0 +1,161 @@
+//! The admin listener, kept off the registry port so that it can be
+//! firewalled separately. Read-only, open to anyone who can connect:
+//! `/metrics` (Prometheus text format), `/healthz` (the process answers),
+//! `/readyz` (the index is readable and the cache folder writable), `/`
+//! (the status page) and `/status` (the same facts as JSON, for
+//! `larder status`). Mutating, guarded by [`auth`]: `POST /prefetch` and
+//! `POST /purge` (see [`operations`]). The listener has the registry
+//! listener's protections (first-request deadline, idle timeout, header
+//! timeout), with its own, smaller connection cap.
+
+pub mod auth;
+pub mod operations;
+pub mod status;
+pub mod status_page;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::header::{ACCEPT, CACHE_CONTROL, CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+use tokio::net::TcpListener;
+
+use super::listener;
+use crate::body::{self, Body};
+use crate::error::Error;
+use crate::metrics::metrics;
+use crate::state::App;
+pub use auth::AdminAuth;
+
+/// Open admin connections at most; further ones wait in the kernel's
+/// accept queue until one closes. Prometheus, the kubelet's probes and a
+/// few operators need a handful; the cap keeps a flood of admin
+/// connections from taking the descriptors the registry port needs.
+pub const MAX_ADMIN_CONNECTIONS: usize = 256;
+
+struct Admin {
+    app: Arc<App>,
+    auth: AdminAuth,
+    holdings: status::HoldingsCache,
+    started: Instant,
+}
+
+/// Serves until `shutdown` fires. Open admin connections are not drained:
+/// a prefetch streaming its progress stops with the process.
+pub async fn serve(listener: TcpListener, app: Arc<App>, auth: AdminAuth, mut shutdown: crate::shutdown::Shutdown) {
+    let m = metrics();
+    m.cache_max_size.set(app.cache.max_size() as i64);
+    m.cache_high_watermark.set(app.cache.high_watermark_bytes() as i64);
+    let admin = Arc::new(Admin { app, auth, holdings: status::HoldingsCache::default(), started: Instant::now() });
+    if let Some(path) = admin.auth.path() {
+        let watched = Arc::clone(&admin);
+        super::reload::watch("admin token", vec![path], shutdown.clone(), move || watched.auth.reload());
+    }
+    let builder = Arc::new(listener::http_builder());
+    listener::accept_loop(&listener, MAX_ADMIN_CONNECTIONS, &mut shutdown, "admin", |stream, peer| {
+        let (admin, builder) = (Arc::clone(&admin), Arc::clone(&builder));
+        async move {
+            let handler = move |req| {
+                let admin = Arc::clone(&admin);
+                async move { admin.handle(req).await }
+            };
+            if let Err(e) = listener::serve_watched(&builder, stream, None, handler).await {
+                tracing::debug!(%peer, error = %e, "admin connection ended with an error");
+            }
+        }
+    })
+    .await;
+}
+
+fn text(status: StatusCode, content_type: &'static str, bytes: impl Into<Bytes>) -> Response<Body> {
+    let mut resp = Response::new(body::full(bytes.into()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    resp
+}
+
+/// The label of a mutating endpoint in `larder_admin_auth_failures_total`.
+fn endpoint_label(path: &str) -> &'static str {
+    match path {
+        "/prefetch" => "prefetch",
+        "/purge" => "purge",
+        _ => "other",
+    }
+}
+
+impl Admin {
+    async fn handle(&self, req: Request<Incoming>) -> Response<Body> {
+        let (parts, _body) = req.into_parts();
+        let head = parts.method == Method::HEAD;
+        let mut resp = if parts.method == Method::GET || head {
+            self.read(parts.uri.path()).await
+        } else {
+            // Every other method may change something: the token check
+            // comes before routing, so an endpoint added later is guarded too.
+            let path = parts.uri.path();
+            let result = match self.auth.authorize(&parts.headers, endpoint_label(path)) {
+                Err(e) => Err(e),
+                Ok(()) if parts.method != Method::POST => {
+                    return text(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "method not allowed\n");
+                }
+                Ok(()) => {
+                    let params = operations::Params::of(&parts.uri);
+                    match path {
+                        "/prefetch" => {
+                            let stream = parts
+                                .headers
+                                .get_all(ACCEPT)
+                                .iter()
+                                .any(|v| v.to_str().is_ok_and(|v| v.contains(operations::NDJSON)));
+                            operations::prefetch(&self.app, &params, stream).await
+                        }
+                        "/purge" => operations::purge(&self.app, &params).await,
+                        _ => Err(Error::NotFound),
+                    }
+                }
+            };
+            result.unwrap_or_else(|e| e.into_response(false))
+        };
+        if head {
+            let len = http_body::Body::size_hint(resp.body()).exact().unwrap_or(0);
+            resp.headers_mut().insert(CONTENT_LENGTH, len.into());
+            *resp.body_mut() = body::empty();
+        }
+        resp
+    }
+
+    /// GET and HEAD: the read-only endpoints.
+    async fn read(&self, path: &str) -> Response<Body> {
+        match path {
+            "/metrics" => {
+                // Readiness is evaluated at every scrape, so that an alert
+                // can see it without a probe.
+                let _ = self.ready().await;
+                text(StatusCode::OK, "text/plain; version=0.0.4", crate::metrics::render())
+            }
+            "/healthz" => text(StatusCode::OK, "text/plain", "ok\n"),
+            "/readyz" => match self.ready().await {
+                Ok(()) => text(StatusCode::OK, "text/plain", "ready\n"),
+                Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, "text/plain", format!("not ready: {e}\n")),
+            },
+            "/" | "/status" => match status::gather(&self.app, &self.holdings, self.started).await {
+                Ok(s) if path == "/" => {
+                    let mut resp = text(StatusCode::OK, "text/html; charset=utf-8", status_page::render(&s));
+                    resp.headers_mut().insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+                    resp
+                }
+                Ok(s) => text(StatusCode::OK, "application/json", serde_json::json!(s).to_string()),
+                Err(e) => e.into_response(false),
+            },
+            _ => text(StatusCode::NOT_FOUND, "text/plain", "not found\n"),
+        }
+    }
+
+    async fn ready(&self) -> Result<(), Error> {
+        let ready = self.app.cache.check_ready().await;
+        metrics().ready.set(i64::from(ready.is_ok()));
+        ready
+    }
+}
