@@ -1,9 +1,13 @@
-//! The `larder` command: parse the CLI, load the config, set up logs, run.
+//! The `larder` command: parse the CLI, load the config, set up logs, run;
+//! or, for the operator commands (`prefetch`, `purge`, `status`), talk to a
+//! running larder's admin listener (see `larder::cli`).
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use larder::cli::Target;
 use larder::config::{Config, LogConfig, LogFormat};
 
 #[derive(Parser)]
@@ -32,6 +36,47 @@ enum Command {
         #[arg(long)]
         repair: bool,
     },
+    /// Warm a running larder's cache with an image (every platform of an
+    /// index, or one), showing progress.
+    Prefetch {
+        /// `[registry/]repository[:tag|@digest]`, routed like a pull.
+        image: String,
+        /// Only this platform of a multi-platform image, e.g. `linux/arm64`.
+        #[arg(long)]
+        platform: Option<String>,
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
+    /// Forget an upstream, or one repository of it, in a running larder.
+    Purge {
+        /// The upstream's name or alias, e.g. `docker.io`.
+        upstream: String,
+        /// Only this repository, e.g. `library/alpine`.
+        repo: Option<String>,
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
+    /// Show a running larder's cache, upstreams and repositories.
+    Status {
+        /// Print the JSON the admin listener answers instead of text.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
+}
+
+/// Where the running larder's admin listener is, and its token. With
+/// `--config`, its `server.admin_listen` and `[admin] token_file` are used
+/// unless these say otherwise.
+#[derive(Args)]
+struct AdminArgs {
+    /// Admin listener URL (default: from --config, else http://127.0.0.1:9090).
+    #[arg(long, env = "LARDER_ADMIN")]
+    admin: Option<String>,
+    /// File holding the admin token (or the token itself in LARDER_ADMIN_TOKEN).
+    #[arg(long, env = "LARDER_ADMIN_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -47,7 +92,9 @@ fn load(path: Option<&PathBuf>) -> Result<Config, larder::config::ConfigError> {
     }
 }
 
-/// Logs to stderr: `RUST_LOG` if set, else the config's filter.
+/// Logs to stderr: `RUST_LOG` if set, else the config's filter. Text logs
+/// are coloured only when stderr is a terminal (and `NO_COLOR` is unset),
+/// so files and pipes get plain text; JSON never has colour.
 fn init_logs(config: &LogConfig, cli: Option<CliLogFormat>) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&config.level));
@@ -56,15 +103,72 @@ fn init_logs(config: &LogConfig, cli: Option<CliLogFormat>) {
         Some(CliLogFormat::Json) => LogFormat::Json,
         None => config.format,
     };
+    let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+    let ansi = std::io::stderr().is_terminal() && !no_color;
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.with_ansi(ansi).init(),
+        LogFormat::Json => builder.json().with_ansi(false).init(),
+    }
+}
+
+/// Runs an operator command against the admin listener: exit status 0
+/// when it succeeded, 1 when larder refused or failed it, 2 for usage errors.
+fn operator(command: Command, config_path: Option<&PathBuf>) -> ExitCode {
+    let (name, admin) = match &command {
+        Command::Prefetch { admin, .. } => ("prefetch", admin),
+        Command::Purge { admin, .. } => ("purge", admin),
+        Command::Status { admin, .. } => ("status", admin),
+        _ => return ExitCode::from(2),
+    };
+    let config = match config_path.map(|p| Config::load(p)).transpose() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("larder {name}: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let target = Target {
+        admin: admin.admin.clone(),
+        token_file: admin.token_file.clone(),
+        token: std::env::var(larder::cli::TOKEN_ENV).ok().filter(|t| !t.is_empty()),
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("larder {name}: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        let client = target.client(config.as_ref())?;
+        match &command {
+            Command::Prefetch { image, platform, .. } => {
+                let terminal = std::io::stdout().is_terminal();
+                larder::cli::prefetch::run(&client, image, platform.as_deref(), terminal).await
+            }
+            Command::Purge { upstream, repo, .. } => larder::cli::purge(&client, upstream, repo.as_deref()).await,
+            Command::Status { json, .. } => larder::cli::status(&client, *json).await,
+            _ => Ok(()),
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("larder {name}: {e}");
+            match e {
+                larder::cli::client::CallError::Usage(_) => ExitCode::from(2),
+                _ => ExitCode::FAILURE,
+            }
+        }
     }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(command @ (Command::Prefetch { .. } | Command::Purge { .. } | Command::Status { .. })) = cli.command {
+        return operator(command, cli.config.as_ref());
+    }
     let config = match load(cli.config.as_ref()) {
         Ok(c) => c,
         Err(e) => {

@@ -1,0 +1,172 @@
+//! The HTTP side of the operator commands: one request to a running
+//! larder's admin listener, with the bearer token when there is one, and
+//! bounded waits (connect, response headers, and between two lines of a
+//! streamed answer).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{ACCEPT, AUTHORIZATION, USER_AGENT};
+use http::{Method, Request, Response, Uri};
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use crate::config::Secret;
+
+/// Time to connect to the admin listener.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Time for the response headers. A purge of a large upstream answers when
+/// done, so this is generous.
+pub const RESPONSE_TIMEOUT: Duration = Duration::from_secs(300);
+/// Longest wait for the next chunk of a body; larder sends a streamed
+/// prefetch's progress at least every 5 s.
+pub const BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Largest non-streamed answer read (the status JSON is a few KiB).
+pub const MAX_ANSWER: usize = 4 << 20;
+
+/// A failed admin call: what to print, after `larder <command>: `.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error("{0}")]
+    Usage(String),
+    #[error("cannot reach the admin listener at {url}: {message}")]
+    Unreachable { url: String, message: String },
+    /// larder answered with an error (its OCI envelope, summarised).
+    #[error("{status} {code}: {message}")]
+    Refused { status: u16, code: String, message: String },
+    #[error("{0}")]
+    Protocol(String),
+}
+
+/// A running larder's admin listener.
+pub struct AdminClient {
+    base: String,
+    token: Option<Secret>,
+    inner: Client<hyper_rustls::HttpsConnector<HttpConnector>, Empty<Bytes>>,
+}
+
+impl AdminClient {
+    /// `base` is `http(s)://host:port` (a trailing `/` is ignored).
+    pub fn new(base: &str, token: Option<Secret>) -> Result<AdminClient, CallError> {
+        let base = base.trim_end_matches('/').to_owned();
+        let uri: Uri = base.parse().map_err(|e| CallError::Usage(format!("--admin {base:?}: {e}")))?;
+        if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
+            return Err(CallError::Usage(format!("--admin {base:?} must be http(s)://host:port")));
+        }
+        let mut roots = rustls::RootCertStore::empty();
+        roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| CallError::Usage(e.to_string()))?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        http.set_connect_timeout(Some(CONNECT_TIMEOUT));
+        let https =
+            hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls).https_or_http().enable_http1().wrap_connector(http);
+        Ok(AdminClient { base, token, inner: Client::builder(TokioExecutor::new()).build(https) })
+    }
+
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    /// Sends `method path_and_query`; a non-2xx answer is a [`CallError::Refused`].
+    pub async fn call(&self, method: Method, path_and_query: &str, accept: &str) -> Result<Response<Incoming>, CallError> {
+        let url = format!("{}{path_and_query}", self.base);
+        let mut req = Request::builder().method(method).uri(&url).header(ACCEPT, accept).header(USER_AGENT, crate::USER_AGENT);
+        if let Some(token) = &self.token {
+            req = req.header(AUTHORIZATION, format!("Bearer {}", token.expose()));
+        }
+        let req = req.body(Empty::new()).map_err(|e| CallError::Usage(format!("{url}: {e}")))?;
+        let unreachable = |message: String| CallError::Unreachable { url: self.base.clone(), message };
+        let resp = match tokio::time::timeout(RESPONSE_TIMEOUT, self.inner.request(req)).await {
+            Ok(Ok(resp)) => resp,
+            Ok(Err(e)) => return Err(unreachable(crate::upstream::error_chain(&e))),
+            Err(_) => return Err(unreachable(format!("no answer within {RESPONSE_TIMEOUT:?}"))),
+        };
+        if resp.status().is_success() {
+            return Ok(resp);
+        }
+        let status = resp.status().as_u16();
+        let body = read_body(resp.into_body()).await.unwrap_or_default();
+        Err(refusal(status, &body))
+    }
+
+    /// [`AdminClient::call`], then the whole (small) body.
+    pub async fn call_json(&self, method: Method, path_and_query: &str) -> Result<serde_json::Value, CallError> {
+        let resp = self.call(method, path_and_query, "application/json").await?;
+        let body = read_body(resp.into_body()).await?;
+        serde_json::from_slice(&body).map_err(|e| CallError::Protocol(format!("the answer is not JSON: {e}")))
+    }
+}
+
+/// The OCI error envelope (or whatever came) as a [`CallError::Refused`].
+pub fn refusal(status: u16, body: &[u8]) -> CallError {
+    let parsed: Option<serde_json::Value> = serde_json::from_slice(body).ok();
+    let first = parsed.as_ref().and_then(|v| v["errors"].get(0));
+    let code = first.and_then(|e| e["code"].as_str()).unwrap_or("ERROR").to_owned();
+    let message = match first.and_then(|e| e["message"].as_str()) {
+        Some(m) => m.to_owned(),
+        None => String::from_utf8_lossy(body).trim().chars().take(300).collect(),
+    };
+    CallError::Refused { status, code, message }
+}
+
+async fn read_body(body: Incoming) -> Result<Bytes, CallError> {
+    let limited = http_body_util::Limited::new(body, MAX_ANSWER);
+    match tokio::time::timeout(BODY_IDLE_TIMEOUT, limited.collect()).await {
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(e)) => Err(CallError::Protocol(format!("reading the answer: {e}"))),
+        Err(_) => Err(CallError::Protocol(format!("the answer stalled for {BODY_IDLE_TIMEOUT:?}"))),
+    }
+}
+
+/// Reads a newline-delimited JSON body one object at a time, waiting at
+/// most [`BODY_IDLE_TIMEOUT`] for each chunk.
+pub struct Lines {
+    body: Incoming,
+    buffer: Vec<u8>,
+}
+
+/// Longest line accepted in a streamed answer.
+const MAX_LINE: usize = 1 << 20;
+
+impl Lines {
+    pub fn new(body: Incoming) -> Lines {
+        Lines { body, buffer: Vec::new() }
+    }
+
+    /// The next JSON object, or `None` at the end of the body.
+    pub async fn next(&mut self) -> Result<Option<serde_json::Value>, CallError> {
+        loop {
+            if let Some(end) = self.buffer.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = self.buffer.drain(..=end).collect();
+                if line.iter().all(u8::is_ascii_whitespace) {
+                    continue;
+                }
+                return serde_json::from_slice(&line)
+                    .map(Some)
+                    .map_err(|e| CallError::Protocol(format!("a progress line is not JSON: {e}")));
+            }
+            if self.buffer.len() > MAX_LINE {
+                return Err(CallError::Protocol("a progress line is too long".into()));
+            }
+            let frame = match tokio::time::timeout(BODY_IDLE_TIMEOUT, self.body.frame()).await {
+                Err(_) => return Err(CallError::Protocol(format!("no progress for {BODY_IDLE_TIMEOUT:?}"))),
+                Ok(None) if self.buffer.is_empty() => return Ok(None),
+                Ok(None) => return Err(CallError::Protocol("the answer ended inside a line".into())),
+                Ok(Some(Err(e))) => return Err(CallError::Protocol(format!("the connection broke: {e}"))),
+                Ok(Some(Ok(frame))) => frame,
+            };
+            if let Ok(data) = frame.into_data() {
+                self.buffer.extend_from_slice(&data);
+            }
+        }
+    }
+}
