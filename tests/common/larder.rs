@@ -352,6 +352,11 @@ impl Larder {
         }
     }
 
+    /// The process id of the running larder.
+    pub fn pid(&self) -> u32 {
+        self.process.as_ref().and_then(|p| p.pid()).expect("larder is running")
+    }
+
     /// Sends SIGTERM, what Kubernetes sends to stop a pod.
     pub fn send_sigterm(&mut self) {
         let process = self.process.as_mut().expect("larder is running");
