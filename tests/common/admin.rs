@@ -88,3 +88,8 @@ pub fn stdout(output: &Output) -> String {
 pub fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
 }
+
+/// Bytes as larder's operator commands print them: `1.5 MiB`.
+pub fn human_bytes(n: u64) -> String {
+    larder::server::admin::status_page::bytes(n)
+}

@@ -1,0 +1,169 @@
+//! The operator commands against a real larder and a real distribution
+//! origin: `larder prefetch` (plain lines when stdout is not a terminal, an
+//! indicatif bar on a terminal, run under `script` for a pseudo-terminal),
+//! `larder status`, `larder purge`, and what a wrong token or an
+//! unreachable larder looks like. Also: text logs are coloured only on a
+//! terminal.
+
+mod common;
+
+use std::process::Command;
+
+use common::admin::{stderr, stdout};
+use common::{Admin, ImageBuilder, KIB, Larder, MIB, ORIGIN_NAME, Origin, free_port, skopeo, which};
+
+const TOKEN: &str = "cli-test-token-6b0f2d9c84";
+
+/// Runs `shell_command` with a pseudo-terminal as its stdout and stderr
+/// (util-linux `script`), 120 columns wide; returns what the terminal got.
+fn on_a_terminal(shell_command: &str) -> (bool, String) {
+    which("script");
+    let output = Command::new("script")
+        .args(["-q", "-e", "-c", &format!("stty cols 120 rows 40; {shell_command}"), "/dev/null"])
+        .env_remove("NO_COLOR")
+        .output()
+        .expect("run script");
+    (output.status.success(), String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn prefetch_status_and_purge_from_the_command_line() {
+    let origin = Origin::start().await;
+    let image = ImageBuilder::oci().layers(&[3 * MIB, 2 * MIB, 256 * KIB]).push(&origin, "team/app", "v1").await;
+    let other = ImageBuilder::oci().layers(&[64 * KIB]).push(&origin, "team/other", "v1").await;
+    let (builder, admin) = Admin::with_token(Larder::builder().upstream(&origin), TOKEN);
+    let larder = builder.start().await;
+    let image_bytes: u64 = image.blobs().iter().map(|b| b.size).sum();
+
+    // Not a terminal: plain progress lines, then a summary.
+    let out = admin.cli(&["prefetch", "team/app:v1"]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(!text.contains('\x1b'), "no terminal codes when stdout is not a terminal:\n{text:?}");
+    assert!(text.starts_with("prefetching team/app:v1 through http://127.0.0.1:"), "{text}");
+    let blobs = image.blob_digests().len();
+    assert!(text.contains(&format!("/{blobs} blobs")), "plain progress lines:\n{text}");
+    let summary = text.lines().last().expect("a summary line");
+    assert!(
+        summary.starts_with(&format!("prefetched team/app:v1: 1 manifest, {blobs} blobs ({blobs} fetched from upstream), ")),
+        "{summary}"
+    );
+    assert!(summary.contains(&common::admin::human_bytes(image_bytes)), "{summary}");
+    let mark = origin.log_mark().await;
+    skopeo::pull(&larder.image_ref("team/app:v1"), false).await.expect("pull after prefetch");
+    assert_eq!(origin.requests_since(&mark).await.blob_gets(), 0, "the prefetch warmed every blob");
+
+    // On a terminal: an indicatif bar (drawn with terminal codes) with bytes and blobs.
+    let command = format!(
+        "{} prefetch {ORIGIN_NAME}/team/other:v1 --admin {} --token-file {}",
+        shell_quote(common::larder::binary()),
+        admin.url(),
+        shell_quote(&admin.token_file().display().to_string())
+    );
+    let (ok, screen) = on_a_terminal(&command);
+    assert!(ok, "{screen}");
+    assert!(screen.contains('\x1b'), "a progress bar is drawn on a terminal:\n{screen:?}");
+    assert!(screen.contains("blobs") && screen.contains("ETA"), "bar with blobs, rate and ETA:\n{screen:?}");
+    assert!(screen.contains("prefetched origin.test/team/other:v1: 1 manifest"), "{screen:?}");
+    let _ = other;
+
+    // Status: what the cache holds, and the repositories.
+    let out = admin.cli(&["status"]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(text.contains("of 10.0 GiB"), "{text}");
+    assert!(text.contains(&format!("{} blobs, ", blobs + 2)), "{text}");
+    assert!(text.contains("2 repositories"), "{text}");
+    assert!(text.contains("origin.test (default) http://127.0.0.1:"), "{text}");
+    let largest = text.split("largest repositories").nth(1).expect("largest section");
+    let first = largest.lines().nth(1).expect("a repository line");
+    assert!(first.trim_start().starts_with("origin.test/team/app "), "largest first:\n{text}");
+    let json = admin.cli(&["status", "--json"]);
+    let value: serde_json::Value = serde_json::from_slice(&json.stdout).expect("status --json is JSON");
+    assert_eq!(value["repositories"]["count"], 2);
+    assert_eq!(value["cache"]["blobs"], blobs + 2);
+
+    // Purge one repository: its blobs go, and the next pull refetches them.
+    let out = admin.cli(&["purge", ORIGIN_NAME, "team/app"]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(text.starts_with(&format!("purged origin.test/team/app: 1 tags, ")), "{text}");
+    assert!(text.contains(&format!(", {blobs} blobs, ")), "{text}");
+    let mark = origin.log_mark().await;
+    skopeo::pull(&larder.image_ref("team/app:v1"), false).await.expect("pull after purge");
+    assert_eq!(origin.requests_since(&mark).await.blob_gets(), blobs);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_wrong_token_or_no_larder_is_a_clear_error() {
+    let origin = Origin::start().await;
+    let (builder, admin) = Admin::with_token(Larder::builder().upstream(&origin), TOKEN);
+    let _larder = builder.start().await;
+
+    let out = admin.command(&["purge", ORIGIN_NAME]).env("LARDER_ADMIN_TOKEN", "wrong-token-0123456789").output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).starts_with("larder purge: 401 UNAUTHORIZED: "), "{}", stderr(&out));
+    let out = admin.command(&["prefetch", "team/app:v1"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("401 UNAUTHORIZED"), "{}", stderr(&out));
+
+    // Status is read-only: no token needed.
+    let out = admin.command(&["status"]).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    // An unknown image is the upstream's answer, before any progress.
+    let out = admin.cli(&["prefetch", "team/missing:v1"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("404 MANIFEST_UNKNOWN"), "{}", stderr(&out));
+
+    let nobody = free_port();
+    let out = Command::new(common::larder::binary())
+        .args(["status", "--admin", &format!("http://127.0.0.1:{nobody}")])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("cannot reach the admin listener"), "{}", stderr(&out));
+}
+
+#[test]
+fn text_logs_are_coloured_only_on_a_terminal() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("larder.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{}\"\n[cache]\ndir = {:?}\n\
+             [[upstream]]\nname = \"nowhere.test\"\nurl = \"http://127.0.0.1:9\"\ndefault = true\n",
+            free_port(),
+            dir.path().join("cache").display().to_string()
+        ),
+    )
+    .expect("write config");
+    // Two seconds of running, then SIGINT: larder logs that it listens and stops.
+    let run = |format: &str| {
+        format!(
+            "timeout -s INT 2 {} --config {} --log-format {format}",
+            shell_quote(common::larder::binary()),
+            shell_quote(&config.display().to_string())
+        )
+    };
+
+    let (_, screen) = on_a_terminal(&run("text"));
+    assert!(screen.contains("larder listening"), "{screen}");
+    assert!(screen.contains("\x1b["), "text logs on a terminal are coloured:\n{screen:?}");
+
+    let piped = Command::new("sh").args(["-c", &run("text")]).env_remove("NO_COLOR").output().expect("run larder");
+    let log = stderr(&piped);
+    assert!(log.contains("larder listening"), "{log}");
+    assert!(!log.contains('\x1b'), "text logs into a pipe carry no colour codes:\n{log:?}");
+
+    let (_, screen) = on_a_terminal(&run("json"));
+    assert!(!screen.contains('\x1b'), "JSON logs never carry colour codes:\n{screen:?}");
+    for line in screen.lines().filter(|l| !l.trim().is_empty()) {
+        serde_json::from_str::<serde_json::Value>(line.trim()).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+    }
+}
