@@ -1,0 +1,157 @@
+//! The admin listener's status page, seen as a person sees it: headless
+//! Chromium (Debian's `chromium`) loads `GET /` of a larder that has served
+//! real pulls, one upstream announcing Docker Hub-style rate-limit headers
+//! and one that is down; the test checks the rendered text and keeps a
+//! screenshot as a test artifact (`target/tmp/status-page.png`). With
+//! `LARDER_UPDATE_SCREENSHOT=1` it also refreshes the README's
+//! `docs/status-page.png`.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use common::{Admin, ImageBuilder, KIB, Larder, MIB, Origin, Upstream, http, skopeo, which};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+/// How long Chromium may take to load and render the page.
+const BROWSER_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Headless Chromium as root, with a fresh profile and nothing phoning home.
+fn chromium(profile: &Path, args: &[&str]) -> std::process::Output {
+    let mut command = Command::new(which("chromium"));
+    command.args([
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--hide-scrollbars",
+    ]);
+    command.arg(format!("--user-data-dir={}", profile.display())).args(args);
+    let child = command
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start chromium (tests/run.sh installs Debian's chromium)");
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(BROWSER_TIMEOUT) {
+        Ok(output) => output.expect("wait for chromium"),
+        Err(_) => {
+            let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+            panic!("chromium did not finish within {BROWSER_TIMEOUT:?}");
+        }
+    }
+}
+
+/// The page's text as rendered: the DOM after load, tags stripped,
+/// entities decoded, whitespace collapsed.
+fn rendered_text(dom: &str) -> String {
+    let body = dom.split("<body>").nth(1).unwrap_or(dom);
+    let mut text = String::new();
+    let mut in_tag = false;
+    for c in body.chars() {
+        match c {
+            '<' => in_tag = true,
+            '>' => {
+                in_tag = false;
+                text.push(' ');
+            }
+            c if !in_tag => text.push(c),
+            _ => {}
+        }
+    }
+    let text = text.replace("&amp;", "&").replace("&lt;", "<").replace("&gt;", ">").replace("&#39;", "'");
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// A registry front that answers everything 404 with Docker Hub's
+/// rate-limit headers.
+async fn rate_limited_registry() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = conn.read(&mut buf).await;
+                let answer = "HTTP/1.1 404 Not Found\r\nratelimit-limit: 100;w=21600\r\n\
+                              ratelimit-remaining: 76;w=21600\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
+                let _ = conn.write_all(answer.as_bytes()).await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+fn artifact(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_status_page_shows_the_cache_upstreams_and_repositories_in_a_browser() {
+    let origin = Origin::start().await;
+    ImageBuilder::oci().layers(&[2 * MIB, MIB, 512 * KIB]).push(&origin, "team/app", "v1").await;
+    ImageBuilder::oci().layers(&[256 * KIB]).push(&origin, "team/tools", "v2").await;
+    ImageBuilder::oci().layers(&[96 * KIB]).push(&origin, "library/base", "1.0").await;
+    let hub = rate_limited_registry().await;
+    let (builder, admin) = Admin::open(
+        Larder::builder()
+            .upstream(&origin)
+            .upstream(Upstream::new("hub.test", &hub))
+            .upstream(Upstream::new("down.test", "http://127.0.0.1:9")),
+    );
+    let larder = builder.start().await;
+    for image in ["library/base:1.0", "team/tools:v2", "team/app:v1"] {
+        skopeo::pull(&larder.image_ref(image), false).await.expect("pull");
+    }
+    for (prefix, want) in [("hub.test", 404), ("down.test", 503)] {
+        let url = format!("{}/v2/{prefix}/team/app/manifests/v1", larder.url());
+        assert_eq!(http::manifest_get(&http::client(), &url).send().await.expect("answer").status(), want);
+    }
+
+    let profile = tempfile::tempdir().expect("profile dir");
+    let page = format!("{}/", admin.url());
+    let dom = chromium(profile.path(), &["--dump-dom", &page]);
+    assert!(dom.status.success(), "chromium --dump-dom failed: {}", String::from_utf8_lossy(&dom.stderr));
+    let text = rendered_text(&String::from_utf8_lossy(&dom.stdout));
+
+    assert!(text.starts_with("larder version 0.1.0"), "{text}");
+    assert!(text.contains("of 10.0 GiB"), "cache size against the limit: {text}");
+    assert!(text.contains("eviction starts at 9.5 GiB"), "{text}");
+    assert!(text.contains("8 blobs"), "3 configs and 5 layers: {text}");
+    assert!(text.contains("3 manifests"), "{text}");
+    assert!(text.contains("0.0% blobs (8 requests)"), "every blob was a miss: {text}");
+    assert!(text.contains("origin.test (default)"), "{text}");
+    assert!(text.contains("hub.test") && text.contains("76 of 100 left"), "rate-limit headroom: {text}");
+    assert!(text.contains("down.test") && text.contains("cannot connect to upstream"), "last error: {text}");
+    let largest = text.split("Largest repositories (3 in all)").nth(1).expect("largest section");
+    let order: Vec<usize> =
+        ["team/app", "team/tools", "library/base"].iter().map(|r| largest.find(r).expect(r)).collect();
+    assert!(order.windows(2).all(|w| w[0] < w[1]), "largest first: {largest}");
+    let recent = text.split("Most recently used").nth(1).expect("recent section");
+    assert!(recent.contains("team/app") && recent.contains("s ago"), "{recent}");
+
+    // The screenshot, kept for whoever looks at the test run.
+    let shot = artifact("status-page.png");
+    let _ = std::fs::remove_file(&shot);
+    let out = chromium(profile.path(), &["--window-size=1280,860", &format!("--screenshot={}", shot.display()), &page]);
+    assert!(out.status.success(), "chromium --screenshot failed: {}", String::from_utf8_lossy(&out.stderr));
+    let png = std::fs::read(&shot).expect("the screenshot was written");
+    assert!(png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 20_000, "a real PNG, {} bytes", png.len());
+    eprintln!("status page screenshot: {}", shot.display());
+    if std::env::var_os("LARDER_UPDATE_SCREENSHOT").is_some() {
+        let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/status-page.png");
+        std::fs::create_dir_all(docs.parent().expect("docs dir")).expect("create docs/");
+        std::fs::copy(&shot, &docs).expect("copy the screenshot to docs/");
+    }
+}
