@@ -230,6 +230,7 @@ def check_config(label: str, toml_text: str, expect_ok: bool = True) -> None:
                         quoted = json.dumps(u[key])
                         assert quoted in text, quoted
                         text = text.replace(quoted, json.dumps(str(inside)))
+            text = _rewrite_admin_token(parsed, text, Path(tmp))
         cfg = Path(tmp) / "larder.toml"
         cfg.write_text(text)
         p = subprocess.run(
@@ -240,6 +241,18 @@ def check_config(label: str, toml_text: str, expect_ok: bool = True) -> None:
             check(f"[{label}] larder check-config accepts larder.toml", p.returncode == 0, out)
         else:
             check(f"[{label}] larder check-config refuses larder.toml as rendered", p.returncode == 2, out)
+
+
+def _rewrite_admin_token(parsed: dict, text: str, tmp: Path) -> str:
+    """Recreates `[admin] token_file` (a Secret mount in the pod) under tmp
+    with a token in it, and points the TOML there."""
+    in_pod = parsed.get("admin", {}).get("token_file")
+    if not in_pod:
+        return text
+    outside = tmp / in_pod.lstrip("/")
+    outside.parent.mkdir(parents=True, exist_ok=True)
+    outside.write_text("chart-test-admin-token-0123456789\n")
+    return text.replace(json.dumps(in_pod), json.dumps(str(outside)))
 
 
 def free_port() -> int:
@@ -278,6 +291,7 @@ def run_larder(label: str, toml_text: str, args: list[str]) -> None:
         for key, value in (("listen", addr), ("admin_listen", admin)):
             text = text.replace(f"{key} = {json.dumps(conf['server'][key])}", f"{key} = {json.dumps(value)}")
         text = text.replace('dir = "/var/lib/larder"', f"dir = {json.dumps(str(Path(tmp) / 'cache'))}")
+        text = _rewrite_admin_token(conf, text, Path(tmp))
         cfg, log = Path(tmp) / "larder.toml", Path(tmp) / "larder.log"
         cfg.write_text(text)
         argv = [str(LARDER)] + [str(cfg) if a == "/etc/larder/larder.toml" else a for a in args]
@@ -497,6 +511,7 @@ def check_defaults() -> None:
         r.kinds()
         == [
             "ConfigMap/larder",
+            "Secret/larder-admin-token",
             "Service/larder",
             "Service/larder-headless",
             "ServiceAccount/larder",
@@ -580,7 +595,8 @@ def check_node_mode() -> None:
         return
     check(
         "[node+hostNetwork] objects",
-        r.kinds() == ["ConfigMap/larder", "DaemonSet/larder", "Service/larder", "ServiceAccount/larder"],
+        r.kinds()
+        == ["ConfigMap/larder", "DaemonSet/larder", "Secret/larder-admin-token", "Service/larder", "ServiceAccount/larder"],
         r.kinds(),
     )
     check_mirror_pod(r, node=True)
@@ -697,6 +713,7 @@ def check_extras() -> None:
             "ConfigMap/larder-node-setup",
             "DaemonSet/larder-node-setup",
             "PodDisruptionBudget/larder",
+            "Secret/larder-admin-token",
             "Service/larder",
             "Service/larder-headless",
             "ServiceAccount/larder",

@@ -67,4 +67,10 @@ username = {{ include "larder.toml.string" .username }}
 password_file = {{ include "larder.toml.string" (printf "/run/secrets/larder/%s/%s" (include "larder.upstreamDir" $u.name) (default "password" .passwordKey)) }}
 {{- end }}
 {{- end }}
+{{- if .Values.adminToken.enabled }}
+
+[admin]
+# POST /prefetch and /purge need "Authorization: Bearer <this token>".
+token_file = {{ include "larder.toml.string" (include "larder.adminTokenPath" .) }}
+{{- end }}
 {{- end }}

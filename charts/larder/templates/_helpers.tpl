@@ -219,3 +219,13 @@ Folder name for an upstream's mounted files (secrets, CA): its name with
 {{- fail (printf "config.shutdownGrace (%s) must be shorter than terminationGracePeriodSeconds (%d) minus preStopSleepSeconds (%d): the kubelet kills larder when that runs out" (toString .Values.config.shutdownGrace) (.Values.terminationGracePeriodSeconds | int) (.Values.preStopSleepSeconds | int)) }}
 {{- end }}
 {{- end }}
+
+{{/* Name of the Secret holding the admin token (created or existing). */}}
+{{- define "larder.adminTokenSecret" -}}
+{{- default (printf "%s-admin-token" (include "larder.fullname" . | trunc 51 | trimSuffix "-")) .Values.adminToken.existingSecret }}
+{{- end }}
+
+{{/* Where the admin token is mounted in the larder container. */}}
+{{- define "larder.adminTokenPath" -}}
+{{- printf "/run/secrets/larder-admin/%s" .Values.adminToken.key }}
+{{- end }}

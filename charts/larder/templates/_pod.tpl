@@ -136,6 +136,11 @@ spec:
           readOnly: true
         {{- end }}
         {{- end }}
+        {{- if .Values.adminToken.enabled }}
+        - name: admin-token
+          mountPath: /run/secrets/larder-admin
+          readOnly: true
+        {{- end }}
         {{- with .Values.extraVolumeMounts }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -187,6 +192,16 @@ spec:
           - key: {{ default "ca.crt" $u.caConfigMap.key }}
             path: {{ default "ca.crt" $u.caConfigMap.key }}
     {{- end }}
+    {{- end }}
+    {{- if .Values.adminToken.enabled }}
+    - name: admin-token
+      secret:
+        secretName: {{ include "larder.adminTokenSecret" . }}
+        # Group-readable through fsGroup; world-readable without one.
+        defaultMode: {{ if .Values.podSecurityContext.fsGroup }}0440{{ else }}0444{{ end }}
+        items:
+          - key: {{ .Values.adminToken.key }}
+            path: {{ .Values.adminToken.key }}
     {{- end }}
     {{- with .Values.extraVolumes }}
     {{- toYaml . | nindent 4 }}

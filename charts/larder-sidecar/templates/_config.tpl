@@ -1,0 +1,1 @@
+../../larder/templates/_config.tpl
