@@ -26,19 +26,29 @@ impl Dockerd {
     /// socket, no iptables and no bridge, the `vfs` storage driver (no
     /// mounts to clean up), and `mirror` as its only registry mirror.
     pub fn start(mirror: &str, mirror_host_port: &str) -> Dockerd {
+        Self::start_with_config(serde_json::json!({
+            "registry-mirrors": [mirror],
+            "insecure-registries": [mirror_host_port],
+        }))
+    }
+
+    /// Starts dockerd with `daemon` (a daemon.json, e.g. one a Helm chart
+    /// rendered) plus what a private test instance needs: no iptables, no
+    /// bridge, the `vfs` storage driver.
+    pub fn start_with_config(mut daemon: serde_json::Value) -> Dockerd {
         let dockerd = crate::common::which("dockerd");
         crate::common::which("docker");
         super::hosts::pin_to_loopback(&DOCKER_HUB_HOSTS);
         let dir = tempfile::Builder::new().prefix("larder-dockerd-").tempdir().expect("temp dir");
         let d = dir.path();
-        let daemon = serde_json::json!({
-            "registry-mirrors": [mirror],
-            "insecure-registries": [mirror_host_port],
-            "iptables": false,
-            "ip6tables": false,
-            "bridge": "none",
-            "storage-driver": "vfs",
-        });
+        for (key, value) in [
+            ("iptables", serde_json::json!(false)),
+            ("ip6tables", serde_json::json!(false)),
+            ("bridge", serde_json::json!("none")),
+            ("storage-driver", serde_json::json!("vfs")),
+        ] {
+            daemon[key] = value;
+        }
         std::fs::write(d.join("daemon.json"), daemon.to_string()).expect("write daemon.json");
         let log = std::fs::File::create(d.join("dockerd.log")).expect("dockerd log");
         let child = Command::new(dockerd)
