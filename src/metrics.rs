@@ -116,6 +116,25 @@ pub fn metrics() -> &'static Metrics {
     &METRICS
 }
 
+/// Creates the series of the known label combinations at 0, so that
+/// Prometheus sees each counter start from zero: a series that first
+/// appears at 1 loses that increment in `rate()` and `increase()` (the
+/// first hit after start would vanish from the hit ratio).
+pub fn init_known_series() {
+    let m = metrics();
+    for kind in ["manifest", "blob"] {
+        for result in ["hit", "miss", "coalesced", "stale"] {
+            m.cache_requests.with_label_values(&[kind, result]);
+        }
+    }
+    for source in ["memory", "disk", "fill"] {
+        m.bytes_served.with_label_values(&[source]);
+    }
+    for kind in ["manifest", "blob"] {
+        m.cache_evictions.with_label_values(&[kind]);
+    }
+}
+
 /// The registry in Prometheus text format.
 pub fn render() -> Vec<u8> {
     let mut out = Vec::new();

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # larder's whole test suite, runnable on a fresh Debian machine:
 #   1. installs the real peers the integration tests use, if missing
-#      (distribution as the origin registry, skopeo, containerd, dockerd);
+#      (distribution as the origin registry, skopeo, containerd, dockerd,
+#      Prometheus and promtool, headless Chromium for the status page,
+#      `script` for a pseudo-terminal);
 #      nothing is started through systemd: each test starts its own;
 #   2. checks formatting and lints;
 #   3. runs every unit and integration test, then the Helm chart's test.
@@ -13,6 +15,10 @@ command -v docker-registry >/dev/null || need+=(docker-registry)
 command -v skopeo >/dev/null || need+=(skopeo)
 command -v containerd >/dev/null || need+=(containerd)
 command -v dockerd >/dev/null || need+=(docker.io)
+command -v prometheus >/dev/null || need+=(prometheus)
+command -v promtool >/dev/null || need+=(prometheus)
+command -v chromium >/dev/null || need+=(chromium)
+command -v script >/dev/null || need+=(bsdutils)
 if ((${#need[@]})); then
   echo "tests/run.sh: installing ${need[*]}"
   sudo=""
@@ -30,3 +36,6 @@ cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings
 cargo test --all-targets --locked "$@"
 LARDER_BIN=target/debug/larder python3 charts/test_chart.py
+# Alerts (promtool check/test rules), the admin token Secret, the sidecar
+# library and its example parent chart.
+LARDER_BIN=target/debug/larder python3 charts/test_operator_chart.py

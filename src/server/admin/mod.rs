@@ -45,6 +45,7 @@ struct Admin {
 /// Serves until `shutdown` fires. Open admin connections are not drained:
 /// a prefetch streaming its progress stops with the process.
 pub async fn serve(listener: TcpListener, app: Arc<App>, auth: AdminAuth, mut shutdown: crate::shutdown::Shutdown) {
+    crate::metrics::init_known_series();
     let m = metrics();
     m.cache_max_size.set(app.cache.max_size() as i64);
     m.cache_high_watermark.set(app.cache.high_watermark_bytes() as i64);
