@@ -61,7 +61,10 @@ async fn an_unauthenticated_purge_is_refused_and_changes_nothing() {
     // Counted, and nothing changed: the next pull is still served from the cache.
     assert_eq!(metric(&larder, "larder_admin_auth_failures_total{endpoint=\"purge\",reason=\"missing\"}").await, 5.0);
     assert_eq!(metric(&larder, "larder_admin_auth_failures_total{endpoint=\"purge\",reason=\"wrong\"}").await, 2.0);
-    assert_eq!(metric(&larder, "larder_admin_auth_failures_total{endpoint=\"prefetch\",reason=\"missing\"}").await, 1.0);
+    assert_eq!(
+        metric(&larder, "larder_admin_auth_failures_total{endpoint=\"prefetch\",reason=\"missing\"}").await,
+        1.0
+    );
     assert_eq!(metric(&larder, "larder_admin_auth_failures_total{endpoint=\"other\",reason=\"missing\"}").await, 1.0);
     let mark = origin.log_mark().await;
     skopeo::pull(&larder.image_ref("team/app:v1"), false).await.expect("pull after refused purges");

@@ -34,7 +34,7 @@ fn shell_quote(s: &str) -> String {
 async fn prefetch_status_and_purge_from_the_command_line() {
     let origin = Origin::start().await;
     let image = ImageBuilder::oci().layers(&[3 * MIB, 2 * MIB, 256 * KIB]).push(&origin, "team/app", "v1").await;
-    let other = ImageBuilder::oci().layers(&[64 * KIB]).push(&origin, "team/other", "v1").await;
+    ImageBuilder::oci().layers(&[64 * KIB]).push(&origin, "team/other", "v1").await;
     let (builder, admin) = Admin::with_token(Larder::builder().upstream(&origin), TOKEN);
     let larder = builder.start().await;
     let image_bytes: u64 = image.blobs().iter().map(|b| b.size).sum();
@@ -49,7 +49,9 @@ async fn prefetch_status_and_purge_from_the_command_line() {
     assert!(text.contains(&format!("/{blobs} blobs")), "plain progress lines:\n{text}");
     let summary = text.lines().last().expect("a summary line");
     assert!(
-        summary.starts_with(&format!("prefetched team/app:v1: 1 manifest, {blobs} blobs ({blobs} fetched from upstream), ")),
+        summary.starts_with(&format!(
+            "prefetched team/app:v1: 1 manifest, {blobs} blobs ({blobs} fetched from upstream), "
+        )),
         "{summary}"
     );
     assert!(summary.contains(&common::admin::human_bytes(image_bytes)), "{summary}");
@@ -69,7 +71,6 @@ async fn prefetch_status_and_purge_from_the_command_line() {
     assert!(screen.contains('\x1b'), "a progress bar is drawn on a terminal:\n{screen:?}");
     assert!(screen.contains("blobs") && screen.contains("ETA"), "bar with blobs, rate and ETA:\n{screen:?}");
     assert!(screen.contains("prefetched origin.test/team/other:v1: 1 manifest"), "{screen:?}");
-    let _ = other;
 
     // Status: what the cache holds, and the repositories.
     let out = admin.cli(&["status"]);
@@ -91,7 +92,7 @@ async fn prefetch_status_and_purge_from_the_command_line() {
     let out = admin.cli(&["purge", ORIGIN_NAME, "team/app"]);
     let text = stdout(&out);
     assert!(out.status.success(), "{text}{}", stderr(&out));
-    assert!(text.starts_with(&format!("purged origin.test/team/app: 1 tags, ")), "{text}");
+    assert!(text.starts_with("purged origin.test/team/app: 1 tags, "), "{text}");
     assert!(text.contains(&format!(", {blobs} blobs, ")), "{text}");
     let mark = origin.log_mark().await;
     skopeo::pull(&larder.image_ref("team/app:v1"), false).await.expect("pull after purge");
@@ -104,7 +105,8 @@ async fn a_wrong_token_or_no_larder_is_a_clear_error() {
     let (builder, admin) = Admin::with_token(Larder::builder().upstream(&origin), TOKEN);
     let _larder = builder.start().await;
 
-    let out = admin.command(&["purge", ORIGIN_NAME]).env("LARDER_ADMIN_TOKEN", "wrong-token-0123456789").output().unwrap();
+    let out =
+        admin.command(&["purge", ORIGIN_NAME]).env("LARDER_ADMIN_TOKEN", "wrong-token-0123456789").output().unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).starts_with("larder purge: 401 UNAUTHORIZED: "), "{}", stderr(&out));
     let out = admin.command(&["prefetch", "team/app:v1"]).output().unwrap();

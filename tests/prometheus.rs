@@ -146,8 +146,10 @@ async fn prometheus_scrapes_larder_and_every_dashboard_query_and_alert_rule_work
             .iter()
             .flat_map(|g| g["rules"].as_array().expect("rules"))
             .collect();
-        let evaluated = all.iter().filter(|r| r["health"] == "ok" && r["lastEvaluation"] != "0001-01-01T00:00:00Z").count();
-        let broken: Vec<_> = all.iter().filter(|r| r["health"] == "err").map(|r| (&r["name"], &r["lastError"])).collect();
+        let evaluated =
+            all.iter().filter(|r| r["health"] == "ok" && r["lastEvaluation"] != "0001-01-01T00:00:00Z").count();
+        let broken: Vec<_> =
+            all.iter().filter(|r| r["health"] == "err").map(|r| (&r["name"], &r["lastError"])).collect();
         assert!(broken.is_empty(), "alert rules failing on real series: {broken:?}");
         if all.len() == 8 && evaluated == all.len() {
             break;

@@ -70,7 +70,8 @@ impl Cache {
         blocking(move || {
             let blobs = index.entries(Kind::Blob)?;
             let manifests = index.entries(Kind::Manifest)?;
-            let mut holdings = Holdings { blobs: blobs.len() as u64, manifests: manifests.len() as u64, ..Default::default() };
+            let mut holdings =
+                Holdings { blobs: blobs.len() as u64, manifests: manifests.len() as u64, ..Default::default() };
             let content: HashMap<[u8; 64], Entry> =
                 blobs.into_iter().chain(manifests).map(|e| (hex_key(e.digest.hex().as_str()), e)).collect();
             let mut repos: HashMap<(String, String), RepositoryUsage> = HashMap::new();

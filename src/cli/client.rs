@@ -67,8 +67,11 @@ impl AdminClient {
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_connect_timeout(Some(CONNECT_TIMEOUT));
-        let https =
-            hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls).https_or_http().enable_http1().wrap_connector(http);
+        let https = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(http);
         Ok(AdminClient { base, token, inner: Client::builder(TokioExecutor::new()).build(https) })
     }
 
@@ -77,9 +80,15 @@ impl AdminClient {
     }
 
     /// Sends `method path_and_query`; a non-2xx answer is a [`CallError::Refused`].
-    pub async fn call(&self, method: Method, path_and_query: &str, accept: &str) -> Result<Response<Incoming>, CallError> {
+    pub async fn call(
+        &self,
+        method: Method,
+        path_and_query: &str,
+        accept: &str,
+    ) -> Result<Response<Incoming>, CallError> {
         let url = format!("{}{path_and_query}", self.base);
-        let mut req = Request::builder().method(method).uri(&url).header(ACCEPT, accept).header(USER_AGENT, crate::USER_AGENT);
+        let mut req =
+            Request::builder().method(method).uri(&url).header(ACCEPT, accept).header(USER_AGENT, crate::USER_AGENT);
         if let Some(token) = &self.token {
             req = req.header(AUTHORIZATION, format!("Bearer {}", token.expose()));
         }

@@ -122,11 +122,9 @@ mod tests {
     fn flags_win_over_the_environment_and_the_config() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("t"), "file-token-0123456789\n").unwrap();
-        let text = format!(
-            "[server]\nadmin_listen = \"0.0.0.0:9191\"\n[admin]\ntoken_file = \"t\"\n\
-             [[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\n"
-        );
-        let config = Config::parse(&text, "c.toml", Some(dir.path())).unwrap();
+        let text = "[server]\nadmin_listen = \"0.0.0.0:9191\"\n[admin]\ntoken_file = \"t\"\n\
+                    [[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\n";
+        let config = Config::parse(text, "c.toml", Some(dir.path())).unwrap();
         let from_config = Target::default().client(Some(&config)).unwrap();
         assert_eq!(from_config.base(), "http://127.0.0.1:9191");
         let flagged = Target { admin: Some("http://127.0.0.1:1/".into()), ..Default::default() };

@@ -85,7 +85,11 @@ pub async fn run(client: &AdminClient, image: &str, platform: Option<&str>, term
     }
     let started = Instant::now();
     let resp = client.call(Method::POST, &format!("/prefetch?{}", query.finish()), NDJSON).await?;
-    println!("prefetching {image}{} through {}", platform.map(|p| format!(" ({p})")).unwrap_or_default(), client.base());
+    println!(
+        "prefetching {image}{} through {}",
+        platform.map(|p| format!(" ({p})")).unwrap_or_default(),
+        client.base()
+    );
     let mut display = Display::new(terminal);
     let mut lines = Lines::new(resp.into_body());
     let outcome = loop {

@@ -109,7 +109,8 @@ pub fn render(s: &Status) -> String {
     );
 
     // Cache: size against the limit, with the eviction watermark marked.
-    let share = |n: u64| if c.max_size_bytes == 0 { 0.0 } else { (n as f64 / c.max_size_bytes as f64).min(1.0) * 100.0 };
+    let share =
+        |n: u64| if c.max_size_bytes == 0 { 0.0 } else { (n as f64 / c.max_size_bytes as f64).min(1.0) * 100.0 };
     let warn = if c.size_bytes >= c.high_watermark_bytes { " warn" } else { "" };
     let _ = write!(
         out,
@@ -150,7 +151,11 @@ pub fn render(s: &Status) -> String {
     );
     for u in &s.upstreams {
         let last_error = match &u.last_error {
-            Some(e) => format!("<span class=err>{}</span> <span class=muted>{}</span>", escape(&e.message), ago(s.now_ms, e.at_ms)),
+            Some(e) => format!(
+                "<span class=err>{}</span> <span class=muted>{}</span>",
+                escape(&e.message),
+                ago(s.now_ms, e.at_ms)
+            ),
             None => "<span class=ok>none</span>".to_owned(),
         };
         let rate = match &u.rate_limit {
