@@ -131,6 +131,7 @@ mod tests {
         let config = CacheConfig {
             dir: dir.path().join("cache"),
             max_size: 1 << 30,
+            max_blob_size: 1 << 28,
             high_watermark: 0.9,
             low_watermark: 0.8,
             memory: 1 << 20,
