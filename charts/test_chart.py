@@ -412,7 +412,11 @@ def check_mirror_pod(r: Rendered, node: bool, fullname: str = "larder") -> None:
         c["args"] == ["--config", config_file, "--log-format", "json"],
         c["args"],
     )
-    check(f"[{L}] Linux nodes only", spec.get("nodeSelector", {}).get("kubernetes.io/os") == "linux", spec.get("nodeSelector"))
+    check(
+        f"[{L}] Linux nodes only",
+        spec.get("nodeSelector", {}).get("kubernetes.io/os") == "linux",
+        spec.get("nodeSelector"),
+    )
     env = {e["name"]: e.get("value") for e in c.get("env", [])}
     check(f"[{L}] RUST_LOG from logLevel", env.get("RUST_LOG") == "larder=info", env)
     ports = {p["name"]: p for p in c["ports"]}
@@ -618,7 +622,8 @@ def check_node_mode() -> None:
         return
     check(
         "[node+hostNetwork] objects",
-        r.kinds() == ["ConfigMap/larder", "DaemonSet/larder", "Service/larder", "Service/larder-admin", "ServiceAccount/larder"],
+        r.kinds()
+        == ["ConfigMap/larder", "DaemonSet/larder", "Service/larder", "Service/larder-admin", "ServiceAccount/larder"],
         r.kinds(),
     )
     check_mirror_pod(r, node=True)
@@ -649,13 +654,17 @@ def check_node_mode() -> None:
         volume(pod, "cache") == {"name": "cache", "emptyDir": {"sizeLimit": "10Gi"}},
         volume(pod, "cache"),
     )
-    check("[node+hostNetwork] max_size 85% of the emptyDir", r.toml()["cache"]["max_size"] == "8704MiB", r.toml()["cache"])
+    check(
+        "[node+hostNetwork] max_size 85% of the emptyDir", r.toml()["cache"]["max_size"] == "8704MiB", r.toml()["cache"]
+    )
     check("[node+hostNetwork] no PVC", "volumeClaimTemplates" not in ds["spec"])
     check(
         "[node+hostNetwork] rolling update without surge (hostPort)",
         ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": 1},
     )
-    check("[node+hostNetwork] tolerates every taint (like nodeSetup)", spec.get("tolerations") == [{"operator": "Exists"}])
+    check(
+        "[node+hostNetwork] tolerates every taint (like nodeSetup)", spec.get("tolerations") == [{"operator": "Exists"}]
+    )
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     check(
         "[node+hostNetwork] not on virtual-kubelet or Fargate nodes",
@@ -750,7 +759,11 @@ def check_node_mode() -> None:
         reg = next(
             p for p in container(r.get("DaemonSet", "larder")["spec"]["template"])["ports"] if p["name"] == "registry"
         )
-        check("[node.hostIP hostPort] the hostPort published on 169.254.20.11 only", reg.get("hostIP") == "169.254.20.11", reg)
+        check(
+            "[node.hostIP hostPort] the hostPort published on 169.254.20.11 only",
+            reg.get("hostIP") == "169.254.20.11",
+            reg,
+        )
 
     r = render("node.hostIP hostNetwork", {"mode": "node", "node": {"hostIP": "169.254.20.11", "hostNetwork": True}})
     if r:
@@ -773,7 +786,9 @@ def check_node_mode() -> None:
         script = spec["initContainers"][0]["command"][2]
         check(
             "[node adminOnHostIP] the admin address is written at start too, probes on the pod (= node) IP",
-            "admin_listen = " in script and container(r.get("DaemonSet", "larder")["spec"]["template"])["livenessProbe"]["httpGet"].get("host") is None,
+            "admin_listen = " in script
+            and container(r.get("DaemonSet", "larder")["spec"]["template"])["livenessProbe"]["httpGet"].get("host")
+            is None,
             script,
         )
 
@@ -830,7 +845,11 @@ def check_extras() -> None:
         s for s in r.of_kind("Service") if subset(sm["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
     ]
     with_metrics = [s["metadata"]["name"] for s in services if any(p["name"] == "metrics" for p in s["spec"]["ports"])]
-    check("[extras] exactly one selected Service has a 'metrics' port: the admin one", with_metrics == ["larder-admin"], with_metrics)
+    check(
+        "[extras] exactly one selected Service has a 'metrics' port: the admin one",
+        with_metrics == ["larder-admin"],
+        with_metrics,
+    )
 
     pdb = r.get("PodDisruptionBudget", "larder")
     sel = pdb["spec"]["selector"]["matchLabels"]
@@ -886,7 +905,9 @@ def check_extras() -> None:
     )
     check("[extras] node setup tolerates every taint", spec.get("tolerations") == [{"operator": "Exists"}])
     check("[extras] node setup on Linux nodes only", spec.get("nodeSelector") == {"kubernetes.io/os": "linux"})
-    exprs = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]["matchExpressions"]
+    exprs = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
+        "matchExpressions"
+    ]
     check(
         "[extras] node setup not on virtual-kubelet nodes",
         {"key": "type", "operator": "NotIn", "values": ["virtual-kubelet"]} in exprs,
@@ -919,7 +940,9 @@ def check_extras() -> None:
         )
     check(
         "[extras] cleanup order: script ConfigMap, then DaemonSet and Service, then the wait Pod",
-        weights[("larder-node-cleanup", "ConfigMap")] < weights[("larder-node-cleanup", "DaemonSet")] < weights[("larder-node-cleanup-wait", "Pod")],
+        weights[("larder-node-cleanup", "ConfigMap")]
+        < weights[("larder-node-cleanup", "DaemonSet")]
+        < weights[("larder-node-cleanup-wait", "Pod")],
         weights,
     )
     cleanup = r.get("DaemonSet", "larder-node-cleanup")["spec"]["template"]["spec"]
@@ -932,7 +955,10 @@ def check_extras() -> None:
         cenv,
     )
     wait = r.get("Pod", "larder-node-cleanup-wait")["spec"]["containers"][0]["command"][2]
-    check("[extras] the wait Pod polls the cleanup pods through the headless Service", "larder-node-cleanup.cache.svc.cluster.local" in wait)
+    check(
+        "[extras] the wait Pod polls the cleanup pods through the headless Service",
+        "larder-node-cleanup.cache.svc.cluster.local" in wait,
+    )
     p = subprocess.run(["sh", "-n", "-c", wait], capture_output=True, text=True)
     check("[extras] the wait Pod's script parses (sh -n)", p.returncode == 0, p.stderr)
 
@@ -949,7 +975,11 @@ def check_extras() -> None:
         and ingress[1]["from"]
         == [
             {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},
-            {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "larder", "app.kubernetes.io/instance": "larder"}}},
+            {
+                "podSelector": {
+                    "matchLabels": {"app.kubernetes.io/name": "larder", "app.kubernetes.io/instance": "larder"}
+                }
+            },
         ],
         ingress[1],
     )
@@ -981,11 +1011,13 @@ def check_extras() -> None:
         check("[node+nodeSetup] mirror: each node's own IP", env.get("LARDER_MIRRORS") == "http://{nodeIP}:5050", env)
         check(
             "[node+nodeSetup] HOST_IP from status.hostIP",
-            {"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}} in init["containerd-hosts"]["env"],
+            {"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}
+            in init["containerd-hosts"]["env"],
         )
         check(
             "[node+nodeSetup] certsDir from values",
-            volume(pod, "containerd-hosts")["hostPath"]["path"] == "/etc/k8s/certs.d" and env.get("LARDER_HOSTS_DIR") == "/etc/k8s/certs.d",
+            volume(pod, "containerd-hosts")["hostPath"]["path"] == "/etc/k8s/certs.d"
+            and env.get("LARDER_HOSTS_DIR") == "/etc/k8s/certs.d",
         )
         check(
             "[node+nodeSetup] larder pods restart when the script changes",
@@ -994,7 +1026,8 @@ def check_extras() -> None:
         cleanup = r.get("DaemonSet", "larder-node-cleanup")["spec"]["template"]["spec"]
         check(
             "[node+nodeSetup] the cleanup runs where larder ran",
-            cleanup.get("tolerations") == pod["spec"].get("tolerations") and cleanup.get("affinity") == pod["spec"].get("affinity"),
+            cleanup.get("tolerations") == pod["spec"].get("tolerations")
+            and cleanup.get("affinity") == pod["spec"].get("affinity"),
         )
         check_mirror_pod(r, node=True)
 
@@ -1015,7 +1048,11 @@ def check_extras() -> None:
             env.get("LARDER_MIRRORS") == "http://{nodeIP}:5000\nhttp://{nodeIP}:30500",
             env.get("LARDER_MIRRORS"),
         )
-        check("[node fallback NodePort] quay.io excluded", "quay.io" not in env.get("LARDER_UPSTREAMS", ""), env.get("LARDER_UPSTREAMS"))
+        check(
+            "[node fallback NodePort] quay.io excluded",
+            "quay.io" not in env.get("LARDER_UPSTREAMS", ""),
+            env.get("LARDER_UPSTREAMS"),
+        )
         svc = r.get("Service", "larder")["spec"]
         check(
             "[node fallback NodePort] Service: NodePort 30500, PreferSameNode",
@@ -1038,7 +1075,10 @@ def check_exposure() -> None:
             svc["type"] == "LoadBalancer" and [p["name"] for p in svc["ports"]] == ["registry"],
             svc,
         )
-        check("[service type LoadBalancer] the admin Service stays ClusterIP", r.get("Service", "larder-admin")["spec"]["type"] == "ClusterIP")
+        check(
+            "[service type LoadBalancer] the admin Service stays ClusterIP",
+            r.get("Service", "larder-admin")["spec"]["type"] == "ClusterIP",
+        )
     r = render(
         "TLS and client auth",
         {
@@ -1232,7 +1272,11 @@ def check_persistence() -> None:
 def check_pdb_and_bind() -> None:
     r = render(
         "PDB minAvailable 50% of 3, IPv4 bind",
-        {"replicaCount": 3, "podDisruptionBudget": {"enabled": True, "minAvailable": "50%"}, "config": {"bindAddress": "0.0.0.0"}},
+        {
+            "replicaCount": 3,
+            "podDisruptionBudget": {"enabled": True, "minAvailable": "50%"},
+            "config": {"bindAddress": "0.0.0.0"},
+        },
     )
     if r:
         spec = r.get("PodDisruptionBudget", "larder")["spec"]
@@ -1297,44 +1341,107 @@ def check_refused() -> None:
         ("watermark above 1", {"config": {"cache": {"highWatermark": 1.5}}}, "highWatermark"),
         ("unknown node cache type", {"mode": "node", "node": {"cache": {"type": "nfs"}}}, "type"),
         # Node disks and memory (item 4).
-        ("node hostPath without maxSize", {"mode": "node", "node": {"cache": {"type": "hostPath"}}}, "config.cache.maxSize is required with node.cache.type=hostPath"),
-        ("node emptyDir without sizeLimit", {"mode": "node", "node": {"cache": {"emptyDirSizeLimit": ""}}}, "node.cache.emptyDirSizeLimit is required"),
-        ("maxSize above the PVC", {"config": {"cache": {"maxSize": "60GiB"}}}, "must be below the cache volume's size (50Gi)"),
-        ("maxSize above the emptyDir", {"mode": "node", "config": {"cache": {"maxSize": "12GiB"}}}, "must be below the cache volume's size (10Gi)"),
-        ("emptyDir without sizeLimit or maxSize", {"persistence": {"enabled": False}}, "config.cache.maxSize is required when persistence.enabled=false"),
+        (
+            "node hostPath without maxSize",
+            {"mode": "node", "node": {"cache": {"type": "hostPath"}}},
+            "config.cache.maxSize is required with node.cache.type=hostPath",
+        ),
+        (
+            "node emptyDir without sizeLimit",
+            {"mode": "node", "node": {"cache": {"emptyDirSizeLimit": ""}}},
+            "node.cache.emptyDirSizeLimit is required",
+        ),
+        (
+            "maxSize above the PVC",
+            {"config": {"cache": {"maxSize": "60GiB"}}},
+            "must be below the cache volume's size (50Gi)",
+        ),
+        (
+            "maxSize above the emptyDir",
+            {"mode": "node", "config": {"cache": {"maxSize": "12GiB"}}},
+            "must be below the cache volume's size (10Gi)",
+        ),
+        (
+            "emptyDir without sizeLimit or maxSize",
+            {"persistence": {"enabled": False}},
+            "config.cache.maxSize is required when persistence.enabled=false",
+        ),
         ("maxSize not a size", {"config": {"cache": {"maxSize": "lots"}}}, "maxSize"),
-        ("cache.memory over the memory request", {"config": {"cache": {"memory": "300MiB"}}}, "resources.requests.memory"),
+        (
+            "cache.memory over the memory request",
+            {"config": {"cache": {"memory": "300MiB"}}},
+            "resources.requests.memory",
+        ),
         (
             "cache.memory over the memory limit",
-            {"config": {"cache": {"memory": "448MiB"}}, "resources": {"requests": {"memory": "1Gi"}, "limits": {"memory": "512Mi"}}},
+            {
+                "config": {"cache": {"memory": "448MiB"}},
+                "resources": {"requests": {"memory": "1Gi"}, "limits": {"memory": "512Mi"}},
+            },
             "resources.limits.memory",
         ),
         # Mirror addresses nodes cannot reach (items 2 and 8).
         ("deployment nodeSetup without a reachable address", {"nodeSetup": {"enabled": True}}, "service.clusterIP"),
-        ("fallbackMirror without a reachable address", {"mode": "node", "node": {"fallbackMirror": True}, "nodeSetup": {"enabled": True}}, "node.fallbackMirror"),
+        (
+            "fallbackMirror without a reachable address",
+            {"mode": "node", "node": {"fallbackMirror": True}, "nodeSetup": {"enabled": True}},
+            "node.fallbackMirror",
+        ),
         (
             "fallbackMirror with internalTrafficPolicy Local",
-            {"mode": "node", "node": {"fallbackMirror": True}, "service": {"clusterIP": "10.96.0.5", "internalTrafficPolicy": "Local"}},
+            {
+                "mode": "node",
+                "node": {"fallbackMirror": True},
+                "service": {"clusterIP": "10.96.0.5", "internalTrafficPolicy": "Local"},
+            },
             "internalTrafficPolicy",
         ),
         ("unknown distribution", {"nodeSetup": {"distribution": "microk8s"}}, "distribution"),
         ("unknown existingHosts policy", {"nodeSetup": {"existingHosts": "merge"}}, "existingHosts"),
-        ("excluding an unknown upstream", {"nodeSetup": {"excludeUpstreams": ["docker.com"]}}, "is not the name of an upstream"),
+        (
+            "excluding an unknown upstream",
+            {"nodeSetup": {"excludeUpstreams": ["docker.com"]}},
+            "is not the name of an upstream",
+        ),
         # Exposure and credentials (items 3 and 10).
-        ("ServiceMonitor with a loopback admin port", {"mode": "node", "node": {"hostNetwork": True}, "serviceMonitor": {"enabled": True}}, "adminOnHostIP"),
+        (
+            "ServiceMonitor with a loopback admin port",
+            {"mode": "node", "node": {"hostNetwork": True}, "serviceMonitor": {"enabled": True}},
+            "adminOnHostIP",
+        ),
         ("TLS without a Secret", {"config": {"tls": {"enabled": True}}}, "config.tls.existingSecret"),
         ("client auth without a Secret", {"config": {"auth": {"enabled": True}}}, "config.auth.existingSecret"),
         (
             "client auth with nodeSetup but no credentials for containerd",
-            {"config": {"auth": {"enabled": True, "existingSecret": "h"}}, "nodeSetup": {"enabled": True}, "service": {"clusterIP": "10.96.0.5"}},
+            {
+                "config": {"auth": {"enabled": True, "existingSecret": "h"}},
+                "nodeSetup": {"enabled": True},
+                "service": {"clusterIP": "10.96.0.5"},
+            },
             "mirrorCredentials",
         ),
         # Budgets that block drains (item 11).
         ("PDB in node mode", {"mode": "node", "podDisruptionBudget": {"enabled": True}}, "DaemonSet"),
-        ("PDB minAvailable 1 with 1 replica", {"podDisruptionBudget": {"enabled": True, "minAvailable": 1}}, "never allows an eviction"),
-        ("PDB minAvailable 50% with 1 replica", {"podDisruptionBudget": {"enabled": True, "minAvailable": "50%"}}, "never allows an eviction"),
-        ("PDB minAvailable 3 with 3 replicas", {"replicaCount": 3, "podDisruptionBudget": {"enabled": True, "minAvailable": 3}}, "never allows an eviction"),
-        ("PDB maxUnavailable 0", {"podDisruptionBudget": {"enabled": True, "maxUnavailable": 0}}, "never allows an eviction"),
+        (
+            "PDB minAvailable 1 with 1 replica",
+            {"podDisruptionBudget": {"enabled": True, "minAvailable": 1}},
+            "never allows an eviction",
+        ),
+        (
+            "PDB minAvailable 50% with 1 replica",
+            {"podDisruptionBudget": {"enabled": True, "minAvailable": "50%"}},
+            "never allows an eviction",
+        ),
+        (
+            "PDB minAvailable 3 with 3 replicas",
+            {"replicaCount": 3, "podDisruptionBudget": {"enabled": True, "minAvailable": 3}},
+            "never allows an eviction",
+        ),
+        (
+            "PDB maxUnavailable 0",
+            {"podDisruptionBudget": {"enabled": True, "maxUnavailable": 0}},
+            "never allows an eviction",
+        ),
     ]
     for label, values, needle in cases:
         err = render_error(values)

@@ -54,7 +54,6 @@ import tempfile
 import time
 import tomllib
 import traceback
-import urllib.request
 from pathlib import Path
 
 import test_chart as tc
@@ -272,9 +271,7 @@ def run_container(
             for mount_path, target in mounts:
                 text = text.replace(mount_path + "/", str(target) + "/")
             args = ["-c", text]
-        p = subprocess.run(
-            [str(BUSYBOX_BIN / "sh"), *args], env=env, capture_output=True, text=True, timeout=60
-        )
+        p = subprocess.run([str(BUSYBOX_BIN / "sh"), *args], env=env, capture_output=True, text=True, timeout=60)
         return Run(p.returncode, p.stdout, p.stderr, termination.read_text().strip())
 
 
@@ -367,7 +364,10 @@ def check_containerd_configs() -> None:
             "1.6 default config as shipped (config_path empty)",
             {config: d16},
             False,
-            ("no registry config_path", '[plugins."io.containerd.grpc.v1.cri".registry] config_path = "/etc/containerd/certs.d"'),
+            (
+                "no registry config_path",
+                '[plugins."io.containerd.grpc.v1.cri".registry] config_path = "/etc/containerd/certs.d"',
+            ),
         ).cleanup()
         mirrors = d16.replace(
             '[plugins."io.containerd.grpc.v1.cri".registry.mirrors]',
@@ -375,7 +375,9 @@ def check_containerd_configs() -> None:
             '        [plugins."io.containerd.grpc.v1.cri".registry.mirrors."docker.io"]\n'
             '          endpoint = ["https://mirror.gcr.io"]',
         )
-        case("1.6 with the deprecated registry.mirrors (GKE-style)", {config: mirrors}, False, ("deprecated",)).cleanup()
+        case(
+            "1.6 with the deprecated registry.mirrors (GKE-style)", {config: mirrors}, False, ("deprecated",)
+        ).cleanup()
         case(
             "1.6 with config_path in another folder",
             {config: with_config_path(d16, "/etc/docker/certs.d")},
@@ -389,7 +391,11 @@ def check_containerd_configs() -> None:
         ).cleanup()
         case(
             "1.6 with the CRI plugin disabled",
-            {config: with_config_path(d16, hosts_dir).replace("disabled_plugins = []", 'disabled_plugins = ["io.containerd.grpc.v1.cri"]')},
+            {
+                config: with_config_path(d16, hosts_dir).replace(
+                    "disabled_plugins = []", 'disabled_plugins = ["io.containerd.grpc.v1.cri"]'
+                )
+            },
             False,
             ("disables containerd's CRI plugin",),
         ).cleanup()
@@ -398,14 +404,17 @@ def check_containerd_configs() -> None:
             {
                 config: d16.replace("imports = []", 'imports = ["/etc/containerd/conf.d/*.toml"]'),
                 "/etc/containerd/conf.d/10-registry.toml": (
-                    'version = 2\n[plugins."io.containerd.grpc.v1.cri".registry]\n'
-                    f'  config_path = "{hosts_dir}"\n'
+                    f'version = 2\n[plugins."io.containerd.grpc.v1.cri".registry]\n  config_path = "{hosts_dir}"\n'
                 ),
             },
             True,
         ).cleanup()
 
-    case("version 1 config (containerd 1.x), [plugins.cri.registry]", {config: f'[plugins.cri.registry]\n  config_path = "{hosts_dir}"\n'}, True).cleanup()
+    case(
+        "version 1 config (containerd 1.x), [plugins.cri.registry]",
+        {config: f'[plugins.cri.registry]\n  config_path = "{hosts_dir}"\n'},
+        True,
+    ).cleanup()
     case(
         "2.x default config (config_path '')",
         {config: V3_DEFAULT},
@@ -421,7 +430,9 @@ def check_containerd_configs() -> None:
         ("no registry config_path",),
     ).cleanup()
     eks = V3_DEFAULT.replace("config_path = ''", "config_path = '/etc/containerd/certs.d:/etc/docker/certs.d'")
-    case("2.x, config_path list, transfer service (2.1+)", {config: eks}, False, ("transfer service", "12415")).cleanup()
+    case(
+        "2.x, config_path list, transfer service (2.1+)", {config: eks}, False, ("transfer service", "12415")
+    ).cleanup()
     case(
         "2.x, config_path list, discard_unpacked_layers = true (EKS: local pull)",
         {config: eks.replace("discard_unpacked_layers = false", "discard_unpacked_layers = true")},
@@ -429,18 +440,29 @@ def check_containerd_configs() -> None:
     ).cleanup()
     case(
         "2.x, config_path list, use_local_image_pull = true",
-        {config: eks.replace("max_concurrent_downloads = 3", "max_concurrent_downloads = 3\n    use_local_image_pull = true")},
+        {
+            config: eks.replace(
+                "max_concurrent_downloads = 3", "max_concurrent_downloads = 3\n    use_local_image_pull = true"
+            )
+        },
         True,
     ).cleanup()
     r_allow = render("nodeSetup allowConfigPathList", node_values(allowConfigPathList=True))
     if r_allow:
         case("2.x, config_path list, allowConfigPathList (containerd 2.0)", {config: eks}, True, rr=r_allow).cleanup()
-    case("no containerd config on the node", {}, False, ("no containerd config at /etc/containerd/config.toml", "distribution")).cleanup()
+    case(
+        "no containerd config on the node",
+        {},
+        False,
+        ("no containerd config at /etc/containerd/config.toml", "distribution"),
+    ).cleanup()
 
     # Inline tables and dotted keys are TOML too.
     case(
         "2.x with the registry as an inline table",
-        {config: f"version = 3\n[plugins.'io.containerd.cri.v1.images']\n  registry = {{ config_path = '{hosts_dir}' }}\n"},
+        {
+            config: f"version = 3\n[plugins.'io.containerd.cri.v1.images']\n  registry = {{ config_path = '{hosts_dir}' }}\n"
+        },
         True,
     ).cleanup()
 
@@ -456,7 +478,11 @@ def check_containerd_configs() -> None:
         )
         node = Node()
         run = setup_run(r_noverify, node)
-        check("[containerd] verifyContainerdConfig=false: writes, with a warning", run.rc == 0 and "not checked" in run.err, run)
+        check(
+            "[containerd] verifyContainerdConfig=false: writes, with a warning",
+            run.rc == 0 and "not checked" in run.err,
+            run,
+        )
         node.cleanup()
 
 
@@ -466,7 +492,7 @@ def check_distributions() -> None:
     k3s_config = (
         "# File generated by k3s. DO NOT EDIT. Use config.toml.tmpl instead.\nversion = 3\n"
         f"root = \"/var/lib/rancher/k3s/agent/containerd\"\n\n[plugins.'io.containerd.cri.v1.images'.registry]\n"
-        f"  config_path = \"{k3s_dir}/certs.d\"\n"
+        f'  config_path = "{k3s_dir}/certs.d"\n'
     )
     r = render("nodeSetup k3s", node_values(distribution="k3s"))
     if r:
@@ -494,8 +520,8 @@ def check_distributions() -> None:
         node = Node()
         node.write(f"{k3s_dir}/config.toml", k3s_config)
         managed = (
-            "# File generated by k3s. DO NOT EDIT.\nserver = \"https://registry-1.docker.io/v2\"\n"
-            "capabilities = [\"pull\", \"resolve\"]\n"
+            '# File generated by k3s. DO NOT EDIT.\nserver = "https://registry-1.docker.io/v2"\n'
+            'capabilities = ["pull", "resolve"]\n'
         )
         node.write(f"{k3s_dir}/certs.d/docker.io/hosts.toml", managed)
         run = setup_run(r, node)
@@ -505,7 +531,9 @@ def check_distributions() -> None:
             run,
         )
         check("[k3s] k3s's file untouched", node.read(f"{k3s_dir}/certs.d/docker.io/hosts.toml") == managed)
-        r2 = render("nodeSetup k3s excluding docker.io", node_values(distribution="k3s", excludeUpstreams=["docker.io"]))
+        r2 = render(
+            "nodeSetup k3s excluding docker.io", node_values(distribution="k3s", excludeUpstreams=["docker.io"])
+        )
         if r2:
             run = setup_run(r2, node)
             files = node.files(f"{k3s_dir}/certs.d")
@@ -560,7 +588,6 @@ def check_distributions() -> None:
         node.cleanup()
 
 
-
 # ---------------------------------------------------------- existing files
 
 
@@ -587,12 +614,17 @@ def check_existing_files() -> None:
     text = node.read(docker)
     check("[existing] prepend: exit 0", run.rc == 0, run)
     check("[existing] prepend: still valid TOML", parses(text) is not None, text)
-    check("[existing] prepend: larder first, then the corporate mirror", hosts_of(text) == [ours, "https://mirror.corp.example"], text)
+    check(
+        "[existing] prepend: larder first, then the corporate mirror",
+        hosts_of(text) == [ours, "https://mirror.corp.example"],
+        text,
+    )
     parsed = parses(text) or {}
     corp = parsed.get("host", {}).get("https://mirror.corp.example", {})
     check(
         "[existing] prepend: the corporate entry, its CA, client pair and header kept",
-        corp == {
+        corp
+        == {
             "capabilities": ["pull", "resolve"],
             "ca": "corp-ca.crt",
             "client": [["client.cert", "client.key"]],
@@ -601,9 +633,16 @@ def check_existing_files() -> None:
         and parsed.get("server") == "https://registry-1.docker.io",
         parsed,
     )
-    check("[existing] prepend: the corporate CA file untouched", node.read(f"{hosts_dir}/docker.io/corp-ca.crt") == "corporate CA\n")
+    check(
+        "[existing] prepend: the corporate CA file untouched",
+        node.read(f"{hosts_dir}/docker.io/corp-ca.crt") == "corporate CA\n",
+    )
     run = setup_run(r, node)
-    check("[existing] prepend again (pod restart): the same file, one larder block", run.rc == 0 and node.read(docker) == text, node.read(docker))
+    check(
+        "[existing] prepend again (pod restart): the same file, one larder block",
+        run.rc == 0 and node.read(docker) == text,
+        node.read(docker),
+    )
 
     # The uninstall hook's cleanup restores the original bytes.
     rc = render("cleanup hook", node_values())
@@ -613,7 +652,11 @@ def check_existing_files() -> None:
         check("[existing] cleanup DaemonSet is a post-delete hook", hook.get("helm.sh/hook") == "post-delete", hook)
         run = run_container(rc, spec, init_container(spec, "cleanup"), node)
         check("[existing] cleanup: exit 0", run.rc == 0, run)
-        check("[existing] cleanup: the corporate hosts.toml restored byte for byte", node.read(docker) == CORPORATE, node.read(docker))
+        check(
+            "[existing] cleanup: the corporate hosts.toml restored byte for byte",
+            node.read(docker) == CORPORATE,
+            node.read(docker),
+        )
         left = node.files(hosts_dir)
         check(
             "[existing] cleanup: larder's own files and folders removed",
@@ -647,11 +690,15 @@ def check_existing_files() -> None:
             and node.read(f"{hosts_dir}/docker.io/hosts.toml.larder-saved") == CORPORATE,
             run,
         )
-        spec = pod_spec(render("cleanup hook replace", node_values(existingHosts="replace")), "DaemonSet", "larder-node-cleanup")
+        spec = pod_spec(
+            render("cleanup hook replace", node_values(existingHosts="replace")), "DaemonSet", "larder-node-cleanup"
+        )
         run = run_container(r_replace, spec, init_container(spec, "cleanup"), node)
         check(
             "[existing] replace, then cleanup: the original back",
-            run.rc == 0 and node.read(docker) == CORPORATE and not node.exists(f"{hosts_dir}/docker.io/hosts.toml.larder-saved"),
+            run.rc == 0
+            and node.read(docker) == CORPORATE
+            and not node.exists(f"{hosts_dir}/docker.io/hosts.toml.larder-saved"),
             run,
         )
         node.cleanup()
@@ -691,20 +738,35 @@ def check_existing_files() -> None:
     if r2:
         run = setup_run(r2, node)
         check("[prune] second run: exit 0", run.rc == 0, run)
-        check("[prune] quay.io: larder's file and folder removed", not node.exists(f"{hosts_dir}/quay.io"), node.files(hosts_dir))
-        check("[prune] docker.io: larder's block removed, the corporate file as it was", node.read(docker) == CORPORATE, node.read(docker))
+        check(
+            "[prune] quay.io: larder's file and folder removed",
+            not node.exists(f"{hosts_dir}/quay.io"),
+            node.files(hosts_dir),
+        )
+        check(
+            "[prune] docker.io: larder's block removed, the corporate file as it was",
+            node.read(docker) == CORPORATE,
+            node.read(docker),
+        )
         check("[prune] ghcr.io kept", hosts_of(node.read(f"{hosts_dir}/ghcr.io/hosts.toml")) == [ours])
-        check("[prune] a file nobody marked is left alone", node.read(f"{hosts_dir}/foreign.io/hosts.toml") == 'server = "https://foreign.io"\n')
+        check(
+            "[prune] a file nobody marked is left alone",
+            node.read(f"{hosts_dir}/foreign.io/hosts.toml") == 'server = "https://foreign.io"\n',
+        )
     node.cleanup()
 
     # Another release's files are not ours to touch.
     node = fresh_node()
     setup_run(r, node)
-    other = node.read(f"{hosts_dir}/ghcr.io/hosts.toml").replace(f"cache/larder", "other/larder")
+    other = node.read(f"{hosts_dir}/ghcr.io/hosts.toml").replace("cache/larder", "other/larder")
     node.write(f"{hosts_dir}/ghcr.io/hosts.toml", other)
     spec = pod_spec(render("cleanup hook 2", node_values()), "DaemonSet", "larder-node-cleanup")
     run = run_container(r, spec, init_container(spec, "cleanup"), node)
-    check("[prune] cleanup leaves another release's file alone", run.rc == 0 and node.read(f"{hosts_dir}/ghcr.io/hosts.toml") == other, run)
+    check(
+        "[prune] cleanup leaves another release's file alone",
+        run.rc == 0 and node.read(f"{hosts_dir}/ghcr.io/hosts.toml") == other,
+        run,
+    )
     node.cleanup()
 
 
@@ -723,7 +785,11 @@ def check_mirror_addresses() -> None:
     r = render("nodeSetup node mode IPv6", node_values())
     if r:
         run, text, node = hosts_after(r, host_ip="fd00::5")
-        check("[address] IPv6 node: http://[fd00::5]:5000", run.rc == 0 and hosts_of(text) == ["http://[fd00::5]:5000"], (run, text))
+        check(
+            "[address] IPv6 node: http://[fd00::5]:5000",
+            run.rc == 0 and hosts_of(text) == ["http://[fd00::5]:5000"],
+            (run, text),
+        )
         node.cleanup()
 
     r = render("node.hostIP", {**node_values(), "node": {"hostIP": "169.254.20.11", "hostPort": 5001}})
@@ -734,13 +800,18 @@ def check_mirror_addresses() -> None:
 
     r = render(
         "node fallback mirror",
-        {**node_values(), "node": {"fallbackMirror": True}, "service": {"clusterIP": "10.96.0.50", "trafficDistribution": "PreferClose"}},
+        {
+            **node_values(),
+            "node": {"fallbackMirror": True},
+            "service": {"clusterIP": "10.96.0.50", "trafficDistribution": "PreferClose"},
+        },
     )
     if r:
         run, text, node = hosts_after(r)
         check(
             "[address] node.fallbackMirror: the node's larder, then the Service, then the registry",
-            hosts_of(text) == [f"http://{NODE_IP}:5000", "http://10.96.0.50:5000"] and (parses(text) or {}).get("server") == "https://ghcr.io",
+            hosts_of(text) == [f"http://{NODE_IP}:5000", "http://10.96.0.50:5000"]
+            and (parses(text) or {}).get("server") == "https://ghcr.io",
             text,
         )
         node.cleanup()
@@ -751,7 +822,11 @@ def check_mirror_addresses() -> None:
     )
     if r:
         run, text, node = hosts_after(r)
-        check("[address] deployment mode: the Service's clusterIP", run.rc == 0 and hosts_of(text) == ["http://10.96.0.50:5000"], (run, text))
+        check(
+            "[address] deployment mode: the Service's clusterIP",
+            run.rc == 0 and hosts_of(text) == ["http://10.96.0.50:5000"],
+            (run, text),
+        )
         node.cleanup()
 
     r = render(
@@ -760,7 +835,11 @@ def check_mirror_addresses() -> None:
     )
     if r:
         run, text, node = hosts_after(r)
-        check("[address] deployment mode, NodePort: the node's IP and the nodePort", hosts_of(text) == [f"http://{NODE_IP}:30500"], text)
+        check(
+            "[address] deployment mode, NodePort: the node's IP and the nodePort",
+            hosts_of(text) == [f"http://{NODE_IP}:30500"],
+            text,
+        )
         node.cleanup()
 
     r = render(
@@ -775,7 +854,11 @@ def check_mirror_addresses() -> None:
     )
     if r:
         secrets = {
-            "larder-tls": {"tls.crt": "CERT\n", "tls.key": "KEY\n", "ca.crt": "-----BEGIN CERTIFICATE-----\nlarder CA\n"},
+            "larder-tls": {
+                "tls.crt": "CERT\n",
+                "tls.key": "KEY\n",
+                "ca.crt": "-----BEGIN CERTIFICATE-----\nlarder CA\n",
+            },
             "node-pull": {"username": "kubelet", "password": "s3cret\n"},
         }
         run, text, node = hosts_after(r, secrets=secrets)
@@ -835,6 +918,24 @@ def check_listen_address() -> None:
             node.cleanup()
 
 
+def flattened(data: dict, prefix: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """tomllib's reading of a file, in the form the script's `dump` prints."""
+    out: dict[str, list[str]] = {}
+    for k, v in data.items():
+        path = (*prefix, k)
+        if isinstance(v, dict):
+            for key, values in flattened(v, path).items():
+                out.setdefault(key, []).extend(values)
+        elif isinstance(v, list):
+            for item in v:
+                if isinstance(item, str):
+                    out.setdefault("|".join(path) + "[]", []).append(item)
+        else:
+            value = v if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v)
+            out.setdefault("|".join(path), []).append(value.replace("\n", "\\n"))
+    return out
+
+
 def check_toml_reader() -> None:
     """The script's TOML reader (dump mode) against tomllib."""
     r = render("dump", node_values())
@@ -844,13 +945,13 @@ def check_toml_reader() -> None:
         "containerd 1.6 default": CONTAINERD_DEFAULT,
         "containerd 2.x default": V3_DEFAULT,
         "tricky": (
-            'version = 2\nimports = [\n  "/a.toml", # first\n  \'/b.toml\',\n]\n'
+            "version = 2\nimports = [\n  \"/a.toml\", # first\n  '/b.toml',\n]\n"
             '[plugins."io.containerd.grpc.v1.cri".registry] # a comment with "quotes" and [brackets]\n'
             '  config_path = "/etc/containerd/certs.d" # trailing\n'
             '  "quoted.key" = \'literal "with" quotes\'\n'
             '  escaped = "tab\\there \\"q\\""\n'
             '  multi = """\nline one\nline two"""\n'
-            "  [plugins.\"io.containerd.grpc.v1.cri\".registry.headers]\n    X-Many = [\"a\", \"b\"]\n"
+            '  [plugins."io.containerd.grpc.v1.cri".registry.headers]\n    X-Many = ["a", "b"]\n'
             "[plugins.'io.containerd.cri.v1.images']\n  registry = { config_path = '/x', mirrors = {} }\n"
             "  discard_unpacked_layers = true\n  n = 3\n  f = 1.5\n"
         ),
@@ -867,22 +968,7 @@ def check_toml_reader() -> None:
         for line in run.out.splitlines():
             k, _, v = line.partition("\t")
             got.setdefault(k, []).append(v)
-        expected: dict[str, list[str]] = {}
-
-        def walk(d: dict, prefix: list[str]) -> None:
-            for k, v in d.items():
-                path = prefix + [k]
-                if isinstance(v, dict):
-                    walk(v, path)
-                elif isinstance(v, list):
-                    for item in v:
-                        if isinstance(item, str):
-                            expected.setdefault("|".join(path) + "[]", []).append(item)
-                else:
-                    value = v if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v)
-                    expected.setdefault("|".join(path), []).append(value.replace("\n", "\\n"))
-
-        walk(tomllib.loads(text), [])
+        expected = flattened(tomllib.loads(text))
         wrong = {k: (v, got.get(k)) for k, v in expected.items() if got.get(k) != v}
         extra = sorted(k for k in got if k not in expected)
         check(
@@ -891,6 +977,50 @@ def check_toml_reader() -> None:
             (run.err[-300:], wrong, extra),
         )
         node.cleanup()
+
+
+def check_cleanup_wait() -> None:
+    """The uninstall's wait Pod, with nslookup and wget stubbed: it waits
+    until every cleanup pod behind the headless Service answers."""
+    r = render("cleanup wait", {**node_values(cleanupTimeoutSeconds=10)})
+    if not r:
+        return
+    wait = r.get("Pod", "larder-node-cleanup-wait")["spec"]["containers"][0]["command"]
+    with tempfile.TemporaryDirectory(prefix="larder-wait-") as tmp:
+        bin_dir = Path(tmp, "bin")
+        bin_dir.mkdir()
+        for applet in BUSYBOX_BIN.iterdir():
+            if applet.name not in ("nslookup", "wget", "sleep"):
+                (bin_dir / applet.name).symlink_to(applet.resolve())
+        # busybox nslookup's output for a headless Service with two pods.
+        (bin_dir / "nslookup").write_text(
+            "#!/bin/sh\necho 'Server:\t\t10.96.0.10'\necho 'Address:\t10.96.0.10:53'\necho\n"
+            "echo \"Name:\t$1\"\necho 'Address: 10.244.1.7'\necho \"Name:\t$1\"\necho 'Address: fd00:10:244::8'\n"
+        )
+        (bin_dir / "wget").write_text('#!/bin/sh\nfor a; do url=$a; done\ngrep -qxF "$url" "$READY"\n')
+        (bin_dir / "sleep").write_text("#!/bin/sh\nexec busybox sleep 0.1\n")
+        for f in ("nslookup", "wget", "sleep"):
+            (bin_dir / f).chmod(0o755)
+        ready = Path(tmp, "ready")
+        env = {"PATH": f"{bin_dir}:/usr/bin", "READY": str(ready)}
+        ready.write_text("http://10.244.1.7:8080/\nhttp://[fd00:10:244::8]:8080/\n")
+        p = subprocess.run([str(bin_dir / "sh"), "-c", wait[2]], env=env, capture_output=True, text=True, timeout=60)
+        check(
+            "[cleanup wait] both cleanup pods (IPv4 and IPv6) answer: exit 0",
+            p.returncode == 0 and "2 of 2 done" in p.stdout,
+            (p.returncode, p.stdout[-300:], p.stderr[-300:]),
+        )
+        ready.write_text("http://10.244.1.7:8080/\n")
+        start = time.monotonic()
+        p = subprocess.run([str(bin_dir / "sh"), "-c", wait[2]], env=env, capture_output=True, text=True, timeout=60)
+        check(
+            "[cleanup wait] one pod never answers: exit 1 after cleanupTimeoutSeconds, naming the remedy",
+            p.returncode == 1
+            and "1 of 2 done" in p.stdout
+            and "timed out" in p.stdout
+            and 9 <= time.monotonic() - start < 30,
+            (p.returncode, p.stdout[-300:], time.monotonic() - start),
+        )
 
 
 def check_shellcheck() -> None:
@@ -1021,7 +1151,13 @@ def push_image(origin: Origin, tmp: Path, repo: str, seed: int) -> str:
         )
     )
     p = subprocess.run(
-        ["skopeo", "copy", "--dest-tls-verify=false", f"oci:{layout}:v1", f"docker://127.0.0.1:{origin.port}/{repo}:v1"],
+        [
+            "skopeo",
+            "copy",
+            "--dest-tls-verify=false",
+            f"oci:{layout}:v1",
+            f"docker://127.0.0.1:{origin.port}/{repo}:v1",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -1073,10 +1209,14 @@ class Containerd:
         self.socket = base / "containerd.sock"
         self.log = base / "containerd.log"
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(["containerd", "--config", str(config)], stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                ["containerd", "--config", str(config)], stdout=out, stderr=out, stdin=subprocess.DEVNULL
+            )
         ok = wait_for(
             "containerd",
-            lambda: subprocess.run(["ctr", "--address", str(self.socket), "version"], capture_output=True).returncode == 0,
+            lambda: (
+                subprocess.run(["ctr", "--address", str(self.socket), "version"], capture_output=True).returncode == 0
+            ),
         )
         assert ok, self.log.read_text()[-3000:]
 
@@ -1095,7 +1235,18 @@ class Containerd:
     def ctr_pull(self, ref: str, hosts_dir: Path) -> tuple[int, str, float]:
         start = time.monotonic()
         p = subprocess.run(
-            ["ctr", "--address", str(self.socket), "images", "pull", "--snapshotter", "native", "--hosts-dir", str(hosts_dir), ref],
+            [
+                "ctr",
+                "--address",
+                str(self.socket),
+                "images",
+                "pull",
+                "--snapshotter",
+                "native",
+                "--hosts-dir",
+                str(hosts_dir),
+                ref,
+            ],
             capture_output=True,
             text=True,
             timeout=600,
@@ -1218,16 +1369,21 @@ def check_real_containerd() -> None:
         check(
             "[real] hosts.toml: the registry as server, larder at 127.0.0.1:<hostPort> with dial_timeout",
             hosts["server"] == f"http://127.0.0.1:{origin.port}"
-            and hosts["host"] == {f"http://127.0.0.1:{larder_port}": {"capabilities": ["pull", "resolve"], "dial_timeout": "1s"}},
+            and hosts["host"]
+            == {f"http://127.0.0.1:{larder_port}": {"capabilities": ["pull", "resolve"], "dial_timeout": "1s"}},
             hosts,
         )
 
-        larder = Larder(tmp, r.toml_text(), larder_port, tc.container(r.get("DaemonSet", "larder")["spec"]["template"])["args"])
+        larder = Larder(
+            tmp, r.toml_text(), larder_port, tc.container(r.get("DaemonSet", "larder")["spec"]["template"])["args"]
+        )
         cleanup.append(larder.stop)
         containerd = Containerd(base, config)
         cleanup.append(containerd.stop)
 
-        served = lambda: larder.metric("larder_requests_total", 'route="blob"')  # noqa: E731
+        def served() -> float:
+            return larder.metric("larder_requests_total", 'route="blob"')
+
         before = served()
         rc, out, took = containerd.ctr_pull(f"{REGISTRY}/team/app-ctr:v1", hosts_dir)
         check("[real] ctr pull through larder: ok", rc == 0, out[-2000:])
@@ -1243,15 +1399,27 @@ def check_real_containerd() -> None:
 
         before = served()
         ok, detail = containerd.cri_pull(f"{REGISTRY}/team/app-cri:v1")
-        check("[real] CRI PullImage (the kubelet's call) through larder: ok", ok, (detail, containerd.log.read_text()[-2000:]))
-        check("[real] CRI PullImage: larder served the blobs (the CRI plugin read config_path)", served() - before >= 2, (served(), before))
+        check(
+            "[real] CRI PullImage (the kubelet's call) through larder: ok",
+            ok,
+            (detail, containerd.log.read_text()[-2000:]),
+        )
+        check(
+            "[real] CRI PullImage: larder served the blobs (the CRI plugin read config_path)",
+            served() - before >= 2,
+            (served(), before),
+        )
 
         # The mirror down: nothing listens on its port any more.
         larder.stop()
         gets = origin.blob_gets()
         rc, out, took = containerd.ctr_pull(f"{REGISTRY}/team/app-down:v1", hosts_dir)
         check("[real] larder down (connection refused): ctr pull falls back to the registry: ok", rc == 0, out[-2000:])
-        check("[real] larder down: the registry served the blobs itself", origin.blob_gets() - gets >= 2, (gets, origin.blob_gets()))
+        check(
+            "[real] larder down: the registry served the blobs itself",
+            origin.blob_gets() - gets >= 2,
+            (gets, origin.blob_gets()),
+        )
         print(f"     larder down (refused): the pull took {took:.1f}s")
         ok, detail = containerd.cri_pull(f"{REGISTRY}/team/app-ctr:v1")
         check("[real] larder down: CRI PullImage still succeeds (fallback)", ok, detail)
@@ -1299,6 +1467,7 @@ def main() -> int:
         check_existing_files,
         check_mirror_addresses,
         check_listen_address,
+        check_cleanup_wait,
         check_real_containerd,
     ):
         try:
