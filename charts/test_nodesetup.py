@@ -727,6 +727,19 @@ def check_existing_files() -> None:
         text,
     )
     check("[existing] _default itself untouched", node.read(f"{hosts_dir}/_default/hosts.toml") == default)
+    run = setup_run(r, node)
+    check(
+        "[existing] _default, second run (pod restart): the same file",
+        run.rc == 0 and node.read(f"{hosts_dir}/ghcr.io/hosts.toml") == text,
+        node.read(f"{hosts_dir}/ghcr.io/hosts.toml"),
+    )
+    if r_keep:
+        run = setup_run(r_keep, node)
+        check(
+            "[existing] _default, then existingHosts=keep: larder's folder removed, _default applies again",
+            run.rc == 0 and not node.exists(f"{hosts_dir}/ghcr.io") and node.read(f"{hosts_dir}/_default/hosts.toml") == default,
+            (run, node.files(hosts_dir)),
+        )
     node.cleanup()
 
     # Pruning: a registry no longer mirrored loses what this release wrote.

@@ -460,18 +460,16 @@ write_registry() {
 	render_block "$node_dir" >"$WORK/block"
 	mode=0644
 	base=""
-	if [ -f "$file" ]; then
-		mode=$(stat -c %a "$file")
-		if is_our_file "$file"; then
-			mode=0644 # ours from a previous run: rewritten below
-		elif is_distro_file "$file"; then
+	if [ -f "$file" ] && ! is_our_file "$file"; then
+		if is_distro_file "$file"; then
 			fail "$node_dir/hosts.toml is managed by the distribution ($(head -n 1 "$file" | sed 's/^# //')): it rewrites the file whenever it starts, so larder's entry would not last. Add larder's mirror to the registry's endpoints in registries.yaml, or leave $name out with nodeSetup.excludeUpstreams"
-		else
-			base=$file
 		fi
+		mode=$(stat -c %a "$file")
+		base=$file
 	elif [ -f "$HOSTS_MOUNT/_default/hosts.toml" ] && ! is_our_file "$HOSTS_MOUNT/_default/hosts.toml"; then
-		# containerd used _default for this registry so far; a folder of its
-		# own replaces it, so start from its content.
+		# Without a folder of its own this registry used _default; the folder
+		# written here replaces it, so it starts from _default's content
+		# (again on every run: _default may have changed).
 		base="$HOSTS_MOUNT/_default/hosts.toml"
 	fi
 	[ -z "$AUTH_HEADER" ] || mode=0600
@@ -503,6 +501,9 @@ write_registry() {
 			if [ "$base" = "$file" ] && has_our_block "$file"; then
 				put_file "$file" "$WORK/base" "$mode"
 				rm -f "$dir/$CA_NAME"
+			elif [ "$base" != "$file" ] && is_our_file "$file"; then
+				rm -f "$file" "$dir/$CA_NAME"
+				rmdir "$dir" 2>/dev/null || true
 			fi
 			log "WARNING: $name: $what exists and nodeSetup.existingHosts=keep: left as it is, pulls from $name do NOT go through larder"
 			return 0
