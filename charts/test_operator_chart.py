@@ -289,7 +289,7 @@ def check_sidecar() -> None:
     larder_toml, daemon = sidecar_files(objects)
     cfg = tomllib.loads(larder_toml)
     check("[sidecar] registry port on loopback only", cfg["server"]["listen"] == "127.0.0.1:5000", cfg["server"])
-    check("[sidecar] admin port reachable for probes", cfg["server"]["admin_listen"] == "0.0.0.0:9090")
+    check("[sidecar] admin port reachable for probes (config.bindAddress)", cfg["server"]["admin_listen"] == "[::]:9090", cfg["server"])
     check("[sidecar] no admin token (operations refused off loopback)", "admin" not in cfg)
     check("[sidecar] the example's cache size", cfg["cache"]["max_size"] == "16GiB")
     check("[sidecar] Docker Hub as the default upstream", cfg["upstream"][0]["name"] == "docker.io"

@@ -6,7 +6,8 @@
 #      `script` for a pseudo-terminal);
 #      nothing is started through systemd: each test starts its own;
 #   2. checks formatting and lints;
-#   3. runs every unit and integration test, then the Helm chart's test.
+#   3. runs every unit and integration test, then the Helm chart's tests
+#      (rendering, and the node setup script against a real containerd).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,6 +20,9 @@ command -v prometheus >/dev/null || need+=(prometheus)
 command -v promtool >/dev/null || need+=(prometheus)
 command -v chromium >/dev/null || need+=(chromium)
 command -v script >/dev/null || need+=(bsdutils)
+# The chart's node setup script runs under busybox in its tests, and is linted.
+command -v busybox >/dev/null || need+=(busybox)
+command -v shellcheck >/dev/null || need+=(shellcheck)
 if ((${#need[@]})); then
   echo "tests/run.sh: installing ${need[*]}"
   sudo=""
@@ -28,9 +32,10 @@ if ((${#need[@]})); then
 fi
 
 # The Helm chart is rendered, linted and validated with Helm's own engine
-# (bundled in helm-python-sdk) and the Kubernetes schemas.
+# (bundled in helm-python-sdk) and the Kubernetes schemas; grpcio calls
+# containerd's CRI PullImage in the node setup test.
 python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
-  helm-python-sdk kubernetes-validate pyyaml
+  helm-python-sdk kubernetes-validate pyyaml grpcio
 
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings
@@ -39,3 +44,4 @@ LARDER_BIN=target/debug/larder python3 charts/test_chart.py
 # Alerts (promtool check/test rules), the admin token Secret, the sidecar
 # library and its example parent chart.
 LARDER_BIN=target/debug/larder python3 charts/test_operator_chart.py
+LARDER_BIN=target/debug/larder python3 charts/test_nodesetup.py

@@ -48,7 +48,7 @@ async fn dockerd_pulls_through_the_rendered_sidecar_config() {
 
     let (port, admin_port) = (free_port(), free_port());
     let toml = swap(&rendered_toml, "listen = \"127.0.0.1:5000\"", &format!("listen = \"127.0.0.1:{port}\""));
-    let toml = swap(&toml, "admin_listen = \"0.0.0.0:9090\"", &format!("admin_listen = \"127.0.0.1:{admin_port}\""));
+    let toml = swap(&toml, "admin_listen = \"[::]:9090\"", &format!("admin_listen = \"127.0.0.1:{admin_port}\""));
     let cache = dir.path().join("cache");
     let toml = swap(&toml, "dir = \"/var/lib/larder\"", &format!("dir = {:?}", cache.display().to_string()));
     let toml = swap(&toml, "url = \"https://registry-1.docker.io\"", &format!("url = \"{}\"", origin.url()));
