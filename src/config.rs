@@ -11,6 +11,8 @@ use std::time::Duration;
 use regex::Regex;
 use serde::Deserialize;
 
+use crate::cluster::PeerUrl;
+
 /// The configuration used when `larder` runs without `--config`.
 pub const EMBEDDED_DEFAULT: &str = include_str!("../config/default.toml");
 const EMBEDDED_NAME: &str = "<embedded default config>";
@@ -40,6 +42,14 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(20);
 /// Default longest pause between two chunks of an upstream body.
 pub const DEFAULT_BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Shortest `[shared] max_age`: a sweep must never race the upload of a
+/// blob a replica has just fetched.
+pub const MIN_SHARED_MAX_AGE: Duration = Duration::from_secs(3600);
+/// Default `[cluster] listen`: the peer listener, apart from the client port.
+pub const DEFAULT_CLUSTER_LISTEN: &str = "0.0.0.0:5001";
+/// Shortest cluster secret accepted: it is all that stands between the
+/// peer listener and anyone who can reach it.
+pub const MIN_CLUSTER_SECRET_LEN: usize = 16;
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -47,6 +57,53 @@ pub struct Config {
     pub cache: CacheConfig,
     pub upstreams: Vec<UpstreamConfig>,
     pub log: LogConfig,
+    /// The object store shared by all replicas (`[shared]`), if any.
+    pub shared: Option<SharedConfig>,
+    /// Peers and the cluster secret (`[cluster]`), if any.
+    pub cluster: Option<ClusterConfig>,
+}
+
+/// `[shared]`: an S3-compatible bucket (and key prefix) that every replica
+/// reads before going upstream and uploads verified content to.
+#[derive(Debug, Clone)]
+pub struct SharedConfig {
+    /// The bucket, from `url = "s3://<bucket>/<prefix>"`.
+    pub bucket: String,
+    /// Key prefix without leading or trailing `/`; empty for the bucket root.
+    pub prefix: String,
+    /// `scheme://host[:port]` of an S3-compatible store; `None` for AWS S3.
+    pub endpoint: Option<String>,
+    /// Must equal the store's own region name (Garage: `s3_region`).
+    pub region: String,
+    pub access_key_id: Secret,
+    pub secret_access_key: Secret,
+    /// `AWS_SESSION_TOKEN`, when the keys come from the environment.
+    pub session_token: Option<Secret>,
+    /// Objects uploaded longer ago than this are deleted by a sweep; `None`
+    /// leaves expiry to the bucket's lifecycle rules.
+    pub max_age: Option<Duration>,
+}
+
+/// `[cluster]`: this replica's peers and how they prove they are peers.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// The peer listener; not part of the client-facing Service.
+    pub listen: SocketAddr,
+    /// How the other replicas reach this one (`self`, `${ENV}` expanded).
+    pub self_url: PeerUrl,
+    pub peers: PeerSource,
+    /// Sent and checked on every peer request.
+    pub secret: Secret,
+}
+
+/// Where the member list comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeerSource {
+    /// `peers = [...]`, this replica included.
+    Static(Vec<PeerUrl>),
+    /// `peers_dns = "host:port"`, resolved again periodically; every
+    /// address found is a peer at that port, with `self`'s scheme.
+    Dns { name: String },
 }
 
 #[derive(Debug, Clone)]
@@ -177,6 +234,30 @@ struct RawConfig {
     log: Option<RawLog>,
     #[serde(default)]
     upstream: Vec<RawUpstream>,
+    shared: Option<RawShared>,
+    cluster: Option<RawCluster>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawShared {
+    url: String,
+    endpoint: Option<String>,
+    region: Option<String>,
+    access_key_id_file: Option<String>,
+    secret_access_key_file: Option<String>,
+    max_age: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCluster {
+    listen: Option<String>,
+    #[serde(rename = "self")]
+    self_url: String,
+    peers: Option<Vec<String>>,
+    peers_dns: Option<String>,
+    secret_file: String,
 }
 
 #[derive(Deserialize, Default)]
@@ -263,9 +344,21 @@ impl Config {
     /// Parses config text. `file` names it in errors; relative paths in it
     /// are resolved against `base_dir` (the file's folder) when given.
     pub fn parse(text: &str, file: &str, base_dir: Option<&Path>) -> Result<Config, ConfigError> {
+        Config::parse_with_env(text, file, base_dir, &|name| std::env::var(name).ok())
+    }
+
+    /// As [`Config::parse`], reading environment variables (`password_env`,
+    /// `AWS_*`, `${VAR}` in `[cluster]`) through `env` instead of the
+    /// process environment.
+    pub fn parse_with_env(
+        text: &str,
+        file: &str,
+        base_dir: Option<&Path>,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Config, ConfigError> {
         let raw: RawConfig =
             toml::from_str(text).map_err(|e| ConfigError::Parse { file: file.to_owned(), message: e.to_string() })?;
-        Validator { file, base_dir }.config(raw)
+        Validator { file, base_dir, env }.config(raw)
     }
 
     pub fn default_upstream(&self) -> Option<&UpstreamConfig> {
@@ -292,6 +385,7 @@ impl UpstreamConfig {
 struct Validator<'a> {
     file: &'a str,
     base_dir: Option<&'a Path>,
+    env: &'a dyn Fn(&str) -> Option<String>,
 }
 
 impl Validator<'_> {
@@ -423,7 +517,216 @@ impl Validator<'_> {
             Some("json") => LogFormat::Json,
             Some(other) => return Err(self.err("log.format", format!("{other:?} is not \"text\" or \"json\""))),
         };
-        Ok(Config { server, cache, upstreams, log: LogConfig { level, format } })
+        let shared = raw.shared.map(|s| self.shared(s)).transpose()?;
+        let cluster = raw.cluster.map(|c| self.cluster(c, &server)).transpose()?;
+        Ok(Config { server, cache, upstreams, log: LogConfig { level, format }, shared, cluster })
+    }
+
+    /// A secret read from a file: trailing line breaks and spaces dropped
+    /// (files written by `echo` or a Kubernetes Secret), never empty.
+    fn secret_file(&self, key: &str, p: &str) -> Result<Secret, ConfigError> {
+        let path = self.path(p);
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| self.err(key, format!("cannot read {}: {e}", path.display())))?;
+        let value = text.trim_end();
+        if value.is_empty() {
+            return Err(self.err(key, format!("{} is empty", path.display())));
+        }
+        Ok(Secret::new(value))
+    }
+
+    /// Replaces each `${NAME}` in `v` with that environment variable.
+    fn expand_env(&self, key: &str, v: &str) -> Result<String, ConfigError> {
+        let mut out = String::with_capacity(v.len());
+        let mut rest = v;
+        while let Some(start) = rest.find("${") {
+            out.push_str(&rest[..start]);
+            let after = &rest[start + 2..];
+            let end = after.find('}').ok_or_else(|| self.err(key, format!("{v:?} has an unclosed `${{`")))?;
+            let name = &after[..end];
+            let name_ok = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if !name_ok {
+                return Err(self.err(key, format!("{name:?} is not an environment variable name")));
+            }
+            let value =
+                (self.env)(name).ok_or_else(|| self.err(key, format!("environment variable {name} is not set")))?;
+            out.push_str(&value);
+            rest = &after[end + 1..];
+        }
+        out.push_str(rest);
+        Ok(out)
+    }
+
+    fn shared(&self, s: RawShared) -> Result<SharedConfig, ConfigError> {
+        // Split by hand: a URL parser would resolve `..` and percent-escapes
+        // that must instead be refused.
+        let rest = s
+            .url
+            .strip_prefix("s3://")
+            .ok_or_else(|| self.err("shared.url", format!("{:?} must be an s3:// URL (s3://bucket/prefix)", s.url)))?;
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        if !valid_bucket(bucket) {
+            return Err(self.err(
+                "shared.url",
+                format!("{bucket:?} is not a bucket name (3-63 lowercase letters, digits, dots and hyphens)"),
+            ));
+        }
+        let (bucket, prefix) = (bucket.to_owned(), prefix.trim_end_matches('/').to_owned());
+        let segment_ok = |seg: &str| {
+            !seg.is_empty()
+                && seg != "."
+                && seg != ".."
+                && seg.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        };
+        if !prefix.is_empty() && !prefix.split('/').all(segment_ok) {
+            return Err(self.err(
+                "shared.url",
+                format!("prefix {prefix:?} must be /-separated segments of letters, digits, '.', '_' and '-'"),
+            ));
+        }
+        let endpoint = s.endpoint.as_deref().map(|e| self.endpoint(e)).transpose()?;
+        let region = match (&s.region, &endpoint) {
+            (Some(r), _) => r.clone(),
+            (None, None) => (self.env)("AWS_REGION").or_else(|| (self.env)("AWS_DEFAULT_REGION")).ok_or_else(|| {
+                self.err("shared.region", "set the bucket's region (or AWS_REGION in the environment)")
+            })?,
+            (None, Some(_)) => {
+                return Err(self.err(
+                    "shared.region",
+                    "set it to the store's own region name (Garage: `s3_region`, often \"garage\")",
+                ));
+            }
+        };
+        if region.is_empty() || !region.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+            return Err(self.err("shared.region", format!("{region:?} is not a region name")));
+        }
+        let (access_key_id, secret_access_key, session_token) = match (&s.access_key_id_file, &s.secret_access_key_file)
+        {
+            (Some(id), Some(secret)) => (
+                self.secret_file("shared.access_key_id_file", id)?,
+                self.secret_file("shared.secret_access_key_file", secret)?,
+                None,
+            ),
+            (None, None) => {
+                let id = (self.env)("AWS_ACCESS_KEY_ID").filter(|v| !v.is_empty());
+                let secret = (self.env)("AWS_SECRET_ACCESS_KEY").filter(|v| !v.is_empty());
+                match (id, secret) {
+                    (Some(id), Some(secret)) => (
+                        Secret::new(id),
+                        Secret::new(secret),
+                        (self.env)("AWS_SESSION_TOKEN").filter(|v| !v.is_empty()).map(Secret::new),
+                    ),
+                    _ => {
+                        return Err(self.err(
+                            "shared.access_key_id_file",
+                            "set access_key_id_file and secret_access_key_file, or \
+                                 AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment",
+                        ));
+                    }
+                }
+            }
+            (Some(_), None) => {
+                return Err(self.err("shared.secret_access_key_file", "needed with access_key_id_file"));
+            }
+            (None, Some(_)) => {
+                return Err(self.err("shared.access_key_id_file", "needed with secret_access_key_file"));
+            }
+        };
+        let max_age =
+            s.max_age.as_deref().map(|a| self.duration("shared.max_age", Some(a), Duration::ZERO)).transpose()?;
+        if let Some(age) = max_age {
+            if age < MIN_SHARED_MAX_AGE {
+                return Err(self.err(
+                    "shared.max_age",
+                    format!("must be at least {}", humantime::format_duration(MIN_SHARED_MAX_AGE)),
+                ));
+            }
+        }
+        Ok(SharedConfig { bucket, prefix, endpoint, region, access_key_id, secret_access_key, session_token, max_age })
+    }
+
+    fn endpoint(&self, e: &str) -> Result<String, ConfigError> {
+        let bad = || self.err("shared.endpoint", format!("{e:?} must be http(s)://host[:port] with no path"));
+        let url = url::Url::parse(e).map_err(|_| bad())?;
+        let ok = matches!(url.scheme(), "http" | "https")
+            && url.host_str().is_some_and(|h| !h.is_empty())
+            && url.username().is_empty()
+            && url.password().is_none()
+            && matches!(url.path(), "" | "/")
+            && url.query().is_none()
+            && url.fragment().is_none();
+        if !ok {
+            return Err(bad());
+        }
+        Ok(url.as_str().trim_end_matches('/').to_owned())
+    }
+
+    fn cluster(&self, c: RawCluster, server: &ServerConfig) -> Result<ClusterConfig, ConfigError> {
+        let listen = self.addr("cluster.listen", c.listen.as_deref().unwrap_or(DEFAULT_CLUSTER_LISTEN))?;
+        let clashes = |other: SocketAddr| {
+            other.port() == listen.port()
+                && (other.ip() == listen.ip() || other.ip().is_unspecified() || listen.ip().is_unspecified())
+        };
+        if clashes(server.listen) || server.admin_listen.is_some_and(clashes) {
+            return Err(self.err("cluster.listen", format!("{listen} overlaps server.listen or server.admin_listen")));
+        }
+        let self_url =
+            PeerUrl::parse(&self.expand_env("cluster.self", &c.self_url)?).map_err(|e| self.err("cluster.self", e))?;
+        let peers = match (c.peers, c.peers_dns) {
+            (Some(list), None) => {
+                if list.is_empty() {
+                    return Err(self.err("cluster.peers", "list every replica, this one included"));
+                }
+                let mut peers: Vec<PeerUrl> = Vec::with_capacity(list.len());
+                for (i, p) in list.iter().enumerate() {
+                    let key = format!("cluster.peers[{i}]");
+                    let peer = PeerUrl::parse(&self.expand_env(&key, p)?).map_err(|e| self.err(&key, e))?;
+                    if peer.is_https() != self_url.is_https() {
+                        return Err(
+                            self.err(&key, format!("{peer} does not use the scheme of cluster.self ({self_url})"))
+                        );
+                    }
+                    if peers.contains(&peer) {
+                        return Err(self.err(&key, format!("{peer} is listed twice")));
+                    }
+                    peers.push(peer);
+                }
+                if !peers.contains(&self_url) {
+                    return Err(self.err(
+                        "cluster.self",
+                        format!("{self_url} is not in cluster.peers: list every replica, this one included"),
+                    ));
+                }
+                PeerSource::Static(peers)
+            }
+            (None, Some(name)) => {
+                let name = self.expand_env("cluster.peers_dns", &name)?;
+                // Without a port, peers listen where this replica does.
+                let self_port = || self_url.authority().rsplit_once(':').and_then(|(_, p)| p.parse::<u16>().ok());
+                let (host, port) = match name.rsplit_once(':') {
+                    Some((host, port)) => (host, port.parse::<u16>().ok().filter(|p| *p > 0)),
+                    None => (name.as_str(), self_port()),
+                };
+                let port = port.ok_or_else(|| self.err("cluster.peers_dns", format!("{name:?} has a bad port")))?;
+                if !valid_host(host) {
+                    return Err(self.err("cluster.peers_dns", format!("{host:?} is not a DNS name")));
+                }
+                PeerSource::Dns { name: format!("{host}:{port}") }
+            }
+            (Some(_), Some(_)) => return Err(self.err("cluster.peers", "set either peers or peers_dns, not both")),
+            (None, None) => return Err(self.err("cluster.peers", "set peers (a list) or peers_dns (a DNS name)")),
+        };
+        let secret = self.secret_file("cluster.secret_file", &c.secret_file)?;
+        if secret.expose().chars().count() < MIN_CLUSTER_SECRET_LEN {
+            return Err(self.err(
+                "cluster.secret_file",
+                format!(
+                    "the secret must be at least {MIN_CLUSTER_SECRET_LEN} characters (e.g. `openssl rand -hex 32`)"
+                ),
+            ));
+        }
+        Ok(ClusterConfig { listen, self_url, peers, secret })
     }
 
     fn upstream(&self, i: usize, u: RawUpstream) -> Result<UpstreamConfig, ConfigError> {
@@ -455,8 +758,8 @@ impl Validator<'_> {
                 Some(Secret::new(text.trim_end_matches(['\r', '\n'])))
             }
             (None, None, Some(var)) => Some(Secret::new(
-                std::env::var(var)
-                    .map_err(|_| self.err(key("password_env"), format!("environment variable {var} is not set")))?,
+                (self.env)(var)
+                    .ok_or_else(|| self.err(key("password_env"), format!("environment variable {var} is not set")))?,
             )),
             _ => {
                 return Err(self.err(key("password"), "set only one of password, password_file, password_env"));
@@ -522,6 +825,15 @@ impl Validator<'_> {
     }
 }
 
+/// An S3 bucket name: 3-63 lowercase letters, digits, dots and hyphens,
+/// starting and ending with a letter or digit.
+fn valid_bucket(s: &str) -> bool {
+    (3..=63).contains(&s.len())
+        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'.' || b == b'-')
+        && s.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
+        && s.bytes().last().is_some_and(|b| b.is_ascii_alphanumeric())
+}
+
 /// A registry host as clients name it: DNS labels, optionally `:port`.
 fn valid_host(s: &str) -> bool {
     let (host, port) = match s.rsplit_once(':') {
@@ -564,18 +876,38 @@ mod tests {
         assert_eq!(c.cache.dir, PathBuf::from("./larder-data"));
     }
 
+    /// Loads every example in `config/`. Secret files an example names
+    /// (`password_file = "/run/secrets/..."`, uncommented) are created under
+    /// a temp dir and the text pointed there, as a pod would have them
+    /// mounted; `${POD_IP}` and friends come from a made-up environment.
     #[test]
     fn every_example_in_config_dir_loads() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+        let file_key = Regex::new(r#"(?m)^\s*\w+_file\s*=\s*"([^"]+)""#).unwrap();
+        let env = |name: &str| match name {
+            "POD_IP" => Some("10.0.0.7".to_owned()),
+            "POD_NAMESPACE" => Some("larder".to_owned()),
+            _ => None,
+        };
         let mut n = 0;
         for entry in std::fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();
             if path.extension().is_some_and(|e| e == "toml") {
-                Config::load(&path).unwrap_or_else(|e| panic!("{e}"));
+                let mut text = std::fs::read_to_string(&path).unwrap();
+                let mounts = tempfile::tempdir().unwrap();
+                for named in file_key.captures_iter(&text.clone()) {
+                    let named = &named[1];
+                    let mounted = mounts.path().join(named.trim_start_matches('/'));
+                    std::fs::create_dir_all(mounted.parent().unwrap()).unwrap();
+                    std::fs::write(&mounted, "an-example-secret-of-some-length\n").unwrap();
+                    text = text.replace(&format!("\"{named}\""), &format!("{:?}", mounted.display().to_string()));
+                }
+                Config::parse_with_env(&text, &path.display().to_string(), Some(&dir), &env)
+                    .unwrap_or_else(|e| panic!("{e}"));
                 n += 1;
             }
         }
-        assert!(n >= 3, "expected the documented examples in config/, found {n}");
+        assert!(n >= 5, "expected the documented examples in config/, found {n}");
     }
 
     #[test]
@@ -668,5 +1000,169 @@ mod tests {
         assert_eq!(u.tag_ttl(&c.cache), Duration::from_secs(1));
         assert!(u.tag_is_immutable("v1.2.3"));
         assert!(!u.tag_is_immutable("latest"));
+    }
+
+    const SHARED_AND_CLUSTER: &str = r#"
+        [shared]
+        url = "s3://larder-cache/mirror/v1"
+        endpoint = "http://garage.storage:3900"
+        region = "garage"
+        access_key_id_file = "s3-id"
+        secret_access_key_file = "s3-secret"
+        max_age = "90d"
+
+        [cluster]
+        listen = "0.0.0.0:5001"
+        self = "http://${POD_IP}:5001"
+        peers = ["http://10.0.0.1:5001", "http://10.0.0.2:5001/"]
+        secret_file = "cluster-secret"
+    "#;
+
+    /// A dir with the secret files [`SHARED_AND_CLUSTER`] names.
+    fn secrets_dir() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("s3-id"), "GK31c2f218a2e44f485b94239e\n").unwrap();
+        std::fs::write(
+            dir.path().join("s3-secret"),
+            "b892c0665f0ada8a4755dae98baa3b133590e11dae3bcc1f9d769d67f16c3835\n",
+        )
+        .unwrap();
+        std::fs::write(dir.path().join("cluster-secret"), "4f1e6b5e0d9c8a7b6c5d4e3f2a1b0c9d\n").unwrap();
+        dir
+    }
+
+    fn env_of(vars: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+        move |name| vars.iter().find(|(k, _)| *k == name).map(|(_, v)| (*v).to_owned())
+    }
+
+    fn parse_in(dir: &Path, text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+        Config::parse_with_env(&format!("{text}{MINIMAL}"), "t.toml", Some(dir), env)
+    }
+
+    #[test]
+    fn shared_and_cluster_parse_into_types_with_redacted_secrets() {
+        let dir = secrets_dir();
+        let c = parse_in(dir.path(), SHARED_AND_CLUSTER, &env_of(&[("POD_IP", "10.0.0.2")])).unwrap();
+        let shared = c.shared.as_ref().unwrap();
+        assert_eq!((shared.bucket.as_str(), shared.prefix.as_str()), ("larder-cache", "mirror/v1"));
+        assert_eq!(shared.endpoint.as_deref(), Some("http://garage.storage:3900"));
+        assert_eq!(shared.region, "garage");
+        assert_eq!(shared.access_key_id.expose(), "GK31c2f218a2e44f485b94239e");
+        assert_eq!(shared.max_age, Some(Duration::from_secs(90 * 86400)));
+        let cluster = c.cluster.as_ref().unwrap();
+        assert_eq!(cluster.listen, "0.0.0.0:5001".parse().unwrap());
+        assert_eq!(cluster.self_url.as_str(), "http://10.0.0.2:5001");
+        let expected: Vec<PeerUrl> =
+            ["http://10.0.0.1:5001", "http://10.0.0.2:5001"].iter().map(|p| p.parse().unwrap()).collect();
+        assert_eq!(cluster.peers, PeerSource::Static(expected));
+        assert_eq!(cluster.secret.expose(), "4f1e6b5e0d9c8a7b6c5d4e3f2a1b0c9d");
+        let debug = format!("{c:?}");
+        for secret in ["b892c0665f", "4f1e6b5e0d"] {
+            assert!(!debug.contains(secret), "secret in Debug output: {debug}");
+        }
+        assert!(parse(MINIMAL).unwrap().shared.is_none() && parse(MINIMAL).unwrap().cluster.is_none());
+    }
+
+    #[test]
+    fn shared_keys_come_from_the_aws_environment_without_files() {
+        let dir = secrets_dir();
+        let text = "[shared]\nurl = \"s3://bucket-a\"\n";
+        let env = env_of(&[
+            ("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE"),
+            ("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMI"),
+            ("AWS_SESSION_TOKEN", "tok"),
+            ("AWS_REGION", "eu-west-3"),
+        ]);
+        let c = parse_in(dir.path(), text, &env).unwrap();
+        let shared = c.shared.unwrap();
+        assert_eq!((shared.bucket.as_str(), shared.prefix.as_str()), ("bucket-a", ""));
+        assert_eq!(shared.endpoint, None, "AWS S3 itself");
+        assert_eq!(shared.region, "eu-west-3");
+        assert_eq!(shared.access_key_id.expose(), "AKIDEXAMPLE");
+        assert_eq!(shared.session_token.map(|t| t.expose().to_owned()).as_deref(), Some("tok"));
+        let e = parse_in(dir.path(), text, &env_of(&[("AWS_REGION", "eu-west-3")])).unwrap_err().to_string();
+        assert!(e.contains("`shared.access_key_id_file`") && e.contains("AWS_ACCESS_KEY_ID"), "{e}");
+    }
+
+    #[test]
+    fn bad_shared_and_cluster_values_name_their_key() {
+        let dir = secrets_dir();
+        let env = env_of(&[("POD_IP", "10.0.0.1"), ("AWS_ACCESS_KEY_ID", "a"), ("AWS_SECRET_ACCESS_KEY", "b")]);
+        let shared = |extra: &str| format!("[shared]\nendpoint = \"http://s3:3900\"\n{extra}\n");
+        let cluster = |lines: &str| format!("[cluster]\nsecret_file = \"cluster-secret\"\n{lines}\n");
+        let cases = [
+            (shared("url = \"gs://bucket\"\nregion = \"garage\""), "shared.url"),
+            (shared("url = \"s3://Bucket\"\nregion = \"garage\""), "shared.url"),
+            (shared("url = \"s3://bucket/a//b\"\nregion = \"garage\""), "shared.url"),
+            (shared("url = \"s3://bucket/../b\"\nregion = \"garage\""), "shared.url"),
+            (shared("url = \"s3://bucket\""), "shared.region"),
+            (shared("url = \"s3://bucket\"\nregion = \"garage\"\nmax_age = \"10m\""), "shared.max_age"),
+            (
+                shared("url = \"s3://bucket\"\nregion = \"garage\"\naccess_key_id_file = \"s3-id\""),
+                "shared.secret_access_key_file",
+            ),
+            (
+                shared(
+                    "url = \"s3://bucket\"\nregion = \"garage\"\naccess_key_id_file = \"nope\"\nsecret_access_key_file = \"s3-secret\"",
+                ),
+                "shared.access_key_id_file",
+            ),
+            (shared("url = \"s3://bucket\"\nregion = \"garage\"\nbucket = \"x\""), "bucket"),
+            (
+                "[shared]\nurl = \"s3://bucket\"\nregion = \"garage\"\nendpoint = \"http://s3:3900/path\"\n".to_owned(),
+                "shared.endpoint",
+            ),
+            (cluster("self = \"http://${POD_IP}:5001\"\npeers = [\"http://10.0.0.2:5001\"]"), "cluster.self"),
+            (cluster("self = \"http://${NODE_IP}:5001\"\npeers = [\"http://10.0.0.1:5001\"]"), "cluster.self"),
+            (cluster("self = \"http://${POD_IP:5001\"\npeers = [\"http://10.0.0.1:5001\"]"), "cluster.self"),
+            (
+                cluster(
+                    "self = \"http://${POD_IP}:5001\"\npeers = [\"http://10.0.0.1:5001\", \"http://10.0.0.1:5001/\"]",
+                ),
+                "cluster.peers[1]",
+            ),
+            (
+                cluster(
+                    "self = \"http://${POD_IP}:5001\"\npeers = [\"http://10.0.0.1:5001\", \"https://10.0.0.2:5001\"]",
+                ),
+                "cluster.peers[1]",
+            ),
+            (cluster("self = \"http://${POD_IP}:5001\"\npeers = [\"http://10.0.0.1:5001/v2/\"]"), "cluster.peers[0]"),
+            (cluster("self = \"http://${POD_IP}:5001\"\npeers = []"), "cluster.peers"),
+            (cluster("self = \"http://${POD_IP}:5001\""), "cluster.peers"),
+            (
+                cluster(
+                    "self = \"http://${POD_IP}:5001\"\npeers = [\"http://10.0.0.1:5001\"]\npeers_dns = \"larder:5001\"",
+                ),
+                "cluster.peers",
+            ),
+            (cluster("self = \"http://${POD_IP}:5001\"\npeers_dns = \"Not A Name:5001\""), "cluster.peers_dns"),
+            (cluster("self = \"http://${POD_IP}:5001\"\npeers_dns = \"larder:http\""), "cluster.peers_dns"),
+            (
+                cluster("listen = \"127.0.0.1:5000\"\nself = \"http://${POD_IP}:5001\"\npeers_dns = \"larder:5001\""),
+                "cluster.listen",
+            ),
+            (cluster("self = \"ftp://${POD_IP}:5001\"\npeers_dns = \"larder:5001\""), "cluster.self"),
+        ];
+        for (text, key) in cases {
+            let e = parse_in(dir.path(), &text, &env).unwrap_err().to_string();
+            assert!(e.contains(&format!("`{key}`")) || e.contains(key), "{text}\n=> {e}");
+            assert!(e.starts_with("t.toml"), "{e}");
+        }
+        std::fs::write(dir.path().join("short"), "hunter2\n").unwrap();
+        let text =
+            "[cluster]\nself = \"http://${POD_IP}:5001\"\npeers_dns = \"larder:5001\"\nsecret_file = \"short\"\n";
+        let e = parse_in(dir.path(), text, &env).unwrap_err().to_string();
+        assert!(e.contains("`cluster.secret_file`") && e.contains("at least"), "{e}");
+    }
+
+    #[test]
+    fn peers_dns_takes_the_port_of_self_when_it_names_none() {
+        let dir = secrets_dir();
+        let env = env_of(&[("POD_IP", "10.0.0.1"), ("POD_NAMESPACE", "mirror")]);
+        let text = "[cluster]\nself = \"http://${POD_IP}:5101\"\npeers_dns = \"larder-headless.${POD_NAMESPACE}.svc.cluster.local\"\nsecret_file = \"cluster-secret\"\n";
+        let c = parse_in(dir.path(), text, &env).unwrap().cluster.unwrap();
+        assert_eq!(c.peers, PeerSource::Dns { name: "larder-headless.mirror.svc.cluster.local:5101".into() });
+        assert_eq!(c.listen, DEFAULT_CLUSTER_LISTEN.parse().unwrap());
     }
 }

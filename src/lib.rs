@@ -9,6 +9,7 @@ pub mod app;
 pub mod blocking;
 pub mod body;
 pub mod cache;
+pub mod cluster;
 pub mod coalesce;
 pub mod config;
 pub mod error;

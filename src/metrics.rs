@@ -31,6 +31,24 @@ pub struct Metrics {
     pub cache_evictions: IntCounterVec,
     pub digest_mismatch: IntCounter,
     pub tokens_fetched: IntCounter,
+    /// `shared_requests_total{op,result}`: requests to the shared object
+    /// store; op `head|get|put|put_multipart|delete|list`, result
+    /// `ok|not_found|error`.
+    pub shared_requests: IntCounterVec,
+    /// `shared_bytes_total{direction}`: direction `download|upload`.
+    pub shared_bytes: IntCounterVec,
+    /// `shared_uploads_total{kind,result}`: background uploads; kind
+    /// `blob|manifest`, result `uploaded|present|failed|dropped` (`failed`
+    /// is retried later; `dropped` had nothing valid left to upload).
+    pub shared_uploads: IntCounterVec,
+    /// `pending_uploads`: verified content waiting for upload to the shared tier.
+    pub pending_uploads: IntGauge,
+    /// `peers_up` / `peers_down`: cluster members answering or being
+    /// skipped (this replica counts as up).
+    pub peers_up: IntGauge,
+    pub peers_down: IntGauge,
+    /// `peers_marked_down_total`: times a peer failed and was skipped for a while.
+    pub peers_marked_down: IntCounter,
 }
 
 const PREFIX: &str = "larder";
@@ -56,6 +74,18 @@ fn build() -> Result<Metrics, prometheus::Error> {
     registry.register(Box::new(digest_mismatch.clone()))?;
     let tokens_fetched = IntCounter::new("tokens_fetched_total", "Bearer tokens fetched from upstream realms")?;
     registry.register(Box::new(tokens_fetched.clone()))?;
+    let gauge = |name: &str, help: &str| -> Result<IntGauge, prometheus::Error> {
+        let g = IntGauge::new(name, help)?;
+        registry.register(Box::new(g.clone()))?;
+        Ok(g)
+    };
+    let pending_uploads =
+        gauge("pending_uploads", "Verified blobs and manifests waiting for upload to the shared tier")?;
+    let peers_up = gauge("peers_up", "Cluster members currently answering (this replica included)")?;
+    let peers_down = gauge("peers_down", "Cluster members skipped after a failed request")?;
+    let peers_marked_down =
+        IntCounter::new("peers_marked_down_total", "Times a peer failed a request and was skipped for a while")?;
+    registry.register(Box::new(peers_marked_down.clone()))?;
     Ok(Metrics {
         requests: counter_vec("requests_total", "Requests served", &["route", "method", "status"])?,
         request_duration: histogram_vec("request_duration_seconds", "Time to response headers", &["route"])?,
@@ -77,6 +107,25 @@ fn build() -> Result<Metrics, prometheus::Error> {
         cache_evictions: counter_vec("cache_evictions_total", "Items evicted from the disk cache", &["kind"])?,
         digest_mismatch,
         tokens_fetched,
+        shared_requests: counter_vec(
+            "shared_requests_total",
+            "Requests to the shared object store by operation and result",
+            &["op", "result"],
+        )?,
+        shared_bytes: counter_vec(
+            "shared_bytes_total",
+            "Bytes moved to and from the shared object store",
+            &["direction"],
+        )?,
+        shared_uploads: counter_vec(
+            "shared_uploads_total",
+            "Background uploads to the shared tier by kind and result",
+            &["kind", "result"],
+        )?,
+        pending_uploads,
+        peers_up,
+        peers_down,
+        peers_marked_down,
         registry,
     })
 }
