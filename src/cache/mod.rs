@@ -10,6 +10,8 @@ mod memory;
 mod pread;
 pub mod prefetch;
 mod reconcile;
+pub mod shared;
+pub mod upload;
 
 use std::fs::File;
 use std::sync::Arc;

@@ -21,6 +21,7 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod access_log;
+pub mod garage;
 pub mod http;
 pub mod image;
 pub mod larder;
@@ -33,6 +34,7 @@ pub mod token_server;
 pub mod tools;
 
 pub use access_log::{AccessLog, AccessLogEntry, LogMark};
+pub use garage::{Garage, GarageBuilder};
 pub use image::{Blob, ImageBuilder, ManifestFormat, PushedImage, PushedManifest};
 pub use larder::{Larder, LarderBuilder, Upstream};
 pub use origin::{ORIGIN_NAME, Origin};
