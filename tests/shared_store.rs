@@ -41,6 +41,19 @@ async fn read_all(store: &SharedStore, digest: &Digest, range: impl std::ops::Ra
     (blob.size, chunks.concat())
 }
 
+/// Looks `digest` up until the store answers: after losing a node, Garage
+/// stalls the first requests that need it (lookups then fail after
+/// LOOKUP_TIMEOUT). Panics if it never recovers.
+async fn lookups_answer_again(store: &SharedStore, digest: &Digest, after: &str) {
+    let started = Instant::now();
+    let mut failed = 0;
+    while store.head(ObjectKind::Blob, digest).await.is_err() {
+        failed += 1;
+        assert!(failed < 20, "the store never recovered after {after}");
+    }
+    eprintln!("measured: lookups answer again {:?} after {after} ({failed} failed first)", started.elapsed());
+}
+
 fn shared_store(garage: &Garage, prefix: &str) -> Arc<SharedStore> {
     Arc::new(SharedStore::new(&garage.shared_config(prefix)).unwrap())
 }
@@ -103,7 +116,9 @@ async fn small_blobs_go_up_in_one_put_and_a_file_that_does_not_match_is_refused(
 async fn manifests_keep_their_media_type_and_are_verified() {
     let garage = Garage::builder().start().await;
     let store = shared_store(&garage, "m");
-    let index = Bytes::from_static(br#"{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json","manifests":[]}"#);
+    let index = Bytes::from_static(
+        br#"{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json","manifests":[]}"#,
+    );
     let digest = Digest::of(&index);
     store.put_manifest(&digest, MediaType::OciIndex, index.clone()).await.unwrap();
     let got = store.get_manifest(&digest).await.unwrap().expect("stored");
@@ -163,13 +178,7 @@ async fn one_storage_node_killed_reads_and_writes_go_on() {
     // until it notices the dead connection; lookups give up after
     // LOOKUP_TIMEOUT instead of hanging (the caller goes to a peer or
     // upstream meanwhile). Count them until the store answers again.
-    let started = Instant::now();
-    let mut failed_lookups = 0;
-    while store.head(ObjectKind::Blob, &before_digest).await.is_err() {
-        failed_lookups += 1;
-        assert!(failed_lookups < 20, "the store never recovered from losing one of three nodes");
-    }
-    eprintln!("measured: lookups answer again {:?} after the kill ({failed_lookups} failed first)", started.elapsed());
+    lookups_answer_again(&store, &before_digest, "the kill").await;
     let (_, read) = read_all(&store, &before_digest, ..).await;
     assert!(read == before, "a blob written before the failure reads back");
 
@@ -182,6 +191,22 @@ async fn one_storage_node_killed_reads_and_writes_go_on() {
 
     garage.start_node(2).await;
     assert!(read_all(&store, &after_digest, ..).await.1 == after, "still there after the node is back");
+}
+
+#[tokio::test]
+async fn one_storage_node_stopped_for_maintenance_is_no_trouble() {
+    let mut garage = Garage::builder().start().await;
+    let store = shared_store(&garage, "");
+    let dir = tempfile::tempdir().unwrap();
+    let (before_path, before, before_digest) = blob_file(dir.path(), "before", 1000, 10);
+    store.put_blob_file(&before_digest, &before_path).await.unwrap();
+    garage.stop(1).await;
+    assert!(!garage.is_running(1));
+    lookups_answer_again(&store, &before_digest, "the stop").await;
+    assert_eq!(read_all(&store, &before_digest, ..).await.1, before);
+    let (path, bytes, digest) = blob_file(dir.path(), "during", 1000, 9);
+    store.put_blob_file(&digest, &path).await.unwrap();
+    assert_eq!(read_all(&store, &digest, ..).await.1, bytes);
 }
 
 #[tokio::test]

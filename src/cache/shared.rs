@@ -214,7 +214,12 @@ impl SharedStore {
         }
         let store = builder.with_client_options(options).build().map_err(|e| SharedError::Config(e.to_string()))?;
         let prefix = if config.prefix.is_empty() { String::new() } else { format!("{}/", config.prefix) };
-        Ok(SharedStore { store: Arc::new(store), lookup_timeout: LOOKUP_TIMEOUT, bucket: config.bucket.clone(), prefix })
+        Ok(SharedStore {
+            store: Arc::new(store),
+            lookup_timeout: LOOKUP_TIMEOUT,
+            bucket: config.bucket.clone(),
+            prefix,
+        })
     }
 
     /// Replaces [`LOOKUP_TIMEOUT`] for this client.
@@ -370,7 +375,10 @@ impl SharedStore {
     /// object's `Content-Type`. Refuses bytes that do not match `digest`.
     pub async fn put_manifest(&self, digest: &Digest, media_type: MediaType, bytes: Bytes) -> Result<(), SharedError> {
         if Digest::of(&bytes) != *digest {
-            return Err(SharedError::Corrupt { what: format!("manifest {digest}"), detail: "refused to upload".into() });
+            return Err(SharedError::Corrupt {
+                what: format!("manifest {digest}"),
+                detail: "refused to upload".into(),
+            });
         }
         let len = bytes.len() as u64;
         let attributes = Attributes::from_iter([(Attribute::ContentType, media_type.as_str())]);
@@ -404,7 +412,10 @@ impl SharedStore {
         };
         metrics().shared_bytes.with_label_values(&["download"]).inc_by(bytes.len() as u64);
         if Digest::of(&bytes) != *digest {
-            return Err(SharedError::Corrupt { what: what(), detail: format!("{} bytes with another hash", bytes.len()) });
+            return Err(SharedError::Corrupt {
+                what: what(),
+                detail: format!("{} bytes with another hash", bytes.len()),
+            });
         }
         let media_type = content_type.as_deref().and_then(MediaType::parse).ok_or_else(|| SharedError::Corrupt {
             what: what(),
@@ -417,7 +428,6 @@ impl SharedStore {
     pub async fn delete(&self, kind: ObjectKind, digest: &Digest) -> Result<(), SharedError> {
         delete_counted(&self.store, &self.path(kind, digest)).await
     }
-
 
     /// Deletes every blob and manifest object uploaded more than `max_age`
     /// ago (by the store's `Last-Modified`). Other keys under the prefix
@@ -439,8 +449,11 @@ impl SharedStore {
                 }
             };
             swept.listed += listing.len() as u64;
-            let old: Vec<ObjectPath> =
-                listing.into_iter().filter(|m| m.last_modified.timestamp_millis() < cutoff).map(|m| m.location).collect();
+            let old: Vec<ObjectPath> = listing
+                .into_iter()
+                .filter(|m| m.last_modified.timestamp_millis() < cutoff)
+                .map(|m| m.location)
+                .collect();
             let store = Arc::clone(&self.store);
             let deletions = futures_util::stream::iter(old).map(move |path| {
                 let store = Arc::clone(&store);

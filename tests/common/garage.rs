@@ -9,6 +9,7 @@
 //! let store = SharedStore::new(&garage.shared_config("mirror"))?;
 //! garage.kill(2);                                        // SIGKILL one node
 //! garage.start_node(2).await;                            // and bring it back
+//! garage.stop(1).await;                                  // SIGTERM, wait for exit
 //! ```
 //!
 //! Clients talk to node 0's S3 port ([`Garage::endpoint`]); kill another node
@@ -136,7 +137,11 @@ impl GarageBuilder {
         for index in 0..garage.nodes.len() {
             garage.wait_healthy(index).await;
         }
-        eprintln!("garage: {}-node cluster ready in {:?} (node ids from {first:.16})", garage.nodes.len(), started.elapsed());
+        eprintln!(
+            "garage: {}-node cluster ready in {:?} (node ids from {first:.16})",
+            garage.nodes.len(),
+            started.elapsed()
+        );
         garage
     }
 }
@@ -201,7 +206,8 @@ fn write_private(path: &Path, text: &str) {
         .mode(0o600)
         .open(path)
         .unwrap_or_else(|e| panic!("cannot create {}: {e}", path.display()));
-    std::io::Write::write_all(&mut file, text.as_bytes()).unwrap_or_else(|e| panic!("cannot write {}: {e}", path.display()));
+    std::io::Write::write_all(&mut file, text.as_bytes())
+        .unwrap_or_else(|e| panic!("cannot write {}: {e}", path.display()));
 }
 
 /// A running Garage cluster; every node is killed (by PID) on drop.
@@ -271,7 +277,8 @@ impl Garage {
         let secret_file = dir.join("s3-secret-access-key");
         write_private(&id_file, &self.access_key_id);
         write_private(&secret_file, &self.secret_access_key);
-        let url = if prefix.is_empty() { format!("s3://{}", self.bucket) } else { format!("s3://{}/{prefix}", self.bucket) };
+        let url =
+            if prefix.is_empty() { format!("s3://{}", self.bucket) } else { format!("s3://{}/{prefix}", self.bucket) };
         format!(
             "[shared]\nurl = {url:?}\nendpoint = {:?}\nregion = {REGION:?}\naccess_key_id_file = {:?}\nsecret_access_key_file = {:?}\n",
             self.endpoint(),
@@ -287,6 +294,21 @@ impl Garage {
             process.write_log_marker("killing node");
             process.kill();
         }
+    }
+
+    /// Stops node `index` gracefully (SIGTERM, by PID) and waits for it to
+    /// exit; killed if it takes longer than [`GARAGE_READY_TIMEOUT`].
+    pub async fn stop(&mut self, index: usize) {
+        let Some(mut process) = self.nodes[index].process.take() else { return };
+        process.write_log_marker("stopping node (SIGTERM)");
+        if let Some(pid) = process.pid() {
+            let _ = Command::new("kill").arg("-TERM").arg(pid.to_string()).status();
+        }
+        let started = Instant::now();
+        while process.exit_status().is_none() && started.elapsed() < GARAGE_READY_TIMEOUT {
+            tokio::time::sleep(RETRY_PAUSE).await;
+        }
+        process.kill();
     }
 
     /// Kills every node: the shared tier is gone.
