@@ -107,6 +107,19 @@ async fn small_blobs_go_up_in_one_put_and_a_file_that_does_not_match_is_refused(
     let e = store.put_blob_file(&digest, &dir.path().join("gone")).await.unwrap_err();
     assert!(matches!(e, SharedError::Local { .. }), "{e}");
 
+    // A bucket that does not exist: lookups miss, uploads fail (never
+    // taken for done).
+    let mut missing = garage.shared_config("");
+    missing.bucket = "no-such-bucket".to_owned();
+    let nowhere = SharedStore::new(&missing).unwrap();
+    assert_eq!(nowhere.head(ObjectKind::Blob, &digest).await.unwrap(), None);
+    let e = nowhere.put_blob_file(&digest, &path).await.unwrap_err();
+    assert!(matches!(e, SharedError::Store(_)), "{e}");
+    let manifest = Bytes::from_static(b"{}");
+    assert!(nowhere.put_manifest(&Digest::of(&manifest), MediaType::OciManifest, manifest).await.is_err());
+    let (big_path, _, big_digest) = blob_file(dir.path(), "big", 9 * MIB, 11);
+    assert!(nowhere.put_blob_file(&big_digest, &big_path).await.is_err(), "multipart too");
+
     store.delete(ObjectKind::Blob, &digest).await.unwrap();
     assert_eq!(store.head(ObjectKind::Blob, &digest).await.unwrap(), None);
     store.delete(ObjectKind::Blob, &digest).await.unwrap();

@@ -19,6 +19,7 @@
 use std::ops::{Bound, Range, RangeBounds};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::{Bytes, BytesMut};
@@ -171,6 +172,13 @@ fn count<T>(op: &str, result: &Result<Option<T>, SharedError>) {
     metrics().shared_requests.with_label_values(&[op, label]).inc();
 }
 
+/// A write's outcome, counted: any error (a missing bucket included) fails it.
+fn written<T>(op: &str, result: Result<T, object_store::Error>) -> Result<T, SharedError> {
+    let label = if result.is_ok() { "ok" } else { "error" };
+    metrics().shared_requests.with_label_values(&[op, label]).inc();
+    result.map_err(store_err)
+}
+
 /// `Ok(None)` for a missing object, the error otherwise.
 fn found<T>(result: Result<T, object_store::Error>) -> Result<Option<T>, SharedError> {
     match result {
@@ -308,21 +316,15 @@ impl SharedStore {
             verify(digest, hasher, "local file", path)?;
             let options = PutOptions { attributes, ..PutOptions::default() };
             let result = self.store.put_opts(&location, PutPayload::from(bytes), options).await;
-            let result = found(result).map_err(|e| self.log_failure("put", digest, e));
-            count("put", &result);
-            result?;
+            written("put", result).map_err(|e| self.log_failure("put", digest, e))?;
         } else {
             let options = PutMultipartOptions { attributes, ..PutMultipartOptions::default() };
-            let started = found(self.store.put_multipart_opts(&location, options).await);
-            let upload = match started {
-                Ok(Some(upload)) => upload,
-                other => {
-                    count("put_multipart", &other);
-                    return Err(other.err().unwrap_or_else(|| SharedError::Store("multipart upload refused".into())));
-                }
+            let result = match self.store.put_multipart_opts(&location, options).await {
+                Ok(upload) => self.stream_parts(digest, path, file, size, upload).await,
+                Err(e) => Err(store_err(e)),
             };
-            let result = self.stream_parts(digest, path, file, size, upload).await;
-            count("put_multipart", &result.as_ref().map(Some).map_err(Clone::clone));
+            let label = if result.is_ok() { "ok" } else { "error" };
+            metrics().shared_requests.with_label_values(&["put_multipart", label]).inc();
             result.map_err(|e| self.log_failure("put_multipart", digest, e))?;
         }
         metrics().shared_bytes.with_label_values(&["upload"]).inc_by(size);
@@ -383,9 +385,8 @@ impl SharedStore {
         let len = bytes.len() as u64;
         let attributes = Attributes::from_iter([(Attribute::ContentType, media_type.as_str())]);
         let options = PutOptions { attributes, ..PutOptions::default() };
-        let result = found(self.store.put_opts(&self.path(ObjectKind::Manifest, digest), bytes.into(), options).await);
-        count("put", &result);
-        result?;
+        let result = self.store.put_opts(&self.path(ObjectKind::Manifest, digest), bytes.into(), options).await;
+        written("put", result)?;
         metrics().shared_bytes.with_label_values(&["upload"]).inc_by(len);
         Ok(())
     }
@@ -435,34 +436,33 @@ impl SharedStore {
     pub async fn sweep(&self, max_age: Duration) -> Result<Swept, SharedError> {
         let cutoff = SystemTime::now().checked_sub(max_age).unwrap_or(UNIX_EPOCH);
         let cutoff = cutoff.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
-        let mut swept = Swept::default();
+        let (listed, deleted) = (AtomicU64::new(0), AtomicU64::new(0));
         for kind in [ObjectKind::Blob, ObjectKind::Manifest] {
             let folder = ObjectPath::from(format!("{}{}/sha256", self.prefix, kind.folder()));
-            let listing: Vec<object_store::ObjectMeta> = match self.store.list(Some(&folder)).try_collect().await {
-                Ok(listing) => {
-                    metrics().shared_requests.with_label_values(&["list", "ok"]).inc();
-                    listing
-                }
-                Err(e) => {
-                    metrics().shared_requests.with_label_values(&["list", "error"]).inc();
-                    return Err(store_err(e));
-                }
-            };
-            swept.listed += listing.len() as u64;
-            let old: Vec<ObjectPath> = listing
-                .into_iter()
-                .filter(|m| m.last_modified.timestamp_millis() < cutoff)
-                .map(|m| m.location)
-                .collect();
-            let store = Arc::clone(&self.store);
-            let deletions = futures_util::stream::iter(old).map(move |path| {
-                let store = Arc::clone(&store);
-                async move { delete_counted(&store, &path).await }
-            });
-            let deleted: Vec<Result<(), SharedError>> =
-                deletions.buffer_unordered(SWEEP_DELETES_IN_FLIGHT).collect().await;
-            swept.deleted += deleted.iter().filter(|r| r.is_ok()).count() as u64;
+            // Streamed page by page, deleting as it goes: a bucket of
+            // millions of objects is never listed into memory at once.
+            let result = self
+                .store
+                .list(Some(&folder))
+                .map_err(store_err)
+                .try_for_each_concurrent(SWEEP_DELETES_IN_FLIGHT, |meta| {
+                    listed.fetch_add(1, Ordering::Relaxed);
+                    let (store, deleted) = (&self.store, &deleted);
+                    async move {
+                        if meta.last_modified.timestamp_millis() < cutoff
+                            && delete_counted(store, &meta.location).await.is_ok()
+                        {
+                            deleted.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Ok(())
+                    }
+                })
+                .await;
+            let label = if result.is_ok() { "ok" } else { "error" };
+            metrics().shared_requests.with_label_values(&["list", label]).inc();
+            result?;
         }
+        let swept = Swept { listed: listed.into_inner(), deleted: deleted.into_inner() };
         Ok(swept)
     }
 

@@ -42,6 +42,13 @@ pub const RETRY_BACKOFF_MIN: Duration = Duration::from_secs(1);
 /// Longest pause between attempts while the store keeps failing.
 pub const RETRY_BACKOFF_MAX: Duration = Duration::from_secs(60);
 
+/// Every upload attempt may take this long, plus [`UPLOAD_MIN_RATE`] time
+/// for its bytes; a store that stops reading (a full TCP window never
+/// trips a read timeout) cannot hold an upload slot for ever.
+pub const UPLOAD_DEADLINE_BASE: Duration = Duration::from_secs(30);
+/// The slowest upload rate, in bytes per second, an attempt is allowed.
+pub const UPLOAD_MIN_RATE: u64 = 1 << 20;
+
 /// Where the committed file of a blob is (the disk store's layout).
 pub type BlobPath = Arc<dyn Fn(&Digest) -> PathBuf + Send + Sync>;
 
@@ -283,6 +290,11 @@ fn backoff(failures: u32) -> Duration {
     RETRY_BACKOFF_MIN.saturating_mul(1 << doublings).min(RETRY_BACKOFF_MAX)
 }
 
+/// [`UPLOAD_DEADLINE_BASE`] plus `size` at [`UPLOAD_MIN_RATE`].
+fn upload_deadline(size: u64) -> Duration {
+    UPLOAD_DEADLINE_BASE + Duration::from_secs(size / UPLOAD_MIN_RATE)
+}
+
 async fn attempt(inner: &Inner, job: Job) -> Outcome {
     match job.kind {
         ObjectKind::Blob => {
@@ -298,10 +310,14 @@ async fn attempt(inner: &Inner, job: Job) -> Outcome {
                 Ok(_) => {}
                 Err(e) => return Outcome::Failed(e),
             }
-            match inner.store.put_blob_file(&job.digest, &path).await {
-                Ok(_) => Outcome::Uploaded,
-                Err(e @ (SharedError::Local { .. } | SharedError::Corrupt { .. })) => Outcome::Dropped(e.to_string()),
-                Err(e) => Outcome::Failed(e),
+            let deadline = upload_deadline(local_size);
+            match tokio::time::timeout(deadline, inner.store.put_blob_file(&job.digest, &path)).await {
+                Ok(Ok(_)) => Outcome::Uploaded,
+                Ok(Err(e @ (SharedError::Local { .. } | SharedError::Corrupt { .. }))) => {
+                    Outcome::Dropped(e.to_string())
+                }
+                Ok(Err(e)) => Outcome::Failed(e),
+                Err(_) => Outcome::Failed(SharedError::Store(format!("upload not done within {deadline:?}"))),
             }
         }
         ObjectKind::Manifest => {
@@ -318,10 +334,12 @@ async fn attempt(inner: &Inner, job: Job) -> Outcome {
                 Ok(None) => {}
                 Err(e) => return Outcome::Failed(e),
             }
-            match inner.store.put_manifest(&job.digest, media_type, bytes).await {
-                Ok(()) => Outcome::Uploaded,
-                Err(e @ SharedError::Corrupt { .. }) => Outcome::Dropped(e.to_string()),
-                Err(e) => Outcome::Failed(e),
+            let deadline = upload_deadline(bytes.len() as u64);
+            match tokio::time::timeout(deadline, inner.store.put_manifest(&job.digest, media_type, bytes)).await {
+                Ok(Ok(())) => Outcome::Uploaded,
+                Ok(Err(e @ SharedError::Corrupt { .. })) => Outcome::Dropped(e.to_string()),
+                Ok(Err(e)) => Outcome::Failed(e),
+                Err(_) => Outcome::Failed(SharedError::Store(format!("upload not done within {deadline:?}"))),
             }
         }
     }
