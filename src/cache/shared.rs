@@ -281,10 +281,11 @@ impl SharedStore {
         count("get", &result);
         let Some(got) = result? else { return Ok(None) };
         let (size, range) = (got.meta.size, got.range.clone());
+        let downloaded = metrics().shared_bytes.with_label_values(&["download"]);
         let body = got
             .into_stream()
-            .map_ok(|chunk| {
-                metrics().shared_bytes.with_label_values(&["download"]).inc_by(chunk.len() as u64);
+            .map_ok(move |chunk| {
+                downloaded.inc_by(chunk.len() as u64);
                 chunk
             })
             .map_err(store_err)
