@@ -336,6 +336,11 @@ impl Larder {
         );
     }
 
+    /// The running process's id.
+    pub fn pid(&self) -> u32 {
+        self.process.as_ref().and_then(|p| p.pid()).expect("larder is running")
+    }
+
     /// True while the process is up (it has not exited or been stopped).
     pub fn is_running(&mut self) -> bool {
         match self.process.as_mut() {
