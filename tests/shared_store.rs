@@ -86,6 +86,11 @@ async fn a_64_mib_blob_goes_up_multipart_and_comes_back_whole_and_by_range() {
     let resume_at = 63 * MIB as u64 + 17;
     let (_, tail) = read_all(&store, &digest, resume_at..).await;
     assert!(tail == bytes[resume_at as usize..], "resuming from an offset");
+
+    let blob = store.get_blob(&digest, resume_at..).await.unwrap().unwrap();
+    assert_eq!(blob.range, resume_at..bytes.len() as u64);
+    let body = http_body_util::BodyExt::collect(blob.into_body()).await.unwrap().to_bytes();
+    assert!(body[..] == bytes[resume_at as usize..], "the same bytes as an HTTP body");
 }
 
 #[tokio::test]

@@ -128,6 +128,16 @@ pub struct SharedBlob {
     pub body: BoxStream<'static, Result<Bytes, SharedError>>,
 }
 
+impl SharedBlob {
+    /// The bytes as an HTTP body (what a fill reads its sources as); a
+    /// store error ends it with that error, never cleanly.
+    pub fn into_body(self) -> crate::body::Body {
+        use http_body_util::BodyExt;
+        let frames = self.body.map_ok(hyper::body::Frame::data).map_err(|e| Box::new(e) as crate::body::BoxError);
+        http_body_util::StreamBody::new(frames).boxed_unsync()
+    }
+}
+
 /// A manifest read back from the shared store; its digest was checked.
 #[derive(Clone, Debug)]
 pub struct SharedManifest {
