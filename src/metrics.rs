@@ -5,7 +5,7 @@
 use std::sync::LazyLock;
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 pub struct Metrics {
@@ -31,6 +31,20 @@ pub struct Metrics {
     pub cache_evictions: IntCounterVec,
     pub digest_mismatch: IntCounter,
     pub tokens_fetched: IntCounter,
+    /// `upstream_ratelimit_limit{upstream}`: the pull limit upstream last
+    /// announced (Docker Hub's `ratelimit-limit`).
+    pub upstream_ratelimit_limit: IntGaugeVec,
+    /// `upstream_ratelimit_remaining{upstream}`: pulls left in the window,
+    /// as upstream last said (`ratelimit-remaining`); 0 after a 429.
+    pub upstream_ratelimit_remaining: IntGaugeVec,
+    /// `upstream_auth_failures_total{upstream,reason}`: reason
+    /// `realm_refused|helper_missing|helper_timeout|helper_failed|password_file|token_service|denied`.
+    pub upstream_auth_failures: IntCounterVec,
+    /// `upstream_auth_retries_total{upstream}`: requests answered 401 with a
+    /// cached token or credentials, retried once with fresh ones.
+    pub upstream_auth_retries: IntCounterVec,
+    /// `upstream_tokens_cached{upstream}`: tokens held in the (bounded) token cache.
+    pub upstream_tokens_cached: IntGaugeVec,
 }
 
 const PREFIX: &str = "larder";
@@ -56,6 +70,11 @@ fn build() -> Result<Metrics, prometheus::Error> {
     registry.register(Box::new(digest_mismatch.clone()))?;
     let tokens_fetched = IntCounter::new("tokens_fetched_total", "Bearer tokens fetched from upstream realms")?;
     registry.register(Box::new(tokens_fetched.clone()))?;
+    let gauge_vec = |name: &str, help: &str, labels: &[&str]| -> Result<IntGaugeVec, prometheus::Error> {
+        let g = IntGaugeVec::new(Opts::new(name, help), labels)?;
+        registry.register(Box::new(g.clone()))?;
+        Ok(g)
+    };
     Ok(Metrics {
         requests: counter_vec("requests_total", "Requests served", &["route", "method", "status"])?,
         request_duration: histogram_vec("request_duration_seconds", "Time to response headers", &["route"])?,
@@ -77,6 +96,27 @@ fn build() -> Result<Metrics, prometheus::Error> {
         cache_evictions: counter_vec("cache_evictions_total", "Items evicted from the disk cache", &["kind"])?,
         digest_mismatch,
         tokens_fetched,
+        upstream_ratelimit_limit: gauge_vec(
+            "upstream_ratelimit_limit",
+            "Pull limit upstream last announced (ratelimit-limit)",
+            &["upstream"],
+        )?,
+        upstream_ratelimit_remaining: gauge_vec(
+            "upstream_ratelimit_remaining",
+            "Pulls left in upstream's rate-limit window (ratelimit-remaining), 0 after a 429",
+            &["upstream"],
+        )?,
+        upstream_auth_failures: counter_vec(
+            "upstream_auth_failures_total",
+            "Upstream authentication failures by reason",
+            &["upstream", "reason"],
+        )?,
+        upstream_auth_retries: counter_vec(
+            "upstream_auth_retries_total",
+            "Upstream requests refused with a cached token or credentials and retried once with fresh ones",
+            &["upstream"],
+        )?,
+        upstream_tokens_cached: gauge_vec("upstream_tokens_cached", "Tokens held in the token cache", &["upstream"])?,
         registry,
     })
 }
