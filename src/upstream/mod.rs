@@ -272,7 +272,7 @@ impl Upstream {
             let resp = self.send(req, method).await?;
             let status = resp.status();
             if hop.own {
-                self.rate_limit.observe(status, resp.headers());
+                self.rate_limit.observe(method, status, resp.headers());
             }
             if status == StatusCode::UNAUTHORIZED {
                 if matches!(presented, Presented::Fresh) {

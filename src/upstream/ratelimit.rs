@@ -9,7 +9,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
-use http::{HeaderMap, StatusCode};
+use http::{HeaderMap, Method, StatusCode};
 use tokio::time::Instant;
 
 use crate::metrics::metrics;
@@ -32,13 +32,16 @@ impl RateLimit {
         RateLimit { upstream: upstream.to_owned(), remaining: AtomicI64::new(-1), limited_until: Mutex::new(None) }
     }
 
-    /// Takes note of one response from the upstream's own origin.
-    pub fn observe(&self, status: StatusCode, headers: &HeaderMap) {
+    /// Takes note of one response from the upstream's own origin. A pause
+    /// after a 429 ends when upstream says pulls remain, or a GET succeeds
+    /// (a HEAD succeeding says nothing: it is not what is limited).
+    pub fn observe(&self, method: &Method, status: StatusCode, headers: &HeaderMap) {
         let m = metrics();
         if let Some(limit) = count(headers, "ratelimit-limit") {
             m.upstream_ratelimit_limit.with_label_values(&[&self.upstream]).set(limit);
         }
-        if let Some(remaining) = count(headers, "ratelimit-remaining") {
+        let remaining = count(headers, "ratelimit-remaining");
+        if let Some(remaining) = remaining {
             self.remaining.store(remaining, Ordering::Relaxed);
             m.upstream_ratelimit_remaining.with_label_values(&[&self.upstream]).set(remaining);
         }
@@ -47,7 +50,7 @@ impl RateLimit {
             let pause = retry_after(headers).unwrap_or(DEFAULT_RATE_LIMITED_FOR).min(MAX_RATE_LIMITED_FOR);
             *until = Some(Instant::now() + pause);
             m.upstream_ratelimit_remaining.with_label_values(&[&self.upstream]).set(0);
-        } else if status.is_success() && count(headers, "ratelimit-remaining").is_none_or(|r| r > 0) {
+        } else if remaining.is_some_and(|r| r > 0) || (status.is_success() && method == Method::GET) {
             *until = None;
         }
     }
@@ -88,30 +91,34 @@ mod tests {
     async fn docker_hub_headers_and_429() {
         let r = RateLimit::new("ratelimit-test");
         assert!(!r.exhausted(), "nothing known yet");
-        r.observe(
-            StatusCode::OK,
-            &headers(&[("ratelimit-limit", "100;w=21600"), ("ratelimit-remaining", "3;w=21600")]),
-        );
+        let (get, head) = (&Method::GET, &Method::HEAD);
+        let announced = headers(&[("ratelimit-limit", "100;w=21600"), ("ratelimit-remaining", "3;w=21600")]);
+        r.observe(get, StatusCode::OK, &announced);
         assert!(!r.exhausted());
         let m = metrics();
         assert_eq!(m.upstream_ratelimit_limit.with_label_values(&["ratelimit-test"]).get(), 100);
         assert_eq!(m.upstream_ratelimit_remaining.with_label_values(&["ratelimit-test"]).get(), 3);
         // A HEAD (free) says the limit is used up.
-        r.observe(StatusCode::OK, &headers(&[("ratelimit-remaining", "0;w=21600")]));
+        r.observe(head, StatusCode::OK, &headers(&[("ratelimit-remaining", "0;w=21600")]));
         assert!(r.exhausted());
-        r.observe(StatusCode::OK, &headers(&[("ratelimit-remaining", "100;w=21600")]));
+        r.observe(head, StatusCode::OK, &headers(&[("ratelimit-remaining", "100;w=21600")]));
         assert!(!r.exhausted(), "the window reset");
 
         // A registry without the headers answers 429: limited for Retry-After.
-        r.observe(StatusCode::TOO_MANY_REQUESTS, &headers(&[("retry-after", "30")]));
+        r.observe(get, StatusCode::TOO_MANY_REQUESTS, &headers(&[("retry-after", "30")]));
         assert!(r.exhausted());
         assert_eq!(m.upstream_ratelimit_remaining.with_label_values(&["ratelimit-test"]).get(), 0);
-        r.observe(StatusCode::NOT_FOUND, &HeaderMap::new());
+        r.observe(get, StatusCode::NOT_FOUND, &HeaderMap::new());
         assert!(r.exhausted(), "a 404 says nothing about the limit");
+        r.observe(head, StatusCode::OK, &HeaderMap::new());
+        assert!(r.exhausted(), "nor does a (free) HEAD");
         tokio::time::advance(Duration::from_secs(31)).await;
         assert!(!r.exhausted(), "Retry-After has passed");
-        r.observe(StatusCode::TOO_MANY_REQUESTS, &HeaderMap::new());
-        r.observe(StatusCode::OK, &headers(&[("ratelimit-remaining", "5")]));
-        assert!(!r.exhausted(), "a success with pulls left ends the pause");
+        r.observe(get, StatusCode::TOO_MANY_REQUESTS, &HeaderMap::new());
+        r.observe(head, StatusCode::OK, &headers(&[("ratelimit-remaining", "5")]));
+        assert!(!r.exhausted(), "upstream saying pulls remain ends the pause");
+        r.observe(get, StatusCode::TOO_MANY_REQUESTS, &HeaderMap::new());
+        r.observe(get, StatusCode::OK, &HeaderMap::new());
+        assert!(!r.exhausted(), "so does a GET that succeeds");
     }
 }

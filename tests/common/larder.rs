@@ -311,6 +311,11 @@ impl Larder {
         &self.config_path
     }
 
+    /// The process id while larder runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.process.as_ref().and_then(|p| p.pid())
+    }
+
     /// The config file as written.
     pub fn config_text(&self) -> String {
         super::process::read_lossy(&self.config_path)
