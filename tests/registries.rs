@@ -565,3 +565,32 @@ async fn a_moved_tag_whose_get_is_refused_with_429_is_served_from_the_cache() {
     let stale = metric(&larder, r#"larder_cache_requests_total{kind="manifest",result="stale"}"#).await;
     assert_eq!(stale, 2.0);
 }
+
+// ---- urls failover -------------------------------------------------------------
+
+#[tokio::test]
+async fn urls_are_tried_in_order_on_connect_errors_and_5xx() {
+    let tls = shapes::setup();
+    let (primary, fallback) = (plain::Plain::start(&tls, None).await, plain::Plain::start(&tls, None).await);
+    let image = fallback.images.push("team/app", "v1", &[4 * KIB]);
+    primary.images.push("team/app", "v1", &[4 * KIB]);
+    // Nothing listens on the first URL.
+    let closed = shapes::site::Addr::pick(plain::REGISTRY).url();
+    let urls = [closed, primary.registry.url(), fallback.registry.url()];
+    let upstream = upstream("plain.test", "", &tls).urls(&urls);
+    let larder = larder().upstream(upstream.default(true)).start().await;
+
+    // The closed URL refuses the connection, the primary answers 503: the
+    // fallback serves.
+    primary.set_down(true);
+    let a = get(&larder, "/v2/team/app/manifests/v1").await;
+    assert_eq!((a.status, a.digest.as_deref()), (200, Some(image.digest.as_str())));
+    assert_eq!(primary.registry.seen().iter().map(|r| r.status).collect::<Vec<_>>(), [503]);
+    // The primary back: it serves again, in order.
+    primary.set_down(false);
+    primary.images.add_blob(fallback.images.bytes(&image.blobs[0]).expect("the config blob"));
+    let a = get(&larder, &format!("/v2/team/app/blobs/{}", image.blobs[0])).await;
+    assert_eq!(a.status, 200);
+    assert_eq!(primary.registry.seen().last().map(|r| r.status), Some(200));
+    assert_eq!(fallback.registry.seen().len(), 1, "the fallback only when needed");
+}
