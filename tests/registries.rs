@@ -594,3 +594,47 @@ async fn urls_are_tried_in_order_on_connect_errors_and_5xx() {
     assert_eq!(primary.registry.seen().last().map(|r| r.status), Some(200));
     assert_eq!(fallback.registry.seen().len(), 1, "the fallback only when needed");
 }
+
+// ---- the README's snippets ---------------------------------------------------------
+
+/// Every `config/registries/*.toml` passes `larder check-config` (copied
+/// into a folder with placeholder files for the `password_file`s it names,
+/// which are relative to the config file), and the README's "Registries"
+/// section shows it verbatim.
+#[test]
+fn every_registry_snippet_passes_check_config_and_is_in_the_readme() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).expect("read README.md");
+    let section = readme.split("\n## ").find(|s| s.starts_with("Registries")).expect("a README section \"Registries\"");
+    let mut snippets: Vec<_> = std::fs::read_dir(root.join("config/registries"))
+        .expect("config/registries/")
+        .map(|e| e.expect("an entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .collect();
+    snippets.sort();
+    for path in &snippets {
+        let text = std::fs::read_to_string(path).expect("read the snippet");
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let config = dir.path().join(path.file_name().expect("a file name"));
+        std::fs::write(&config, &text).expect("copy the snippet");
+        for line in text.lines().filter_map(|l| l.strip_prefix("password_file = ")) {
+            let secret = dir.path().join(line.trim_matches('"'));
+            std::fs::create_dir_all(secret.parent().expect("a folder")).expect("mkdir");
+            std::fs::write(&secret, "placeholder").expect("write a placeholder secret");
+        }
+        let out = std::process::Command::new(common::larder::binary())
+            .args(["check-config", "--config"])
+            .arg(&config)
+            .output()
+            .expect("run larder check-config");
+        assert!(
+            out.status.success(),
+            "{}: {}{}",
+            path.display(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(section.contains(text.trim_end()), "README \"Registries\" shows {} verbatim", path.display());
+    }
+    assert_eq!(snippets.len(), 11, "{snippets:?}");
+}
