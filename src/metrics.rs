@@ -43,7 +43,8 @@ pub struct Metrics {
     /// `upstream_auth_retries_total{upstream}`: requests answered 401 with a
     /// cached token or credentials, retried once with fresh ones.
     pub upstream_auth_retries: IntCounterVec,
-    /// `upstream_tokens_cached{upstream}`: tokens held in the (bounded) token cache.
+    /// `upstream_tokens_cached{upstream}`: tokens held in the (bounded) token
+    /// cache, as of the last token request.
     pub upstream_tokens_cached: IntGaugeVec,
 }
 
@@ -116,7 +117,11 @@ fn build() -> Result<Metrics, prometheus::Error> {
             "Upstream requests refused with a cached token or credentials and retried once with fresh ones",
             &["upstream"],
         )?,
-        upstream_tokens_cached: gauge_vec("upstream_tokens_cached", "Tokens held in the token cache", &["upstream"])?,
+        upstream_tokens_cached: gauge_vec(
+            "upstream_tokens_cached",
+            "Tokens held in the token cache, as of the last token request",
+            &["upstream"],
+        )?,
         registry,
     })
 }

@@ -36,7 +36,11 @@ pub struct CredentialStore {
 
 enum Source {
     Fixed,
-    File { username: String, path: PathBuf },
+    File {
+        username: String,
+        path: PathBuf,
+    },
+    /// The helper program, `docker-credential-<name>`.
     Helper(String),
 }
 
@@ -61,7 +65,7 @@ impl CredentialStore {
                     read: now,
                 },
             ),
-            CredentialSource::Helper(name) => (Source::Helper(name.clone()), Slot::default()),
+            CredentialSource::Helper(name) => (Source::Helper(helper::program(name)), Slot::default()),
         };
         CredentialStore {
             upstream: upstream.to_owned(),
@@ -108,19 +112,35 @@ impl CredentialStore {
     /// caller may go away), and keeps them.
     fn read(&self) -> impl Future<Output = Result<Credentials, Error>> + Send + 'static {
         let (upstream, server, slot) = (self.upstream.clone(), self.server.clone(), Arc::clone(&self.slot));
-        let kept = slot.lock().unwrap_or_else(|p| p.into_inner()).credentials.clone();
+        let (kept, refused) = {
+            let slot = slot.lock().unwrap_or_else(|p| p.into_inner());
+            (slot.credentials.clone(), slot.read.is_none())
+        };
         let source = match &self.source {
             Source::Fixed => None,
             Source::File { username, path } => Some(Err((username.clone(), path.clone()))),
-            Source::Helper(name) => Some(Ok(name.clone())),
+            Source::Helper(program) => Some(Ok(program.clone())),
         };
         async move {
             let fresh = match source {
                 None => return kept.ok_or_else(|| Error::Internal("fixed credentials are missing".into())),
-                Some(Ok(helper)) => helper::get(&helper, &server).await.map_err(|e| {
-                    metrics().upstream_auth_failures.with_label_values(&[&upstream, e.reason()]).inc();
-                    Error::Upstream(UpstreamError::Auth(e.to_string()))
-                })?,
+                Some(Ok(helper)) => match helper::get(&helper, &server).await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        metrics().upstream_auth_failures.with_label_values(&[&upstream, e.reason()]).inc();
+                        match kept.filter(|_| !refused) {
+                            // Only grown old, not refused: ECR's passwords
+                            // outlive the helper's answer by hours, so a
+                            // helper that fails now (its cloud API down)
+                            // does not stop pulls. Run again later.
+                            Some(c) => {
+                                tracing::warn!(upstream, error = %e, "credential helper failed; keeping its last answer");
+                                c
+                            }
+                            None => return Err(Error::Upstream(UpstreamError::Auth(e.to_string()))),
+                        }
+                    }
+                },
                 Some(Err((username, path))) => read_password_file(&upstream, username, path, kept).await?,
             };
             let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
@@ -157,5 +177,70 @@ async fn read_password_file(
             metrics().upstream_auth_failures.with_label_values(&[upstream, "password_file"]).inc();
             Err(Error::Upstream(UpstreamError::Auth(format!("cannot read password_file {shown}: {e}"))))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// A store whose helper prints `user:<contents of secret>`, or fails
+    /// while `secret` is missing.
+    fn helper_store(dir: &std::path::Path) -> (CredentialStore, PathBuf) {
+        let (program, secret) = (dir.join("docker-credential-test"), dir.join("secret"));
+        let script = format!(
+            "#!/bin/sh\n[ -f {s:?} ] || {{ echo 'no secret'; exit 1; }}\nprintf '{{\"Username\":\"user\",\"Secret\":\"%s\"}}' \"$(cat {s:?})\"\n",
+            s = secret
+        );
+        std::fs::write(&program, script).unwrap();
+        std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let store = CredentialStore::new("credentials-test", "r.example", &CredentialSource::Helper("x".into()));
+        let store = CredentialStore { source: Source::Helper(program.display().to_string()), ..store };
+        (store, secret)
+    }
+
+    #[tokio::test]
+    async fn a_refused_helper_answer_runs_the_helper_again_and_an_old_one_survives_a_failing_helper() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, secret) = helper_store(dir.path());
+        std::fs::write(&secret, "one").unwrap();
+        let first = store.current().await.unwrap();
+        assert_eq!(first.password.expose(), "one");
+
+        std::fs::write(&secret, "two").unwrap();
+        assert_eq!(store.current().await.unwrap(), first, "the answer is kept while fresh");
+        store.refused(&first);
+        let second = store.current().await.unwrap();
+        assert_eq!(second.password.expose(), "two", "refused: the helper ran again");
+        store.refused(&first);
+        assert_eq!(store.current().await.unwrap(), second, "refusing an answer already replaced changes nothing");
+
+        // The answer grows old and the helper fails: the old answer stays.
+        std::fs::remove_file(&secret).unwrap();
+        store.slot.lock().unwrap().read = Instant::now().checked_sub(HELPER_ANSWER_LIFETIME);
+        assert_eq!(store.current().await.unwrap(), second);
+        // Refused, and the helper fails: a clear error.
+        store.refused(&second);
+        let e = store.current().await.unwrap_err().to_string();
+        assert!(e.contains("docker-credential-test failed") && e.contains("no secret"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_password_file_is_read_again_when_refused_and_kept_when_unreadable() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("password");
+        std::fs::write(&path, "old\n").unwrap();
+        let source = CredentialSource::File { username: "u".into(), path: path.clone(), loaded: Secret::new("old") };
+        let store = CredentialStore::new("credentials-test", "r.example", &source);
+        let old = store.current().await.unwrap();
+        assert_eq!(old.password.expose(), "old");
+        std::fs::write(&path, "new\n").unwrap();
+        store.refused(&old);
+        let new = store.current().await.unwrap();
+        assert_eq!(new.password.expose(), "new", "trailing newline trimmed");
+        std::fs::remove_file(&path).unwrap();
+        store.refused(&new);
+        assert_eq!(store.current().await.unwrap(), new, "an unreadable file keeps the password read before");
     }
 }

@@ -56,13 +56,17 @@ struct Output {
     secret: String,
 }
 
-/// Runs `docker-credential-<name> get` for registry `server` (host[:port]).
-pub async fn get(name: &str, server: &str) -> Result<Credentials, HelperError> {
-    let program = format!("docker-credential-{name}");
-    match tokio::time::timeout(HELPER_TIMEOUT, run(&program, server)).await {
+/// The program a `credential_helper = "<name>"` runs (found on `PATH`).
+pub fn program(name: &str) -> String {
+    format!("docker-credential-{name}")
+}
+
+/// Runs `<program> get` for registry `server` (host[:port]).
+pub async fn get(program: &str, server: &str) -> Result<Credentials, HelperError> {
+    match tokio::time::timeout(HELPER_TIMEOUT, run(program, server)).await {
         Ok(result) => result,
         // Dropping the future dropped the child, which kills it.
-        Err(_) => Err(HelperError::Timeout { program, timeout: HELPER_TIMEOUT }),
+        Err(_) => Err(HelperError::Timeout { program: program.to_owned(), timeout: HELPER_TIMEOUT }),
     }
 }
 
@@ -175,7 +179,7 @@ mod tests {
         assert!(e.to_string().contains("identity token"), "{e}");
         assert!(!e.to_string().contains("refresh"), "{e}");
 
-        let e = get("larder-no-such-helper", "r.example").await.unwrap_err();
+        let e = get(&program("larder-no-such-helper"), "r.example").await.unwrap_err();
         assert_eq!(e.reason(), "helper_missing");
         assert!(e.to_string().contains("docker-credential-larder-no-such-helper is not on PATH"), "{e}");
     }

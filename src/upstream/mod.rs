@@ -137,7 +137,7 @@ impl Upstream {
         let permits = Arc::new(Semaphore::new(config.max_concurrency.get()));
         let origins: Vec<Uri> = std::iter::once(&config.url).chain(&config.fallback_urls).cloned().collect();
         if let Some(crate::config::CredentialSource::Helper(name)) = &config.credentials {
-            let program = format!("docker-credential-{name}");
+            let program = helper::program(name);
             let path = std::env::var_os("PATH").unwrap_or_default();
             if !std::env::split_paths(&path).any(|dir| dir.join(&program).is_file()) {
                 tracing::warn!(upstream = config.name, program, "credential helper not found on PATH");
