@@ -48,6 +48,17 @@ const MAX_HELPER_NAME: usize = 64;
 /// Names that mean Docker Hub, where one-component repositories live under
 /// `library/`.
 const DOCKER_HUB_NAMES: [&str; 3] = ["docker.io", "index.docker.io", "registry-1.docker.io"];
+/// Longest upstream timeout accepted (connect, response headers, body
+/// idle). A client connection sees no byte while larder waits on upstream,
+/// and the connection watchdog closes connections idle for longer than its
+/// own limit: upstream waits must end first, so the client gets a 504
+/// instead of a cut connection (checked against the watchdog at compile time).
+pub const MAX_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(100);
+/// Smallest `cache.max_size` accepted: below this every commit would
+/// trigger an eviction of everything.
+pub const MIN_MAX_SIZE: u64 = 1 << 20;
+/// `cache.max_blob_size` when not set: this share of `max_size`.
+pub const DEFAULT_MAX_BLOB_SIZE_DIVISOR: u64 = 4;
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -108,6 +119,9 @@ pub struct CacheConfig {
     pub dir: PathBuf,
     /// Disk budget for cached content, in bytes.
     pub max_size: u64,
+    /// Largest blob a fill may write when no manifest declared its size
+    /// (an upstream streaming without `Content-Length` is cut off here).
+    pub max_blob_size: u64,
     /// Share of `max_size` above which eviction starts.
     pub high_watermark: f64,
     /// Share of `max_size` eviction brings usage down to.
@@ -248,6 +262,7 @@ struct RawLog {
 struct RawCache {
     dir: Option<String>,
     max_size: Option<String>,
+    max_blob_size: Option<String>,
     high_watermark: Option<f64>,
     low_watermark: Option<f64>,
     memory: Option<String>,
@@ -359,6 +374,23 @@ impl Validator<'_> {
         Ok(d)
     }
 
+    /// An upstream timeout: more than zero (zero fails every request) and
+    /// at most [`MAX_UPSTREAM_TIMEOUT`].
+    fn upstream_timeout(&self, key: &str, v: Option<&str>, default: Duration) -> Result<Duration, ConfigError> {
+        let d = self.duration(key, v, default)?;
+        if d.is_zero() || d > MAX_UPSTREAM_TIMEOUT {
+            return Err(self.err(
+                key,
+                format!(
+                    "must be more than 0s and at most {}s (clients are cut off by the connection idle limit \
+                     beyond that)",
+                    MAX_UPSTREAM_TIMEOUT.as_secs()
+                ),
+            ));
+        }
+        Ok(d)
+    }
+
     fn size(&self, key: &str, v: Option<&str>, default: u64) -> Result<u64, ConfigError> {
         match v {
             None => Ok(default),
@@ -411,9 +443,22 @@ impl Validator<'_> {
             auth: rs.auth.as_ref().map(|a| self.auth(a)).transpose()?,
         };
         let rc = raw.cache.unwrap_or_default();
+        let max_size = self.size("cache.max_size", rc.max_size.as_deref(), 50 << 30)?;
+        if max_size < MIN_MAX_SIZE {
+            return Err(self.err("cache.max_size", format!("{max_size} bytes is less than the minimum of 1MiB")));
+        }
+        let max_blob_size =
+            self.size("cache.max_blob_size", rc.max_blob_size.as_deref(), max_size / DEFAULT_MAX_BLOB_SIZE_DIVISOR)?;
+        if max_blob_size == 0 || max_blob_size > max_size {
+            return Err(self.err(
+                "cache.max_blob_size",
+                format!("must be more than 0 and at most cache.max_size ({max_size} bytes), not {max_blob_size}"),
+            ));
+        }
         let cache = CacheConfig {
             dir: self.path(rc.dir.as_deref().unwrap_or("./larder-data")),
-            max_size: self.size("cache.max_size", rc.max_size.as_deref(), 50 << 30)?,
+            max_size,
+            max_blob_size,
             high_watermark: rc.high_watermark.unwrap_or(DEFAULT_HIGH_WATERMARK),
             low_watermark: rc.low_watermark.unwrap_or(DEFAULT_LOW_WATERMARK),
             memory: self.size("cache.memory", rc.memory.as_deref(), 256 << 20)?,
@@ -519,17 +564,17 @@ impl Validator<'_> {
             immutable_tags,
             max_concurrency,
             ca_file,
-            connect_timeout: self.duration(
+            connect_timeout: self.upstream_timeout(
                 &key("connect_timeout"),
                 u.connect_timeout.as_deref(),
                 DEFAULT_CONNECT_TIMEOUT,
             )?,
-            response_timeout: self.duration(
+            response_timeout: self.upstream_timeout(
                 &key("response_timeout"),
                 u.response_timeout.as_deref(),
                 DEFAULT_RESPONSE_TIMEOUT,
             )?,
-            body_idle_timeout: self.duration(
+            body_idle_timeout: self.upstream_timeout(
                 &key("body_idle_timeout"),
                 u.body_idle_timeout.as_deref(),
                 DEFAULT_BODY_IDLE_TIMEOUT,
@@ -731,6 +776,9 @@ mod tests {
             ("[server]\nshutdown_grace = \"18446744073709551615s 500ms 500ms\"\n", "server.shutdown_grace"),
             ("[cache]\ntag_ttl = \"101y\"\n", "cache.tag_ttl"),
             ("[log]\nformat = \"xml\"\n", "log.format"),
+            ("[cache]\nmax_size = \"0\"\n", "cache.max_size"),
+            ("[cache]\nmax_size = \"1GiB\"\nmax_blob_size = \"2GiB\"\n", "cache.max_blob_size"),
+            ("[cache]\nmax_blob_size = \"0\"\n", "cache.max_blob_size"),
         ];
         for (prefix, key) in cases {
             let e = parse(&format!("{prefix}{MINIMAL}")).unwrap_err().to_string();
@@ -757,6 +805,20 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("`upstream[1].immutable_tags[0]`"), "{e}");
+    }
+
+    #[test]
+    fn upstream_timeouts_must_end_before_the_client_idle_limit() {
+        for key in ["connect_timeout", "response_timeout", "body_idle_timeout"] {
+            for value in ["0s", "101s", "10m"] {
+                let text = format!("{MINIMAL}{key} = \"{value}\"\n");
+                let e = parse(&text).unwrap_err().to_string();
+                assert!(e.contains(&format!("`upstream[0].{key}`")), "{key} = {value}: {e}");
+            }
+            assert!(parse(&format!("{MINIMAL}{key} = \"100s\"\n")).is_ok());
+        }
+        let c = parse(MINIMAL).unwrap();
+        assert_eq!(c.cache.max_blob_size, c.cache.max_size / 4, "a quarter of max_size by default");
     }
 
     #[test]

@@ -39,6 +39,10 @@ pub enum Error {
     Unauthorized { realm: String },
     #[error("the cache disk is full")]
     DiskFull,
+    /// The cache's own storage failed in a way that may pass (too many open
+    /// files, an I/O error): retryable, and nothing was changed.
+    #[error("cache storage unavailable: {0}")]
+    Storage(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -113,9 +117,16 @@ impl Error {
                 (S::UNAUTHORIZED, "UNAUTHORIZED", Some((header::WWW_AUTHENTICATE, format!("Basic realm=\"{realm}\""))))
             }
             // Retryable: eviction is making room.
-            Error::DiskFull => (S::SERVICE_UNAVAILABLE, "UNAVAILABLE", None),
+            Error::DiskFull | Error::Storage(_) => (S::SERVICE_UNAVAILABLE, "UNAVAILABLE", None),
             Error::Internal(_) => (S::INTERNAL_SERVER_ERROR, "UNKNOWN", None),
         }
+    }
+
+    /// Whether upstream's answer was about the repository asked through
+    /// (it lacks the blob there, or denies it), rather than about the blob
+    /// or upstream itself: another repository may well get it.
+    pub fn is_repository_specific(&self) -> bool {
+        matches!(self, Error::BlobUnknown(_) | Error::ManifestUnknown | Error::Upstream(UpstreamError::Denied))
     }
 
     pub fn status(&self) -> StatusCode {

@@ -1,6 +1,7 @@
 //! `Range` on blobs: the six conformance cases on a 2048-byte blob, in the
-//! three states a blob can be in (cached, being filled, cold), and
-//! malformed ranges. A range never reaches upstream: larder fills the
+//! three states a blob can be in (cached, being filled, cold), malformed
+//! ranges, and ranges in units other than bytes (ignored, as RFC 9110
+//! requires). A range never reaches upstream: larder fills the
 //! whole blob and answers from it.
 
 mod fake;
@@ -184,4 +185,31 @@ async fn malformed_ranges_on_a_cold_blob_are_416() {
         check(range, Unsatisfiable, &r, &blob);
     }
     assert_eq!(up.ranged_requests(), 0);
+}
+
+#[tokio::test]
+async fn a_range_in_another_unit_is_ignored_and_the_whole_blob_sent() {
+    let blob = random_bytes(SIZE, 7);
+    let d = digest(&blob);
+    let up = FakeUpstream::builder().blob(blob.clone()).start().await;
+    let larder = Larder::start(&up).await;
+    for range in ["items=0-1", "pages=1"] {
+        let r = ranged(&larder, &blob_path(&d), range).await;
+        assert_eq!((r.status(), r.end.clone()), (200, End::Complete), "{range}");
+        assert!(r.body == blob, "{range}: the whole blob");
+        assert_eq!(r.header("content-range"), None, "{range}");
+    }
+}
+
+#[tokio::test]
+async fn head_of_a_cold_blob_claims_no_length_upstream_did_not_give() {
+    let blob = random_bytes(SIZE, 8);
+    let d = digest(&blob);
+    // Upstream sends no Content-Length, for GET or HEAD.
+    let up = FakeUpstream::builder().blob(blob.clone()).chunked().start().await;
+    let larder = Larder::start(&up).await;
+    let head = client::head(larder.addr(), &blob_path(&d)).await;
+    assert_eq!(head.status, 200);
+    assert_eq!(head.header("content-length"), None, "not `Content-Length: 0`, which would claim an empty blob");
+    assert_eq!(head.header("docker-content-digest"), Some(d.as_str()));
 }

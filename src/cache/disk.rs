@@ -16,17 +16,24 @@ pub struct Store {
 }
 
 impl Store {
-    /// Creates the folders and removes temp files a previous run left
-    /// behind (a crash mid-fill): nothing in `tmp/` was ever committed.
-    pub fn open(root: &Path) -> io::Result<Store> {
-        let store = Store { root: root.to_owned() };
-        std::fs::create_dir_all(store.root.join("blobs/sha256"))?;
-        let tmp = store.tmp_dir();
+    /// The store under `root`, creating only `root` itself: nothing inside
+    /// it is touched until the caller holds the index's lock (another
+    /// larder may be running on the same folder) and calls [`Store::prepare`].
+    pub fn new(root: &Path) -> io::Result<Store> {
+        std::fs::create_dir_all(root)?;
+        Ok(Store { root: root.to_owned() })
+    }
+
+    /// With the index lock held: creates the folders and removes temp files
+    /// a previous run left behind (a crash mid-fill): nothing in `tmp/` was
+    /// ever committed.
+    pub fn prepare(&self) -> io::Result<()> {
+        std::fs::create_dir_all(self.root.join("blobs/sha256"))?;
+        let tmp = self.tmp_dir();
         if tmp.exists() {
             std::fs::remove_dir_all(&tmp)?;
         }
-        std::fs::create_dir_all(&tmp)?;
-        Ok(store)
+        std::fs::create_dir_all(&tmp)
     }
 
     fn tmp_dir(&self) -> PathBuf {

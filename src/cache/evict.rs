@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use tokio::sync::Notify;
 
-use super::index::{Entry, Kind};
+use super::index::Kind;
 use crate::oci::Digest;
 
 /// Disk budget and the watermarks derived from it.
@@ -108,35 +108,9 @@ impl Evictor {
     }
 }
 
-/// The least recently used entries whose sizes add up to at least `bytes`.
-pub fn choose_victims(mut entries: Vec<Entry>, bytes: u64) -> Vec<Entry> {
-    entries.sort_by_key(|e| (e.accessed_ms, e.digest));
-    let mut freed = 0;
-    entries
-        .into_iter()
-        .take_while(|e| {
-            let take = freed < bytes;
-            freed += e.size;
-            take
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn entry(n: u8, size: u64, accessed_ms: u64) -> Entry {
-        Entry { kind: Kind::Blob, digest: Digest::of(&[n]), size, accessed_ms }
-    }
-
-    #[test]
-    fn victims_are_least_recently_used_until_enough_is_freed() {
-        let entries = vec![entry(1, 10, 300), entry(2, 10, 100), entry(3, 10, 200), entry(4, 10, 400)];
-        let victims: Vec<u64> = choose_victims(entries, 15).iter().map(|e| e.accessed_ms).collect();
-        assert_eq!(victims, vec![100, 200]);
-        assert!(choose_victims(vec![entry(1, 10, 1)], 0).is_empty());
-    }
 
     #[test]
     fn watermarks_decide_how_much_to_free() {

@@ -46,56 +46,121 @@ pub enum Progress {
     Failed(Error),
 }
 
-/// The fills in flight, by digest.
+/// A fill in flight, and the repository it was started for: a failure
+/// that depends on the repository (upstream's 404 or 403 for it) is not
+/// another repository's answer.
+#[derive(Clone)]
+pub struct Flight {
+    pub progress: watch::Receiver<Progress>,
+    /// `upstream\0repo` of the request that started it.
+    pub owner: String,
+}
+
+/// What [`Fills::join_or_start`] did.
+pub enum Attach {
+    /// Joined the fill already in flight.
+    Joined(Flight),
+    /// Registered a new fill and called `start`.
+    Started(watch::Receiver<Progress>),
+    /// Committed a moment ago: read the committed blob instead.
+    Committed,
+    /// Its file is being removed (eviction, purge): wait with
+    /// [`removal_finished`], then try again.
+    Removing(watch::Receiver<u64>),
+}
+
 #[derive(Default)]
+struct State {
+    inflight: HashMap<Digest, Flight>,
+    /// Digests whose rows are gone and whose files are being unlinked: no
+    /// fill may start (and rename a new file into place) until they are.
+    removing: std::collections::HashSet<Digest>,
+}
+
+/// The fills in flight, by digest, and the removals that must not overlap them.
 pub struct Fills {
     // A std Mutex, held only for map lookups and inserts, never across `.await`.
-    inflight: Mutex<HashMap<Digest, watch::Receiver<Progress>>>,
+    state: Mutex<State>,
+    /// Bumped whenever a removal finishes; waiters subscribe under the lock.
+    removals: watch::Sender<u64>,
+}
+
+impl Default for Fills {
+    fn default() -> Self {
+        Fills { state: Mutex::default(), removals: watch::channel(0).0 }
+    }
 }
 
 impl Fills {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Digest, watch::Receiver<Progress>>> {
-        self.inflight.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The fill in flight for `digest`, if any.
-    pub fn get(&self, digest: &Digest) -> Option<watch::Receiver<Progress>> {
-        self.lock().get(digest).cloned()
+    pub fn get(&self, digest: &Digest) -> Option<Flight> {
+        self.lock().inflight.get(digest).cloned()
     }
 
-    /// Joins the fill for `digest`, or registers a new one and calls
-    /// `start` with its sender. `recently_committed` is checked under the
-    /// same lock, so a fill that finished a moment ago is not started again.
+    /// Joins the fill for `digest`, or registers a new one for `owner` and
+    /// calls `start` with its sender. `recently_committed` is checked under
+    /// the same lock, so a fill that finished a moment ago is not started again.
     pub fn join_or_start(
         &self,
         digest: Digest,
+        owner: &str,
         recently_committed: impl FnOnce() -> bool,
         start: impl FnOnce(watch::Sender<Progress>),
-    ) -> Option<(watch::Receiver<Progress>, bool)> {
-        let mut map = self.lock();
-        if let Some(rx) = map.get(&digest) {
-            return Some((rx.clone(), false));
+    ) -> Attach {
+        let mut state = self.lock();
+        if let Some(flight) = state.inflight.get(&digest) {
+            return Attach::Joined(flight.clone());
+        }
+        if state.removing.contains(&digest) {
+            return Attach::Removing(self.removals.subscribe());
         }
         if recently_committed() {
-            return None;
+            return Attach::Committed;
         }
         let (tx, rx) = watch::channel(Progress::Connecting);
-        map.insert(digest, rx.clone());
+        state.inflight.insert(digest, Flight { progress: rx.clone(), owner: owner.to_owned() });
         start(tx);
-        Some((rx, true))
+        Attach::Started(rx)
     }
 
     pub fn remove(&self, digest: &Digest) {
-        self.lock().remove(digest);
+        self.lock().inflight.remove(digest);
+    }
+
+    /// Marks `digests` as being removed, except those with a fill in
+    /// flight (which will rename a new file into place themselves).
+    /// Returns the ones marked; call [`Fills::end_removal`] with them.
+    pub fn begin_removal(&self, digests: impl IntoIterator<Item = Digest>) -> Vec<Digest> {
+        let mut state = self.lock();
+        let marked: Vec<Digest> = digests.into_iter().filter(|d| !state.inflight.contains_key(d)).collect();
+        state.removing.extend(marked.iter().copied());
+        marked
+    }
+
+    pub fn end_removal(&self, digests: &[Digest]) {
+        let mut state = self.lock();
+        for d in digests {
+            state.removing.remove(d);
+        }
+        self.removals.send_modify(|n| *n += 1);
     }
 
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().inflight.len()
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// Waits until a removal that was in progress when `rx` was taken ends.
+pub async fn removal_finished(mut rx: watch::Receiver<u64>) {
+    let _ = rx.changed().await;
 }
 
 /// Waits until the fill has response headers (or failed): the file to read
@@ -183,8 +248,20 @@ impl Slot {
     }
 }
 
+/// What a fill's body may be.
+#[derive(Clone, Copy, Debug)]
+pub struct Bounds {
+    /// Upstream's `Content-Length`, if it sent one: the body must be exactly this long.
+    pub declared: Option<u64>,
+    /// The most bytes written before the fill is aborted, whatever upstream
+    /// declared (a chunked body has no length to hold it to).
+    pub limit: u64,
+    /// Longest pause between two chunks.
+    pub idle: Duration,
+}
+
 /// Streams a blob body from upstream into `writer`, publishing progress,
-/// and checks the length against `declared`. Returns the writer at EOF.
+/// and checks the length against the `bounds`. Returns the writer at EOF.
 ///
 /// One chunk is written and hashed while the next is read from upstream,
 /// so hashing overlaps the network instead of adding to it; chunks stay in
@@ -192,11 +269,11 @@ impl Slot {
 pub async fn copy_body(
     mut body: Incoming,
     writer: Writer,
-    declared: Option<u64>,
-    idle: Duration,
+    bounds: Bounds,
     tx: &watch::Sender<Progress>,
     received: &prometheus::IntCounter,
 ) -> Result<Writer, Error> {
+    let Bounds { declared, limit, idle } = bounds;
     let publish = |written: u64| {
         tx.send_modify(|p| {
             if let Progress::Streaming { written: w, .. } = p {
@@ -237,6 +314,12 @@ pub async fn copy_body(
         } else {
             if declared.is_some_and(|d| writer.written() + chunk.len() as u64 > d) {
                 return Err(UpstreamError::Protocol("blob body is longer than its Content-Length".into()).into());
+            }
+            if writer.written() + chunk.len() as u64 > limit {
+                return Err(UpstreamError::Protocol(format!(
+                    "blob body is longer than the {limit} bytes allowed (its manifest's size, or cache.max_blob_size)"
+                ))
+                .into());
             }
             received.inc_by(chunk.len() as u64);
             Slot::Busy(tokio::spawn(writer.write(chunk)))
@@ -440,6 +523,22 @@ mod tests {
         fill.tx.send_replace(Progress::Complete { file: Arc::clone(&fill.file), size: 6 });
         assert_eq!(next_frame(&mut late).await.unwrap().unwrap(), "f");
         assert!(late.frame().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn no_fill_starts_while_its_digest_is_being_removed() {
+        let fills = Fills::default();
+        let d = Digest::of(b"evicted");
+        let marked = fills.begin_removal([d]);
+        assert_eq!(marked, [d]);
+        let Attach::Removing(done) = fills.join_or_start(d, "u\0r", || false, |_| panic!("no fill may start")) else {
+            panic!("a digest being removed is neither joined nor started");
+        };
+        let waiter = tokio::spawn(removal_finished(done));
+        fills.end_removal(&marked);
+        tokio::time::timeout(Duration::from_secs(5), waiter).await.expect("the waiter is woken").unwrap();
+        assert!(matches!(fills.join_or_start(d, "u\0r", || false, |_| {}), Attach::Started(_)));
+        assert!(fills.begin_removal([d]).is_empty(), "a digest with a fill in flight is left to the fill");
     }
 
     #[tokio::test]

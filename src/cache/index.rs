@@ -1,9 +1,18 @@
 //! The redb index of what the store holds. Synchronous, like redb itself:
-//! call it only from `spawn_blocking` (the facade's `blocking` helper).
+//! call it only from the blocking pool (`crate::blocking::blocking`).
+//!
+//! Besides the rows themselves it keeps two secondary tables, updated in
+//! the same transactions as the rows they mirror, so that the operations
+//! that used to read every row cost only what they touch:
+//! - `access`: (last access, kind, digest), so eviction reads the least
+//!   recently used entries in order instead of sorting the whole cache;
+//! - `members_by_digest`: membership rows keyed by digest first, so a purge
+//!   can tell whether anything still references a digest without scanning
+//!   every repository's rows.
 
 use std::path::Path;
 
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition, WriteTransaction};
 
 use crate::oci::{Digest, MediaType};
 
@@ -14,6 +23,23 @@ const MANIFESTS: TableDefinition<&str, (&str, &[u8])> = TableDefinition::new("ma
 /// Manifests by digest hex → (size in bytes, last access in unix millis),
 /// apart from the bytes so that access times are cheap to update.
 const MANIFEST_META: TableDefinition<&str, (u64, u64)> = TableDefinition::new("manifest_meta");
+/// Every blob and manifest row again, ordered by last access:
+/// (unix millis, kind, digest hex) → ().
+const ACCESS: TableDefinition<(u64, u8, &str), ()> = TableDefinition::new("access");
+/// Tags: "upstream\0repo\0tag" → (digest, unix millis when upstream last confirmed it).
+const TAGS: TableDefinition<&str, (&str, u64)> = TableDefinition::new("tags");
+/// Repository membership: "upstream\0repo\0digest hex" → unix millis when
+/// recorded. Content is shared across repositories on disk, but served for a
+/// repository only if it has a row here (see DESIGN.md).
+const MEMBERS: TableDefinition<&str, u64> = TableDefinition::new("members");
+/// The same rows keyed "digest hex\0upstream\0repo" → ().
+const MEMBERS_BY_DIGEST: TableDefinition<&str, ()> = TableDefinition::new("members_by_digest");
+/// Index-wide facts: "schema" → version of the tables above.
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+
+/// Version 2 added `access` and `members_by_digest`; an index written by an
+/// older larder gets them built once, when it is opened.
+const SCHEMA_VERSION: u64 = 2;
 
 /// The two kinds of content the store keeps and evicts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -29,6 +55,21 @@ impl Kind {
             Kind::Manifest => MANIFEST_META,
         }
     }
+
+    fn code(self) -> u8 {
+        match self {
+            Kind::Blob => 0,
+            Kind::Manifest => 1,
+        }
+    }
+
+    fn from_code(code: u8) -> Option<Kind> {
+        match code {
+            0 => Some(Kind::Blob),
+            1 => Some(Kind::Manifest),
+            _ => None,
+        }
+    }
 }
 
 /// One stored item as the evictor sees it.
@@ -39,12 +80,6 @@ pub struct Entry {
     pub size: u64,
     pub accessed_ms: u64,
 }
-/// Tags: "upstream\0repo\0tag" → (digest, unix millis when upstream last confirmed it).
-const TAGS: TableDefinition<&str, (&str, u64)> = TableDefinition::new("tags");
-/// Repository membership: "upstream\0repo\0digest" → unix millis when
-/// recorded. Content is shared across repositories on disk, but served for a
-/// repository only if it has a row here (see DESIGN.md).
-const MEMBERS: TableDefinition<&str, u64> = TableDefinition::new("members");
 
 pub struct Index {
     db: Database,
@@ -55,6 +90,87 @@ pub struct TagRow {
     pub confirmed_ms: u64,
 }
 
+/// What a purge removed from the index; the caller unlinks the files of
+/// the removed blobs.
+#[derive(Debug, Default)]
+pub struct PurgedRows {
+    pub tags: usize,
+    pub members: usize,
+    /// Content no remaining membership row referenced.
+    pub content: Vec<Entry>,
+}
+
+fn parse_hex(hex: &str) -> Option<Digest> {
+    format!("sha256:{hex}").parse().ok()
+}
+
+/// "upstream\0repo\0hex" → "hex\0upstream\0repo".
+fn by_digest_key(member: &str) -> Option<String> {
+    let (owner, hex) = member.rsplit_once('\0')?;
+    Some(format!("{hex}\0{owner}"))
+}
+
+/// Inserts (or refreshes) a content row and its access-order twin.
+fn put_content(txn: &WriteTransaction, kind: Kind, hex: &str, size: u64, now_ms: u64) -> Result<bool, redb::Error> {
+    let mut rows = txn.open_table(kind.meta())?;
+    let mut access = txn.open_table(ACCESS)?;
+    let previous = rows.insert(hex, (size, now_ms))?.map(|v| v.value());
+    if let Some((_, before)) = previous {
+        access.remove((before, kind.code(), hex))?;
+    }
+    access.insert((now_ms, kind.code(), hex), ())?;
+    Ok(previous.is_none())
+}
+
+/// Removes a content row (and a manifest's bytes) with its access-order
+/// twin; the entry as it was, if there was one.
+fn take_content(txn: &WriteTransaction, kind: Kind, digest: &Digest) -> Result<Option<Entry>, redb::Error> {
+    let hex = digest.hex();
+    let removed = txn.open_table(kind.meta())?.remove(hex.as_str())?.map(|v| v.value());
+    let Some((size, accessed_ms)) = removed else { return Ok(None) };
+    txn.open_table(ACCESS)?.remove((accessed_ms, kind.code(), hex.as_str()))?;
+    if kind == Kind::Manifest {
+        txn.open_table(MANIFESTS)?.remove(hex.as_str())?;
+    }
+    Ok(Some(Entry { kind, digest: *digest, size, accessed_ms }))
+}
+
+fn put_members(txn: &WriteTransaction, members: &[String], now_ms: u64) -> Result<(), redb::Error> {
+    let mut table = txn.open_table(MEMBERS)?;
+    let mut by_digest = txn.open_table(MEMBERS_BY_DIGEST)?;
+    for key in members {
+        table.insert(key.as_str(), now_ms)?;
+        if let Some(k) = by_digest_key(key) {
+            by_digest.insert(k.as_str(), ())?;
+        }
+    }
+    Ok(())
+}
+
+/// Keys of `table` that start with `prefix`, in order.
+fn keys_under<V: redb::Value + 'static>(
+    table: &impl ReadableTable<&'static str, V>,
+    prefix: &str,
+) -> Result<Vec<String>, redb::Error> {
+    let mut keys = Vec::new();
+    for row in table.range(prefix..)? {
+        let key = row?.0.value().to_owned();
+        if !key.starts_with(prefix) {
+            break;
+        }
+        keys.push(key);
+    }
+    Ok(keys)
+}
+
+fn is_referenced(table: &impl ReadableTable<&'static str, ()>, hex: &str) -> Result<bool, redb::Error> {
+    let prefix = format!("{hex}\0");
+    match table.range(prefix.as_str()..)?.next() {
+        Some(row) => Ok(row?.0.value().starts_with(&prefix)),
+        None => Ok(false),
+    }
+}
+
 impl Index {
     pub fn open(path: &Path) -> Result<Index, redb::Error> {
         let db = Database::create(path)?;
@@ -63,8 +179,15 @@ impl Index {
         txn.open_table(BLOBS)?;
         txn.open_table(MANIFESTS)?;
         txn.open_table(MANIFEST_META)?;
+        txn.open_table(ACCESS)?;
         txn.open_table(TAGS)?;
         txn.open_table(MEMBERS)?;
+        txn.open_table(MEMBERS_BY_DIGEST)?;
+        let version = txn.open_table(META)?.get("schema")?.map_or(1, |v| v.value());
+        if version < SCHEMA_VERSION {
+            migrate(&txn)?;
+            txn.open_table(META)?.insert("schema", SCHEMA_VERSION)?;
+        }
         txn.commit()?;
         Ok(Index { db })
     }
@@ -79,77 +202,53 @@ impl Index {
     /// Returns whether the blob is new to the index.
     pub fn insert_blob(&self, digest: &Digest, size: u64, member: &str, now_ms: u64) -> Result<bool, redb::Error> {
         let txn = self.db.begin_write()?;
-        let new = txn.open_table(BLOBS)?.insert(digest.hex().as_str(), (size, now_ms))?.is_none();
-        txn.open_table(MEMBERS)?.insert(member, now_ms)?;
+        let new = put_content(&txn, Kind::Blob, digest.hex().as_str(), size, now_ms)?;
+        put_members(&txn, &[member.to_owned()], now_ms)?;
         txn.commit()?;
         Ok(new)
     }
 
     /// Removes the tag and membership rows whose key starts with `prefix`
     /// (`"upstream\0"` or `"upstream\0repo\0"`), and the blobs and manifests
-    /// that no remaining membership row names. Returns (tags removed,
-    /// membership rows removed, content removed); the caller unlinks files.
-    pub fn purge(&self, prefix: &str) -> Result<(usize, usize, Vec<Entry>), redb::Error> {
-        fn keys_under<V: redb::Value + 'static>(
-            table: &impl ReadableTable<&'static str, V>,
-            prefix: &str,
-        ) -> Result<Vec<String>, redb::Error> {
-            let mut keys = Vec::new();
-            for row in table.range(prefix..)? {
-                let key = row?.0.value().to_owned();
-                if !key.starts_with(prefix) {
-                    break;
-                }
-                keys.push(key);
-            }
-            Ok(keys)
-        }
+    /// that no remaining membership row names, in one transaction. Costs
+    /// what the prefix holds, not what the index holds.
+    pub fn purge(&self, prefix: &str) -> Result<PurgedRows, redb::Error> {
         let txn = self.db.begin_write()?;
-        let (tags, members, content);
+        let mut purged = PurgedRows::default();
         {
-            let mut tag_table = txn.open_table(TAGS)?;
-            let tag_keys = keys_under(&tag_table, prefix)?;
+            let mut tags = txn.open_table(TAGS)?;
+            let tag_keys = keys_under(&tags, prefix)?;
             for key in &tag_keys {
-                tag_table.remove(key.as_str())?;
+                tags.remove(key.as_str())?;
             }
-            tags = tag_keys.len();
+            purged.tags = tag_keys.len();
 
-            let mut member_table = txn.open_table(MEMBERS)?;
-            let member_keys = keys_under(&member_table, prefix)?;
-            let mut candidates: std::collections::HashSet<String> = std::collections::HashSet::new();
+            let mut members = txn.open_table(MEMBERS)?;
+            let mut by_digest = txn.open_table(MEMBERS_BY_DIGEST)?;
+            let member_keys = keys_under(&members, prefix)?;
+            let mut candidates = std::collections::BTreeSet::new();
             for key in &member_keys {
-                member_table.remove(key.as_str())?;
+                members.remove(key.as_str())?;
+                if let Some(k) = by_digest_key(key) {
+                    by_digest.remove(k.as_str())?;
+                }
                 if let Some((_, hex)) = key.rsplit_once('\0') {
                     candidates.insert(hex.to_owned());
                 }
             }
-            members = member_keys.len();
-            for row in member_table.iter()? {
-                let row = row?;
-                if let Some((_, hex)) = row.0.value().rsplit_once('\0') {
-                    candidates.remove(hex);
-                }
-            }
-            let mut removed = Vec::new();
-            let mut blobs = txn.open_table(BLOBS)?;
-            let mut meta = txn.open_table(MANIFEST_META)?;
-            let mut manifests = txn.open_table(MANIFESTS)?;
+            purged.members = member_keys.len();
             for hex in candidates {
-                let Ok(digest) = format!("sha256:{hex}").parse::<Digest>() else { continue };
-                if let Some(v) = blobs.remove(hex.as_str())? {
-                    let (size, accessed_ms) = v.value();
-                    removed.push(Entry { kind: Kind::Blob, digest, size, accessed_ms });
+                let Some(digest) = parse_hex(&hex) else { continue };
+                if is_referenced(&by_digest, &hex)? {
+                    continue;
                 }
-                manifests.remove(hex.as_str())?;
-                if let Some(v) = meta.remove(hex.as_str())? {
-                    let (size, accessed_ms) = v.value();
-                    removed.push(Entry { kind: Kind::Manifest, digest, size, accessed_ms });
+                for kind in [Kind::Blob, Kind::Manifest] {
+                    purged.content.extend(take_content(&txn, kind, &digest)?);
                 }
             }
-            content = removed;
         }
         txn.commit()?;
-        Ok((tags, members, content))
+        Ok(purged)
     }
 
     /// Indexes blob files found without their rows (see `reconcile`), in
@@ -157,17 +256,14 @@ impl Index {
     /// after an upstream check.
     pub fn adopt_blobs(&self, blobs: &[(Digest, u64)], now_ms: u64) -> Result<(), redb::Error> {
         let txn = self.db.begin_write()?;
-        {
-            let mut table = txn.open_table(BLOBS)?;
-            for (digest, size) in blobs {
-                table.insert(digest.hex().as_str(), (*size, now_ms))?;
-            }
+        for (digest, size) in blobs {
+            put_content(&txn, Kind::Blob, digest.hex().as_str(), *size, now_ms)?;
         }
         txn.commit()?;
         Ok(())
     }
 
-    /// Every stored item of `kind`, for eviction and accounting.
+    /// Every stored item of `kind`, for reconciliation and accounting.
     pub fn entries(&self, kind: Kind) -> Result<Vec<Entry>, redb::Error> {
         let txn = self.db.begin_read()?;
         let table = txn.open_table(kind.meta())?;
@@ -175,9 +271,37 @@ impl Index {
         for row in table.iter()? {
             let (key, value) = row?;
             let (size, accessed_ms) = value.value();
-            if let Ok(digest) = format!("sha256:{}", key.value()).parse() {
+            if let Some(digest) = parse_hex(key.value()) {
                 out.push(Entry { kind, digest, size, accessed_ms });
             }
+        }
+        Ok(out)
+    }
+
+    /// Bytes of every manifest row (blob bytes come from reconciliation).
+    pub fn manifest_bytes(&self) -> Result<u64, redb::Error> {
+        Ok(self.entries(Kind::Manifest)?.iter().map(|e| e.size).sum())
+    }
+
+    /// The least recently used entries whose sizes add up to at least
+    /// `bytes`, oldest first: reads only those rows of the access order.
+    pub fn least_recently_used(&self, bytes: u64) -> Result<Vec<Entry>, redb::Error> {
+        let txn = self.db.begin_read()?;
+        let access = txn.open_table(ACCESS)?;
+        let (blobs, manifests) = (txn.open_table(BLOBS)?, txn.open_table(MANIFEST_META)?);
+        let mut out = Vec::new();
+        let mut freed = 0;
+        for row in access.iter()? {
+            if freed >= bytes {
+                break;
+            }
+            let (key, _) = row?;
+            let (accessed_ms, code, hex) = key.value();
+            let (Some(kind), Some(digest)) = (Kind::from_code(code), parse_hex(hex)) else { continue };
+            let table = if kind == Kind::Blob { &blobs } else { &manifests };
+            let Some(size) = table.get(hex)?.map(|v| v.value().0) else { continue };
+            freed += size;
+            out.push(Entry { kind, digest, size, accessed_ms });
         }
         Ok(out)
     }
@@ -185,20 +309,12 @@ impl Index {
     /// Records access times, batched; rows that are gone are skipped.
     pub fn touch(&self, accesses: &[(Kind, Digest, u64)]) -> Result<(), redb::Error> {
         let txn = self.db.begin_write()?;
-        {
-            let mut blobs = txn.open_table(BLOBS)?;
-            let mut manifests = txn.open_table(MANIFEST_META)?;
-            for (kind, digest, at) in accesses {
-                let table = match kind {
-                    Kind::Blob => &mut blobs,
-                    Kind::Manifest => &mut manifests,
-                };
-                let hex = digest.hex();
-                let current = table.get(hex.as_str())?.map(|v| v.value());
-                if let Some((size, before)) = current {
-                    if *at > before {
-                        table.insert(hex.as_str(), (size, *at))?;
-                    }
+        for (kind, digest, at) in accesses {
+            let hex = digest.hex();
+            let current = txn.open_table(kind.meta())?.get(hex.as_str())?.map(|v| v.value());
+            if let Some((size, before)) = current {
+                if *at > before {
+                    put_content(&txn, *kind, hex.as_str(), size, *at)?;
                 }
             }
         }
@@ -206,26 +322,17 @@ impl Index {
         Ok(())
     }
 
-    /// Removes entries (and a manifest's bytes) in one transaction; the
-    /// caller unlinks blob files afterwards. Returns the bytes removed.
-    pub fn remove_entries(&self, entries: &[Entry]) -> Result<u64, redb::Error> {
+    /// Removes content rows (eviction, or a row whose file is missing or
+    /// wrong) in one transaction. Returns the entries that were still
+    /// there, with their sizes as stored: an entry another removal took
+    /// first is not counted twice. Membership rows stay: that upstream
+    /// confirmed a repository has a digest is still true after the bytes
+    /// left the disk. The caller unlinks blob files afterwards.
+    pub fn remove_content(&self, entries: &[(Kind, Digest)]) -> Result<Vec<Entry>, redb::Error> {
         let txn = self.db.begin_write()?;
-        let mut removed = 0;
-        {
-            let mut blobs = txn.open_table(BLOBS)?;
-            let mut meta = txn.open_table(MANIFEST_META)?;
-            let mut manifests = txn.open_table(MANIFESTS)?;
-            for e in entries {
-                let hex = e.digest.hex();
-                let gone = match e.kind {
-                    Kind::Blob => blobs.remove(hex.as_str())?.map(|v| v.value().0),
-                    Kind::Manifest => {
-                        manifests.remove(hex.as_str())?;
-                        meta.remove(hex.as_str())?.map(|v| v.value().0)
-                    }
-                };
-                removed += gone.unwrap_or(0);
-            }
+        let mut removed = Vec::new();
+        for (kind, digest) in entries {
+            removed.extend(take_content(&txn, *kind, digest)?);
         }
         txn.commit()?;
         Ok(removed)
@@ -238,19 +345,7 @@ impl Index {
 
     pub fn add_members(&self, keys: &[String], now_ms: u64) -> Result<(), redb::Error> {
         let txn = self.db.begin_write()?;
-        {
-            let mut table = txn.open_table(MEMBERS)?;
-            for key in keys {
-                table.insert(key.as_str(), now_ms)?;
-            }
-        }
-        txn.commit()?;
-        Ok(())
-    }
-
-    pub fn remove_blob(&self, digest: &Digest) -> Result<(), redb::Error> {
-        let txn = self.db.begin_write()?;
-        txn.open_table(BLOBS)?.remove(digest.hex().as_str())?;
+        put_members(&txn, keys, now_ms)?;
         txn.commit()?;
         Ok(())
     }
@@ -279,17 +374,13 @@ impl Index {
         now_ms: u64,
     ) -> Result<bool, redb::Error> {
         let txn = self.db.begin_write()?;
-        txn.open_table(MANIFESTS)?.insert(digest.hex().as_str(), (media_type.as_str(), bytes))?;
-        let new = txn.open_table(MANIFEST_META)?.insert(digest.hex().as_str(), (bytes.len() as u64, now_ms))?.is_none();
+        let hex = digest.hex();
+        txn.open_table(MANIFESTS)?.insert(hex.as_str(), (media_type.as_str(), bytes))?;
+        let new = put_content(&txn, Kind::Manifest, hex.as_str(), bytes.len() as u64, now_ms)?;
         if let Some(key) = tag {
             txn.open_table(TAGS)?.insert(key, (digest.to_string().as_str(), now_ms))?;
         }
-        {
-            let mut table = txn.open_table(MEMBERS)?;
-            for key in members {
-                table.insert(key.as_str(), now_ms)?;
-            }
-        }
+        put_members(&txn, members, now_ms)?;
         txn.commit()?;
         Ok(new)
     }
@@ -319,9 +410,37 @@ impl Index {
     }
 }
 
+/// Builds the version-2 secondary tables from the rows of an older index.
+fn migrate(txn: &WriteTransaction) -> Result<(), redb::Error> {
+    let mut access = txn.open_table(ACCESS)?;
+    for kind in [Kind::Blob, Kind::Manifest] {
+        let rows = txn.open_table(kind.meta())?;
+        for row in rows.iter()? {
+            let (key, value) = row?;
+            access.insert((value.value().1, kind.code(), key.value()), ())?;
+        }
+    }
+    let members = txn.open_table(MEMBERS)?;
+    let mut by_digest = txn.open_table(MEMBERS_BY_DIGEST)?;
+    if by_digest.len()? == 0 {
+        for row in members.iter()? {
+            if let Some(k) = by_digest_key(row?.0.value()) {
+                by_digest.insert(k.as_str(), ())?;
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn index() -> (tempfile::TempDir, Index) {
+        let dir = tempfile::tempdir().unwrap();
+        let index = Index::open(&dir.path().join("index.redb")).unwrap();
+        (dir, index)
+    }
 
     #[test]
     fn rows_survive_reopening() {
@@ -332,20 +451,78 @@ mod tests {
         {
             let index = Index::open(&path).unwrap();
             assert_eq!(index.blob_size(&d).unwrap(), None);
-            index.insert_blob(&d, 4, "u\0r\0blob", 1).unwrap();
+            index.insert_blob(&d, 4, &format!("u\0r\0{}", d.hex().as_str()), 1).unwrap();
             index.insert_manifest(&m, MediaType::OciManifest, b"{}", Some("u\0r\0t"), &["u\0r\0m".into()], 42).unwrap();
         }
         let index = Index::open(&path).unwrap();
         assert_eq!(index.blob_size(&d).unwrap(), Some(4));
         assert_eq!(index.manifest(&m).unwrap(), Some((MediaType::OciManifest, b"{}".to_vec())));
-        assert!(index.is_member("u\0r\0blob").unwrap());
+        assert!(index.is_member(&format!("u\0r\0{}", d.hex().as_str())).unwrap());
         assert!(index.is_member("u\0r\0m").unwrap());
         assert!(!index.is_member("u\0other\0m").unwrap());
         let tag = index.tag("u\0r\0t").unwrap().unwrap();
         assert_eq!((tag.digest, tag.confirmed_ms), (m, 42));
-        index.remove_blob(&d).unwrap();
+        let removed = index.remove_content(&[(Kind::Blob, d)]).unwrap();
+        assert_eq!(removed.iter().map(|e| e.size).collect::<Vec<_>>(), [4]);
+        assert!(index.is_member(&format!("u\0r\0{}", d.hex().as_str())).unwrap(), "membership outlives the bytes");
+        assert!(index.remove_content(&[(Kind::Blob, d)]).unwrap().is_empty(), "a second removal counts nothing");
         index.remove_tag("u\0r\0t").unwrap();
         assert_eq!(index.blob_size(&d).unwrap(), None);
         assert!(index.tag("u\0r\0t").unwrap().is_none());
+    }
+
+    #[test]
+    fn eviction_reads_the_access_order_not_every_row() {
+        let (_dir, index) = index();
+        let d = |n: u8| Digest::of(&[n]);
+        for n in 0..10u8 {
+            index.insert_blob(&d(n), 10, &format!("u\0r\0{}", d(n).hex().as_str()), 100 + u64::from(n)).unwrap();
+        }
+        // Touching the oldest makes it the newest.
+        index.touch(&[(Kind::Blob, d(0), 500), (Kind::Blob, d(1), 50)]).unwrap();
+        let lru: Vec<u64> = index.least_recently_used(25).unwrap().iter().map(|e| e.accessed_ms).collect();
+        assert_eq!(lru, [101, 102, 103], "an older access time never moves a row back");
+        assert!(index.least_recently_used(0).unwrap().is_empty());
+        let all = index.least_recently_used(u64::MAX).unwrap();
+        assert_eq!(all.len(), 10);
+        assert_eq!(all.last().map(|e| e.digest), Some(d(0)));
+    }
+
+    #[test]
+    fn purge_removes_only_content_no_other_repository_references() {
+        let (_dir, index) = index();
+        let (shared, own) = (Digest::of(b"shared"), Digest::of(b"own"));
+        let key = |repo: &str, d: &Digest| format!("u\0{repo}\0{}", d.hex().as_str());
+        index.insert_blob(&shared, 6, &key("a", &shared), 1).unwrap();
+        index.add_members(&[key("b", &shared)], 1).unwrap();
+        index.insert_blob(&own, 3, &key("a", &own), 1).unwrap();
+        index.set_tag("u\0a\0v1", &own, 1).unwrap();
+        let purged = index.purge("u\0a\0").unwrap();
+        assert_eq!((purged.tags, purged.members), (1, 2));
+        assert_eq!(purged.content.iter().map(|e| e.digest).collect::<Vec<_>>(), [own]);
+        assert_eq!(index.blob_size(&shared).unwrap(), Some(6), "b still references it");
+        assert!(index.is_member(&key("b", &shared)).unwrap());
+        assert_eq!(index.least_recently_used(u64::MAX).unwrap().len(), 1, "the access order follows");
+    }
+
+    #[test]
+    fn an_older_index_gets_its_secondary_tables_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("index.redb");
+        let d = Digest::of(b"old");
+        let member = format!("u\0r\0{}", d.hex().as_str());
+        {
+            // Rows as a version-1 larder wrote them: no access order, no
+            // reverse membership, no schema row.
+            let db = Database::create(&path).unwrap();
+            let txn = db.begin_write().unwrap();
+            txn.open_table(BLOBS).unwrap().insert(d.hex().as_str(), (3, 7)).unwrap();
+            txn.open_table(MEMBERS).unwrap().insert(member.as_str(), 7).unwrap();
+            txn.commit().unwrap();
+        }
+        let index = Index::open(&path).unwrap();
+        assert_eq!(index.least_recently_used(1).unwrap().first().map(|e| e.digest), Some(d));
+        let purged = index.purge("u\0r\0").unwrap();
+        assert_eq!(purged.content.len(), 1, "the reverse membership was built from the old rows");
     }
 }

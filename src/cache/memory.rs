@@ -60,9 +60,12 @@ pub struct Memory {
     /// Repository membership rows known to exist (see the index's MEMBERS).
     members: moka::sync::Cache<String, ()>,
     /// `tags/list` and `referrers` pages by (upstream, repo, listing, query),
-    /// with when they were fetched.
-    listings: moka::sync::Cache<String, (Page, Instant)>,
+    /// with when they were fetched; `None` when upstream answered 404.
+    listings: moka::sync::Cache<String, (Option<Page>, Instant)>,
     open_blobs: moka::sync::Cache<Digest, (Arc<File>, u64)>,
+    /// Blob sizes the manifests of a repository declared, by
+    /// "upstream\0repo\0digest hex": the bound on a fill for that repository.
+    declared_sizes: moka::sync::Cache<String, u64>,
 }
 
 /// Memory for cached listing pages, apart from the budget above: pages are
@@ -71,6 +74,9 @@ const LISTINGS_BYTES: u64 = 16 << 20;
 /// Blob files kept open between requests: a small share of the process's
 /// file descriptors (larder raises its soft limit at start).
 const OPEN_BLOB_HANDLES: u64 = 256;
+/// Declared blob sizes remembered; a blob whose manifest was forgotten is
+/// bounded by `max_blob_size` instead.
+const DECLARED_SIZES: u64 = 100_000;
 /// An open handle unused this long is closed; eviction and purge close
 /// theirs at once, so a deleted blob's disk space is not held.
 const OPEN_BLOB_IDLE: Duration = Duration::from_secs(60);
@@ -96,8 +102,9 @@ impl Memory {
                 .max_capacity(small_budget / 2)
                 .build(),
             listings: moka::sync::Cache::builder()
-                .weigher(|k: &String, (page, _): &(Page, Instant)| {
-                    u32::try_from(k.len() + page.body.len()).unwrap_or(u32::MAX).saturating_add(ENTRY_OVERHEAD)
+                .weigher(|k: &String, (page, _): &(Option<Page>, Instant)| {
+                    let body = page.as_ref().map_or(0, |p| p.body.len());
+                    u32::try_from(k.len() + body).unwrap_or(u32::MAX).saturating_add(ENTRY_OVERHEAD)
                 })
                 .max_capacity(LISTINGS_BYTES)
                 .build(),
@@ -105,6 +112,7 @@ impl Memory {
                 .max_capacity(OPEN_BLOB_HANDLES)
                 .time_to_idle(OPEN_BLOB_IDLE)
                 .build(),
+            declared_sizes: moka::sync::Cache::builder().max_capacity(DECLARED_SIZES).build(),
         }
     }
 
@@ -156,11 +164,11 @@ impl Memory {
         self.members.insert(key, ());
     }
 
-    pub fn listing(&self, key: &str) -> Option<(Page, Instant)> {
+    pub fn listing(&self, key: &str) -> Option<(Option<Page>, Instant)> {
         self.listings.get(key)
     }
 
-    pub fn insert_listing(&self, key: String, page: Page) {
+    pub fn insert_listing(&self, key: String, page: Option<Page>) {
         self.listings.insert(key, (page, Instant::now()));
     }
 
@@ -178,6 +186,14 @@ impl Memory {
     /// A committed blob's open file and size, if it was served lately.
     pub fn open_blob(&self, digest: &Digest) -> Option<(Arc<File>, u64)> {
         self.open_blobs.get(digest)
+    }
+
+    pub fn declared_size(&self, key: &str) -> Option<u64> {
+        self.declared_sizes.get(key)
+    }
+
+    pub fn insert_declared_size(&self, key: String, size: u64) {
+        self.declared_sizes.insert(key, size);
     }
 
     pub fn insert_open_blob(&self, digest: Digest, file: Arc<File>, size: u64) {

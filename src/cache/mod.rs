@@ -26,12 +26,12 @@ use crate::coalesce::{Joined, SingleFlight};
 use crate::config::CacheConfig;
 use crate::error::{Error, UpstreamError};
 use crate::metrics::metrics;
-use crate::oci::{Digest, Reference, RepoName, Tag};
+use crate::oci::{Digest, Reference, RepoName, Tag, tag_list};
 use crate::upstream::{FetchedManifest, Listing, Opened, Page, Upstream, content_length};
 use disk::Store;
 use evict::{Evictor, Limits};
-use fill::{Fills, Progress, Writer};
-use index::{Index, Kind};
+use fill::{Attach, Fills, Progress, Writer};
+use index::{Entry, Index, Kind};
 use memory::{Memory, TagEntry};
 
 /// How a request was served; a label for metrics and logs.
@@ -94,8 +94,28 @@ pub struct Cache {
     listing_fetches: SingleFlight<String, Option<Page>>,
 }
 
+/// Times a request may find that the fill it joined, started for another
+/// repository, failed for a reason about that repository, before it takes
+/// that answer as its own.
+const FOREIGN_FILL_RETRIES: usize = 3;
 /// How often access times collected on the request path are written to the index.
 const ACCESS_FLUSH_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Opens the index first, which locks it against any other larder process
+/// (a second `larder`, or `larder verify`), and only then prepares the
+/// store, whose start-up sweeps `tmp/`: a running instance's fills live there.
+fn open_locked(dir: &std::path::Path) -> Result<(Store, Index), Error> {
+    let store = Store::new(dir)?;
+    let index = Index::open(&store.index_path()).map_err(|e| match e {
+        redb::Error::DatabaseAlreadyOpen => Error::Internal(format!(
+            "{} is in use by another larder process (its index is locked); stop it first",
+            dir.display()
+        )),
+        e => e.into(),
+    })?;
+    store.prepare()?;
+    Ok((store, index))
+}
 
 fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
@@ -107,6 +127,21 @@ fn tag_key(upstream: &str, repo: &RepoName, tag: &Tag) -> String {
 
 fn member_key(upstream: &str, repo: &RepoName, digest: &Digest) -> String {
     format!("{upstream}\0{repo}\0{}", digest.hex().as_str())
+}
+
+/// A `tags/list` page as the client asked for it: upstream's own when it
+/// paginated (sent a `Link`) or already fits, else sorted and cut to the
+/// client's `n` after its `last`, with a `Link` to the next page.
+fn paginate_tags(page: Page, repo: &RepoName, query: Option<&str>) -> Page {
+    if page.link.is_some() {
+        return page;
+    }
+    let want = tag_list::Pagination::from_query(query);
+    let Some(paginated) = tag_list::paginate(&page.body, &want) else { return page };
+    let link = paginated
+        .next_last
+        .and_then(|last| http::HeaderValue::from_str(&tag_list::next_link(repo.as_str(), want.n, &last)).ok());
+    Page { body: Bytes::from(paginated.body), link, ..page }
 }
 
 /// What a membership check confirms upstream, if it must.
@@ -121,8 +156,7 @@ impl Cache {
     pub async fn open(config: CacheConfig) -> Result<Arc<Cache>, Error> {
         let dir = config.dir.clone();
         let (store, index, usage) = blocking(move || {
-            let store = Store::open(&dir)?;
-            let index = Index::open(&store.index_path())?;
+            let (store, index) = open_locked(&dir)?;
             let report = reconcile::reconcile(&store, &index, false, true, unix_ms(SystemTime::now()))?;
             if report.adopted > 0 || report.bad() > 0 {
                 tracing::warn!(?report, "reconciled the index with the blob files");
@@ -150,8 +184,7 @@ impl Cache {
     /// removing bad entries when `repair` is set. Needs the cache folder to
     /// itself: redb refuses a second process.
     pub fn verify(config: &CacheConfig, repair: bool) -> Result<Report, Error> {
-        let store = Store::open(&config.dir)?;
-        let index = Index::open(&store.index_path())?;
+        let (store, index) = open_locked(&config.dir)?;
         reconcile::reconcile(&store, &index, true, repair, unix_ms(SystemTime::now()))
     }
 
@@ -198,71 +231,96 @@ impl Cache {
     }
 
     /// Removes the least recently used blobs and manifests until `bytes` are
-    /// freed. Rows go first, in one transaction, so no new reader finds an
-    /// evicted item; then the files are unlinked. A reader that already
-    /// opened a blob keeps reading it (an unlinked file lives on while open),
-    /// and a blob still being filled is not in the index, so it is never a
-    /// candidate.
+    /// freed: reads only that many rows of the index's access order.
     async fn evict(&self, bytes: u64) -> Result<(), Error> {
-        let (store, index) = (self.store.clone(), Arc::clone(&self.index));
-        let victims = blocking(move || {
-            let mut entries = index.entries(Kind::Blob)?;
-            entries.extend(index.entries(Kind::Manifest)?);
-            let victims = evict::choose_victims(entries, bytes);
-            index.remove_entries(&victims)?;
-            for v in victims.iter().filter(|v| v.kind == Kind::Blob) {
-                store.remove_blob(&v.digest)?;
-            }
-            Ok(victims)
-        })
-        .await?;
-        let freed: u64 = victims.iter().map(|v| v.size).sum();
-        for v in &victims {
-            match v.kind {
-                Kind::Blob => self.memory.remove_blob_size(&v.digest),
-                Kind::Manifest => self.memory.remove_manifest(&v.digest),
-            }
-            let kind = if v.kind == Kind::Blob { "blob" } else { "manifest" };
+        let index = Arc::clone(&self.index);
+        let victims = blocking(move || Ok(index.least_recently_used(bytes)?)).await?;
+        let removed = self.remove_content(victims.iter().map(|e| (e.kind, e.digest)).collect()).await?;
+        for e in &removed {
+            let kind = if e.kind == Kind::Blob { "blob" } else { "manifest" };
             metrics().cache_evictions.with_label_values(&[kind]).inc();
         }
-        self.evictor.removed(freed);
         tracing::info!(
-            items = victims.len(),
-            freed,
+            items = removed.len(),
+            freed = removed.iter().map(|e| e.size).sum::<u64>(),
             usage = self.evictor.usage(),
             "evicted least recently used content"
         );
         Ok(())
     }
 
-    /// Forgets an upstream, or one repository of it: its tags and
-    /// membership rows, and the blobs and manifests no other repository
-    /// still references. Readers already streaming a removed blob finish.
-    pub async fn purge(&self, upstream: &str, repo: Option<&RepoName>) -> Result<Purged, Error> {
-        let prefix = match repo {
-            Some(repo) => format!("{upstream}\0{repo}\0"),
-            None => format!("{upstream}\0"),
-        };
-        let (store, index) = (self.store.clone(), Arc::clone(&self.index));
-        let (tags, members, removed) = blocking(move || {
-            let (tags, members, removed) = index.purge(&prefix)?;
-            for e in removed.iter().filter(|e| e.kind == Kind::Blob) {
-                store.remove_blob(&e.digest)?;
-            }
-            Ok((tags, members, removed))
-        })
-        .await?;
-        self.memory.forget_tags_and_members();
-        for e in &removed {
+    /// Removes content rows, then forgets the removed content (see
+    /// [`Cache::forget_removed`]). Returns what was still there to remove.
+    async fn remove_content(&self, keys: Vec<(Kind, Digest)>) -> Result<Vec<Entry>, Error> {
+        let index = Arc::clone(&self.index);
+        let removed = blocking(move || Ok(index.remove_content(&keys)?)).await?;
+        self.forget_removed(&removed).await;
+        Ok(removed)
+    }
+
+    /// After their rows left the index: drops removed content from memory
+    /// (closing open handles, so the space comes back), unlinks the blob
+    /// files, and counts the bytes as freed, once per row actually removed.
+    ///
+    /// Rows go first, so no new reader finds a removed item; a reader that
+    /// already opened a blob keeps reading it (an unlinked file lives on
+    /// while open). Unlinking is guarded against fills: digests with a
+    /// fill in flight are skipped (the fill renames a new file into place),
+    /// no fill may start for a digest while its file is being unlinked, and
+    /// a digest committed again in the meantime keeps its new file. A file
+    /// that cannot be unlinked is logged and the others are still removed;
+    /// the next start-up adopts it or removes it.
+    async fn forget_removed(&self, removed: &[Entry]) {
+        for e in removed {
             match e.kind {
                 Kind::Blob => self.memory.remove_blob_size(&e.digest),
                 Kind::Manifest => self.memory.remove_manifest(&e.digest),
             }
         }
-        let bytes = removed.iter().map(|e| e.size).sum();
-        self.evictor.removed(bytes);
-        let blobs = removed.iter().filter(|e| e.kind == Kind::Blob).count();
-        Ok(Purged { tags, members, blobs, manifests: removed.len() - blobs, bytes })
+        self.evictor.removed(removed.iter().map(|e| e.size).sum());
+        let blobs = removed.iter().filter(|e| e.kind == Kind::Blob).map(|e| e.digest);
+        let marked = self.fills.begin_removal(blobs);
+        if marked.is_empty() {
+            return;
+        }
+        let (store, index, digests) = (self.store.clone(), Arc::clone(&self.index), marked.clone());
+        let unlinked = blocking(move || {
+            for d in &digests {
+                match index.blob_size(d) {
+                    Ok(None) => {
+                        if let Err(e) = store.remove_blob(d) {
+                            tracing::warn!(digest = %d, error = %e, "cannot remove a blob file; it stays until restart");
+                        }
+                    }
+                    Ok(Some(_)) => tracing::debug!(digest = %d, "committed again meanwhile; keeping its file"),
+                    Err(e) => tracing::warn!(digest = %d, error = %e, "index unreadable; keeping the blob file"),
+                }
+            }
+            Ok(())
+        })
+        .await;
+        self.fills.end_removal(&marked);
+        if let Err(e) = unlinked {
+            tracing::warn!(error = %e, "removing blob files failed");
+        }
+    }
+
+    /// Forgets an upstream, or one repository of it: its tags and
+    /// membership rows, and the blobs and manifests no other repository
+    /// still references. Costs what that repository holds. Readers already
+    /// streaming a removed blob finish.
+    pub async fn purge(&self, upstream: &str, repo: Option<&RepoName>) -> Result<Purged, Error> {
+        let prefix = match repo {
+            Some(repo) => format!("{upstream}\0{repo}\0"),
+            None => format!("{upstream}\0"),
+        };
+        let index = Arc::clone(&self.index);
+        let rows = blocking(move || Ok(index.purge(&prefix)?)).await?;
+        self.memory.forget_tags_and_members();
+        self.forget_removed(&rows.content).await;
+        let bytes = rows.content.iter().map(|e| e.size).sum();
+        let blobs = rows.content.iter().filter(|e| e.kind == Kind::Blob).count();
+        Ok(Purged { tags: rows.tags, members: rows.members, blobs, manifests: rows.content.len() - blobs, bytes })
     }
 
     /// Readiness: the index answers a read and the temp folder takes a file.
@@ -429,9 +487,13 @@ impl Cache {
         Ok((result?, CacheResult::of(joined)))
     }
 
-    /// Stores a manifest fetched for `repo`, its tag mapping, and the
-    /// membership of everything it names in `repo`: the manifest itself,
-    /// its config and layers, or an index's child manifests.
+    /// Stores a manifest fetched for `repo`, its tag mapping, and its
+    /// membership in `repo`. What it references gains no membership from
+    /// being named: a registry that does not check references could serve
+    /// a manifest naming another repository's private digest. Each blob
+    /// becomes a member when it is fetched for `repo`, or confirmed there
+    /// by one upstream `HEAD` ([`Cache::ensure_member`]). The sizes it
+    /// declares for its blobs bound their fills for `repo`.
     async fn store_manifest(
         &self,
         m: FetchedManifest,
@@ -441,11 +503,12 @@ impl Cache {
     ) -> Result<Arc<StoredManifest>, Error> {
         let stored = Arc::new(StoredManifest::new(m.bytes.clone(), m.media_type, m.digest));
         let now = SystemTime::now();
-        let members: Vec<String> = std::iter::once(&m.digest)
-            .chain(&m.refs.blobs)
-            .chain(&m.refs.manifests)
-            .map(|d| member_key(upstream, repo, d))
-            .collect();
+        for (digest, size) in m.refs.blobs.iter().zip(&m.refs.blob_sizes) {
+            if let Some(size) = size {
+                self.memory.insert_declared_size(member_key(upstream, repo, digest), *size);
+            }
+        }
+        let members = vec![member_key(upstream, repo, &m.digest)];
         let index = Arc::clone(&self.index);
         let (tag_row, member_rows) = (tag.clone(), members.clone());
         let size = m.bytes.len() as u64;
@@ -469,8 +532,8 @@ impl Cache {
 
     /// The membership rule: content on disk is shared by digest, but it is
     /// served for `(upstream, repo)` only if it was fetched for that repo or
-    /// a cached manifest of that repo names it. Otherwise one upstream
-    /// `HEAD` must confirm that `repo` has it, so that cached private
+    /// upstream confirmed that repo has it. Otherwise one upstream `HEAD`
+    /// must confirm it (then it is remembered), so that cached private
     /// content never leaks to a repository that cannot see it upstream.
     async fn ensure_member(
         &self,
@@ -506,8 +569,12 @@ impl Cache {
 
     /// A page of `tags/list` or `referrers`: cached in memory for the
     /// upstream's tag TTL, fetched once however many ask, and served stale
-    /// (up to `stale_if_error`) when upstream fails. A registry without the
-    /// referrers API (404) has no referrers: an empty index.
+    /// (up to `stale_if_error`) when upstream fails. Upstream's 404 is
+    /// cached and answered as a 404 too: for referrers it means "no
+    /// referrers API", and clients then use the `sha256-<hex>` fallback
+    /// tag, which an empty 200 would hide from them. Each query is its own
+    /// page; a tag list upstream did not paginate is sorted and paginated
+    /// here ([`crate::oci::tag_list`]).
     pub async fn listing(
         &self,
         upstream: &Arc<Upstream>,
@@ -521,33 +588,38 @@ impl Cache {
         };
         let key = format!("{}\0{repo}\0{what}\0{}", upstream.name(), query.unwrap_or(""));
         let ttl = upstream.config.tag_ttl(&self.config);
+        let not_found = || match listing {
+            Listing::Tags => Error::NameUnknown,
+            Listing::Referrers(_) => Error::NotFound,
+        };
         let cached = self.memory.listing(&key);
         if let Some((page, fetched)) = &cached {
             if fetched.elapsed() < ttl {
-                return Ok((page.clone(), CacheResult::Hit));
+                return page.clone().map(|p| (p, CacheResult::Hit)).ok_or_else(not_found);
             }
         }
         let fetch = {
             let (upstream, repo, listing, query) =
                 (Arc::clone(upstream), repo.clone(), listing.clone(), query.map(str::to_owned));
-            move || async move { upstream.get_listing(&repo, &listing, query.as_deref()).await }
+            move || async move {
+                let page = upstream.get_listing(&repo, &listing, query.as_deref()).await?;
+                Ok(match (page, &listing) {
+                    (Some(page), Listing::Tags) => Some(paginate_tags(page, &repo, query.as_deref())),
+                    (page, _) => page,
+                })
+            }
         };
         let (answer, joined) = self.listing_fetches.run(key.clone(), fetch).await;
-        let answer = match (answer, listing) {
-            (Ok(None), Listing::Referrers(_)) => Ok(Some(Page::empty_referrers())),
-            (answer, _) => answer,
-        };
         match (answer, cached) {
-            (Ok(Some(page)), _) => {
+            (Ok(page), _) => {
                 self.memory.insert_listing(key, page.clone());
-                Ok((page, CacheResult::of(joined)))
+                page.map(|p| (p, CacheResult::of(joined))).ok_or_else(not_found)
             }
-            (Ok(None), _) => Err(Error::NameUnknown),
             (Err(Error::Upstream(e)), Some((page, fetched)))
                 if fetched.elapsed() < ttl + self.config.stale_if_error =>
             {
                 tracing::warn!(upstream = upstream.name(), %repo, what, error = %e, "serving a stale listing");
-                Ok((page, CacheResult::Stale))
+                page.map(|p| (p, CacheResult::Stale)).ok_or_else(not_found)
             }
             (Err(e), _) => Err(e),
         }
@@ -556,8 +628,10 @@ impl Cache {
     // ---- blobs -----------------------------------------------------------
 
     /// A committed blob: the handle kept open since it was last served, or
-    /// the file opened and checked against its index row (a row whose file
-    /// is missing or has the wrong size is dropped and reported as absent).
+    /// the file opened and checked against its index row. Only a file that
+    /// is genuinely missing, or of the wrong size, drops its row (with
+    /// exact accounting, see [`Cache::forget_removed`]); any other failure
+    /// to open it (too many open files, EIO) is a 503 that changes nothing.
     async fn committed_blob(&self, digest: &Digest) -> Result<Option<(Arc<File>, u64)>, Error> {
         if let Some(open) = self.memory.open_blob(digest) {
             return Ok(Some(open));
@@ -570,17 +644,20 @@ impl Cache {
             }
         };
         let Some(size) = size else { return Ok(None) };
-        let (store, index, d) = (self.store.clone(), Arc::clone(&self.index), *digest);
-        let file = blocking(move || match store.open_blob(&d) {
-            Ok(f) if f.metadata()?.len() == size => Ok(Some(f)),
-            Ok(_) | Err(_) => {
-                tracing::warn!(digest = %d, "index row without a matching blob file; dropping it");
-                index.remove_blob(&d)?;
-                Ok(None)
+        let (store, d) = (self.store.clone(), *digest);
+        let opened = blocking(move || {
+            let storage = |e: std::io::Error| Error::Storage(format!("opening blob {d}: {e}"));
+            match store.open_blob(&d) {
+                Ok(f) => {
+                    let len = f.metadata().map_err(storage)?.len();
+                    Ok(if len == size { Some(f) } else { None })
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                Err(e) => Err(storage(e)),
             }
         })
         .await?;
-        match file {
+        match opened {
             Some(f) => {
                 let file = Arc::new(f);
                 self.memory.insert_blob_size(*digest, size);
@@ -588,7 +665,9 @@ impl Cache {
                 Ok(Some((file, size)))
             }
             None => {
+                tracing::warn!(%digest, "index row without a matching blob file; dropping it");
                 self.memory.remove_blob_size(digest);
+                self.remove_content(vec![(Kind::Blob, *digest)]).await?;
                 Ok(None)
             }
         }
@@ -597,7 +676,7 @@ impl Cache {
     /// The size of a blob cached (or being filled) for `repo`, for `HEAD`,
     /// which never starts a fill.
     pub async fn blob_size(&self, upstream: &Upstream, repo: &RepoName, digest: &Digest) -> Result<Option<u64>, Error> {
-        let filling = self.fills.get(digest).and_then(|rx| match &*rx.borrow() {
+        let filling = self.fills.get(digest).and_then(|flight| match &*flight.progress.borrow() {
             Progress::Streaming { size: Some(size), .. } | Progress::Complete { size, .. } => Some(*size),
             _ => None,
         });
@@ -613,36 +692,59 @@ impl Cache {
 
     /// A blob to serve: committed, joined to the fill in flight, or a new
     /// fill from `upstream`.
+    ///
+    /// A fill is shared by digest, but its failure may be about the
+    /// repository it was started for (upstream's 404 or 403 there): a
+    /// request for another repository that joined it, and that upstream
+    /// confirmed has the blob, then starts (or joins) a fill of its own
+    /// instead of inheriting that answer.
     pub async fn blob(
         self: &Arc<Self>,
         upstream: &Arc<Upstream>,
         repo: &RepoName,
         digest: Digest,
     ) -> Result<(BlobSource, CacheResult), Error> {
-        if let Some(rx) = self.fills.get(&digest) {
-            self.ensure_member(upstream, repo, &digest, Content::Blob).await?;
-            return Ok((BlobSource::Filling(rx), CacheResult::Coalesced));
-        }
+        let owner = format!("{}\0{repo}", upstream.name());
+        let mut foreign_failures = 0;
         loop {
-            if let Some((file, size)) = self.committed_blob(&digest).await? {
-                self.ensure_member(upstream, repo, &digest, Content::Blob).await?;
-                self.evictor.record_access(Kind::Blob, digest, unix_ms(SystemTime::now()));
-                return Ok((BlobSource::Committed { file, size }, CacheResult::Hit));
-            }
-            let started = self.fills.join_or_start(
-                digest,
-                || self.memory.blob_size(&digest).is_some(),
-                |tx| self.spawn_fill(Arc::clone(upstream), repo.clone(), digest, tx),
-            );
-            match started {
-                Some((rx, true)) => return Ok((BlobSource::Filling(rx), CacheResult::Miss)),
-                Some((rx, false)) => {
-                    self.ensure_member(upstream, repo, &digest, Content::Blob).await?;
-                    return Ok((BlobSource::Filling(rx), CacheResult::Coalesced));
+            let joined = match self.fills.get(&digest) {
+                Some(flight) => flight,
+                None => {
+                    if let Some((file, size)) = self.committed_blob(&digest).await? {
+                        self.ensure_member(upstream, repo, &digest, Content::Blob).await?;
+                        self.evictor.record_access(Kind::Blob, digest, unix_ms(SystemTime::now()));
+                        return Ok((BlobSource::Committed { file, size }, CacheResult::Hit));
+                    }
+                    let attach = self.fills.join_or_start(
+                        digest,
+                        &owner,
+                        || self.memory.blob_size(&digest).is_some(),
+                        |tx| self.spawn_fill(Arc::clone(upstream), repo.clone(), digest, tx),
+                    );
+                    match attach {
+                        Attach::Started(rx) => return Ok((BlobSource::Filling(rx), CacheResult::Miss)),
+                        Attach::Joined(flight) => flight,
+                        // Committed between our index read and the lock: read it again.
+                        Attach::Committed => continue,
+                        Attach::Removing(done) => {
+                            fill::removal_finished(done).await;
+                            continue;
+                        }
+                    }
                 }
-                // Committed between our index read and the lock: read it again.
-                None => continue,
+            };
+            self.ensure_member(upstream, repo, &digest, Content::Blob).await?;
+            let mut rx = joined.progress;
+            if joined.owner != owner && foreign_failures < FOREIGN_FILL_RETRIES {
+                if let Err(e) = fill::wait_for_headers(&mut rx).await {
+                    if e.is_repository_specific() {
+                        foreign_failures += 1;
+                        tracing::debug!(%digest, %repo, error = %e, "another repository's fill failed; fetching for this one");
+                        continue;
+                    }
+                }
             }
+            return Ok((BlobSource::Filling(rx), CacheResult::Coalesced));
         }
     }
 
@@ -661,6 +763,7 @@ impl Cache {
                     cache.memory.insert_blob_size(digest, size);
                     cache.memory.insert_open_blob(digest, Arc::clone(&file), size);
                     tx.send_replace(Progress::Complete { file, size });
+                    cache.fills.remove(&digest);
                     tracing::debug!(%digest, size, upstream = upstream.name(), "fill committed");
                 }
                 Err(e) => {
@@ -668,12 +771,21 @@ impl Cache {
                         cache.evictor.disk_full();
                     }
                     tracing::warn!(%digest, upstream = upstream.name(), %repo, error = %e, "fill failed");
+                    // Out of the map first: a follower that retries for its
+                    // own repository must not find this fill again.
+                    cache.fills.remove(&digest);
                     tx.send_replace(Progress::Failed(e));
                 }
             }
-            cache.fills.remove(&digest);
             metrics().fills_in_flight.dec();
         });
+    }
+
+    /// The most bytes a fill of `digest` for `repo` may write: the size a
+    /// manifest of that repository declared for it, else `max_blob_size`.
+    /// Bounds an upstream that streams without `Content-Length`.
+    fn fill_limit(&self, upstream: &str, repo: &RepoName, digest: &Digest) -> u64 {
+        self.memory.declared_size(&member_key(upstream, repo, digest)).unwrap_or(self.config.max_blob_size)
     }
 
     /// Streams one blob from upstream into a temp file, verifies size and
@@ -687,13 +799,21 @@ impl Cache {
     ) -> Result<(Arc<File>, u64), Error> {
         let Opened { response, permit } = upstream.get_blob(repo, &digest).await?.ok_or(Error::BlobUnknown(digest))?;
         let declared = content_length(response.headers());
+        let limit = self.fill_limit(upstream.name(), repo, &digest);
+        if let Some(len) = declared.filter(|len| *len > limit) {
+            return Err(UpstreamError::Protocol(format!(
+                "blob {digest} is {len} bytes, more than the {limit} allowed (its manifest's size, or cache.max_blob_size)"
+            ))
+            .into());
+        }
         let store = self.store.clone();
         let temp = blocking(move || Ok(store.create_temp()?)).await?;
         let file = Arc::new(temp.as_file().try_clone()?);
         tx.send_replace(Progress::Streaming { file: Arc::clone(&file), size: declared, written: 0 });
         let received = metrics().upstream_bytes.with_label_values(&[upstream.name()]);
         let idle = upstream.body_idle_timeout();
-        let writer = fill::copy_body(response.into_body(), Writer::new(temp), declared, idle, tx, &received).await?;
+        let bounds = fill::Bounds { declared, limit, idle };
+        let writer = fill::copy_body(response.into_body(), Writer::new(temp), bounds, tx, &received).await?;
         drop(permit);
         let (temp, actual, size) = writer.finish();
         if actual != digest {

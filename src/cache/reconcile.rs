@@ -2,7 +2,7 @@
 //! (`larder verify`). A crash can leave a renamed blob without its index row
 //! (killed between rename and commit) or, after outside interference, a row
 //! without its file or a file with the wrong content. Temp files are swept
-//! by [`Store::open`](super::disk::Store::open).
+//! by [`Store::prepare`](super::disk::Store::prepare).
 //!
 //! Synchronous, like the index: run it inside `spawn_blocking`.
 
@@ -104,7 +104,8 @@ pub fn reconcile(store: &Store, index: &Index, rehash: bool, repair: bool, now_m
         }
     }
     if repair && !bad_entries.is_empty() {
-        index.remove_entries(&bad_entries)?;
+        let keys: Vec<(Kind, Digest)> = bad_entries.iter().map(|e| (e.kind, e.digest)).collect();
+        index.remove_content(&keys)?;
         for e in &bad_entries {
             let _ = std::fs::remove_file(store.blob_path(&e.digest));
         }
@@ -166,7 +167,8 @@ mod tests {
 
     fn fixture() -> Fixture {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(dir.path()).unwrap();
+        let store = Store::new(dir.path()).unwrap();
+        store.prepare().unwrap();
         let index = Index::open(&store.index_path()).unwrap();
         Fixture { _dir: dir, store, index }
     }

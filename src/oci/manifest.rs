@@ -13,6 +13,8 @@ pub const MAX_MANIFEST_SIZE: usize = 4 << 20;
 pub struct ManifestRefs {
     /// Config and layers of an image manifest.
     pub blobs: Vec<Digest>,
+    /// The `size` each of `blobs` was declared with, where given.
+    pub blob_sizes: Vec<Option<u64>>,
     /// Child manifests of an index / manifest list.
     pub manifests: Vec<Digest>,
     /// `os/architecture[/variant]` of each child manifest, where given.
@@ -33,6 +35,7 @@ struct Raw {
 #[derive(Deserialize)]
 struct Descriptor {
     digest: String,
+    size: Option<u64>,
     platform: Option<Platform>,
 }
 
@@ -71,9 +74,10 @@ pub fn inspect(bytes: &[u8], declared: Option<MediaType>) -> Result<(MediaType, 
     };
     let digest = |d: &Descriptor| d.digest.parse::<Digest>().map_err(|e| format!("descriptor {:?}: {e}", d.digest));
     let blobs = raw.config.iter().chain(&raw.layers).map(digest).collect::<Result<_, _>>()?;
+    let blob_sizes = raw.config.iter().chain(&raw.layers).map(|d| d.size).collect();
     let manifests = raw.manifests.iter().map(digest).collect::<Result<_, _>>()?;
     let platforms = raw.manifests.iter().map(|d| d.platform.as_ref().map(Platform::name)).collect();
-    Ok((media_type, ManifestRefs { blobs, manifests, platforms }))
+    Ok((media_type, ManifestRefs { blobs, blob_sizes, manifests, platforms }))
 }
 
 #[cfg(test)]
@@ -92,6 +96,7 @@ mod tests {
         let (m, refs) = inspect(json.as_bytes(), Some(MediaType::OciManifest)).unwrap();
         assert_eq!(m, MediaType::OciManifest);
         assert_eq!(refs.blobs, vec![D1.parse().unwrap(), D2.parse().unwrap()]);
+        assert_eq!(refs.blob_sizes, vec![Some(1), Some(2)]);
         assert!(refs.manifests.is_empty());
     }
 

@@ -7,6 +7,7 @@ pub mod headers;
 mod manifest;
 mod media;
 mod reference;
+pub mod tag_list;
 
 pub use digest::{Digest, DigestError, Hasher, Hex};
 pub use manifest::{MAX_MANIFEST_SIZE, ManifestRefs, inspect as inspect_manifest};

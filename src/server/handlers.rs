@@ -72,7 +72,7 @@ pub async fn blob(
     method: &Method,
     headers: &HeaderMap,
 ) -> Result<(Response<Body>, CacheResult), Error> {
-    let range = headers.get(RANGE).map(ByteRange::parse);
+    let range = headers.get(RANGE).and_then(ByteRange::requested);
     if method == Method::HEAD {
         return blob_head(app, route, digest).await;
     }
@@ -110,19 +110,23 @@ pub async fn blob(
 /// `HEAD` of a blob: answered from the cache, or by a `HEAD` upstream; it
 /// never starts a fill.
 async fn blob_head(app: &App, route: &Route, digest: Digest) -> Result<(Response<Body>, CacheResult), Error> {
+    // Upstream's HEAD may carry no length: then none is sent (a
+    // `Content-Length: 0` would claim an empty blob).
     let (size, result) = match app.cache.blob_size(&route.upstream, &route.repo, &digest).await? {
-        Some(size) => (size, CacheResult::Hit),
+        Some(size) => (Some(size), CacheResult::Hit),
         None => (
             route.upstream.head_blob(&route.repo, &digest).await?.ok_or(Error::BlobUnknown(digest))?,
             CacheResult::Miss,
         ),
     };
-    let resp = response(StatusCode::OK)
+    let mut builder = response(StatusCode::OK)
         .header(CONTENT_TYPE, OCTET_STREAM)
-        .header(CONTENT_LENGTH, size)
         .header(DOCKER_CONTENT_DIGEST, digest.header_value())
-        .header(ACCEPT_RANGES, BYTES)
-        .body(body::empty());
+        .header(ACCEPT_RANGES, BYTES);
+    if let Some(size) = size {
+        builder = builder.header(CONTENT_LENGTH, size);
+    }
+    let resp = builder.body(body::empty());
     Ok((built(resp)?, result))
 }
 

@@ -1,6 +1,7 @@
 //! The `Range` request header: a single `bytes=` range, validated at the
 //! edge. Multiple ranges are not supported and answered 416 like any other
-//! unsatisfiable or malformed range.
+//! unsatisfiable or malformed range. A range in another unit is ignored,
+//! as RFC 9110 (section 14.2) requires: the whole blob is sent.
 
 use http::HeaderValue;
 
@@ -19,9 +20,24 @@ pub enum ByteRange {
 pub struct Malformed;
 
 impl ByteRange {
+    /// The range a request's `Range` header asks for: `None` when its unit
+    /// is not `bytes` (to be ignored), else the parsed byte range.
+    pub fn requested(value: &HeaderValue) -> Option<Result<ByteRange, Malformed>> {
+        let unit = value.to_str().ok().and_then(|s| s.trim().split_once('=')).map(|(unit, _)| unit.trim());
+        match unit {
+            Some(unit) if !unit.eq_ignore_ascii_case("bytes") && is_token(unit) => None,
+            _ => Some(ByteRange::parse(value)),
+        }
+    }
+
+    /// A `bytes=` range (the unit is case-insensitive).
     pub fn parse(value: &HeaderValue) -> Result<ByteRange, Malformed> {
         let s = value.to_str().map_err(|_| Malformed)?.trim();
-        let spec = s.strip_prefix("bytes=").ok_or(Malformed)?.trim();
+        let (unit, spec) = s.split_once('=').ok_or(Malformed)?;
+        if !unit.eq_ignore_ascii_case("bytes") {
+            return Err(Malformed);
+        }
+        let spec = spec.trim();
         let (first, last) = spec.split_once('-').ok_or(Malformed)?;
         let num = |t: &str| -> Result<u64, Malformed> {
             let t = t.trim();
@@ -48,6 +64,11 @@ impl ByteRange {
             _ => None,
         }
     }
+}
+
+/// An RFC 9110 token (what a range unit is).
+fn is_token(s: &str) -> bool {
+    !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
 }
 
 #[cfg(test)]
@@ -79,17 +100,20 @@ mod tests {
 
     #[test]
     fn malformed_headers() {
-        for h in [
-            "bytes=",
-            "bytes=-",
-            "bytes=a-b",
-            "bytes=1-2,3-4",
-            "items=0-1",
-            "bytes=+1-2",
-            "bytes=99999999999999999999-",
-            "0-1",
-        ] {
+        for h in ["bytes=", "bytes=-", "bytes=a-b", "bytes=1-2,3-4", "bytes=+1-2", "bytes=99999999999999999999-", "0-1"]
+        {
             assert_eq!(ByteRange::parse(&HeaderValue::from_str(h).unwrap()), Err(Malformed), "{h}");
+            assert_eq!(ByteRange::requested(&HeaderValue::from_str(h).unwrap()), Some(Err(Malformed)), "{h}");
         }
+    }
+
+    #[test]
+    fn other_units_are_ignored_and_bytes_is_case_insensitive() {
+        let requested = |h: &str| ByteRange::requested(&HeaderValue::from_str(h).unwrap());
+        assert_eq!(requested("items=0-1"), None);
+        assert_eq!(requested("pages = 3"), None);
+        assert_eq!(requested("Bytes=0-1"), Some(Ok(ByteRange::FromTo(0, 1))));
+        assert_eq!(requested("bytes=0-1"), Some(Ok(ByteRange::FromTo(0, 1))));
+        assert_eq!(requested("i tems=0-1"), Some(Err(Malformed)), "not a unit: malformed");
     }
 }

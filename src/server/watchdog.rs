@@ -23,6 +23,10 @@ pub const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// request waiting on a slow upstream is not cut off by it.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
 
+// The config refuses upstream timeouts above this bound; it must stay below
+// the idle limit so that a client waiting on upstream gets a 504, not a cut.
+const _: () = assert!(crate::config::MAX_UPSTREAM_TIMEOUT.as_secs() < IDLE_TIMEOUT.as_secs());
+
 /// What the watchdog watches, shared with the connection's IO and service.
 pub struct Activity {
     start: Instant,

@@ -376,12 +376,13 @@ impl Upstream {
         }
     }
 
-    /// HEAD a blob: its size if upstream has it in `repo`.
-    pub async fn head_blob(&self, repo: &RepoName, digest: &Digest) -> Result<Option<u64>, UpstreamError> {
+    /// HEAD a blob: `Some` if upstream has it in `repo`, with its size if
+    /// upstream said.
+    pub async fn head_blob(&self, repo: &RepoName, digest: &Digest) -> Result<Option<Option<u64>>, UpstreamError> {
         let opened = self.open(Method::HEAD, &format!("/v2/{repo}/blobs/{digest}"), repo, None).await?;
         let resp = opened.response;
         match resp.status() {
-            StatusCode::OK => Ok(Some(content_length(resp.headers()).unwrap_or(0))),
+            StatusCode::OK => Ok(Some(content_length(resp.headers()))),
             StatusCode::NOT_FOUND => Ok(None),
             status => Err(failure(status, resp.headers())),
         }

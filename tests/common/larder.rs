@@ -328,11 +328,6 @@ impl Larder {
         &self.config_path
     }
 
-    /// The process id while larder runs.
-    pub fn pid(&self) -> Option<u32> {
-        self.process.as_ref().and_then(|p| p.pid())
-    }
-
     /// The config file as written.
     pub fn config_text(&self) -> String {
         super::process::read_lossy(&self.config_path)
@@ -356,6 +351,11 @@ impl Larder {
             self.log_path.display(),
             super::process::tail(&self.log(), LOG_LINES_ON_FAILURE)
         );
+    }
+
+    /// The running process's id.
+    pub fn pid(&self) -> u32 {
+        self.process.as_ref().and_then(|p| p.pid()).expect("larder is running")
     }
 
     /// True while the process is up (it has not exited or been stopped).

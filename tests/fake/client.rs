@@ -288,6 +288,15 @@ async fn try_open_with(
     Ok(Streaming { head, sock, pending, remaining, received: 0 })
 }
 
+/// Sends `HEAD path` and returns the response head.
+pub async fn head(addr: SocketAddr, path: &str) -> Head {
+    match tokio::time::timeout(PATIENCE, try_open_with(addr, "HEAD", path, &[])).await {
+        Ok(Ok(s)) => s.head,
+        Ok(Err(e)) => panic!("HEAD {path}: {e}"),
+        Err(_) => panic!("HEAD {path}: no response head within {PATIENCE:?}"),
+    }
+}
+
 /// Sends `GET path` with `headers` and reads the response head; the body
 /// is left to read. Panics if larder does not answer with a head.
 pub async fn open_with(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> Streaming {

@@ -109,6 +109,8 @@ pub struct Logged {
     pub range: Option<String>,
     /// The `Authorization` header, if the request carried one.
     pub authorization: Option<String>,
+    /// The query string, if any.
+    pub query: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -161,6 +163,9 @@ struct Content {
     accepted_authorization: Option<String>,
     /// Body of `GET /token`.
     token_response: Option<Bytes>,
+    /// `tags/list` of a repository, answered as a registry that paginates
+    /// does: sorted, `n` and `last` applied, a `Link` to the next page.
+    tag_lists: HashMap<String, Vec<String>>,
 }
 
 #[derive(Default, Clone, Copy)]
@@ -193,8 +198,9 @@ impl State {
         self.changed.send_modify(|v| *v += 1);
     }
 
-    fn record(&self, method: &str, path: &str, range: Option<String>, authorization: Option<String>) {
-        lock(&self.log).push(Logged { method: method.to_owned(), path: path.to_owned(), range, authorization });
+    fn record(&self, method: &str, path: &str, query: Option<&str>, range: Option<String>, auth: Option<String>) {
+        let (method, path, query) = (method.to_owned(), path.to_owned(), query.map(str::to_owned));
+        lock(&self.log).push(Logged { method, path, range, authorization: auth, query });
     }
 
     fn progress(&self, key: &str, f: impl FnOnce(&mut BodyProgress)) {
@@ -290,6 +296,12 @@ impl FakeUpstreamBuilder {
     /// that a client must not carry to another host.
     pub fn redirect(self, location: &str) -> Self {
         self.last_item(|item| item.redirect = Some(location.to_owned()))
+    }
+
+    /// `repo`'s tags, listed by `tags/list` with real pagination.
+    pub fn tag_list(mut self, repo: &str, tags: &[&str]) -> Self {
+        self.content.tag_lists.insert(repo.to_owned(), tags.iter().map(|t| (*t).to_owned()).collect());
+        self
     }
 
     /// Only `repo` has the last item: asked for in any other repository,
@@ -607,7 +619,7 @@ async fn serve_connection(mut stream: TcpStream, state: Arc<State>) {
         if stream.read_exact(&mut head).await.is_err() {
             return;
         }
-        state.record(&peeked.method, &peeked.path, peeked.range, None);
+        state.record(&peeked.method, &peeked.path, None, peeked.range, None);
         let _guard = OpenGuard::new(&state);
         raw.send(&mut stream, &state).await;
         return;
@@ -671,6 +683,29 @@ fn parse_path(path: &str) -> Option<(Kind, String, String)> {
     Some((Kind::Manifest, repo.to_owned(), reference.to_owned()))
 }
 
+/// One page of `tags/list` as a paginating registry answers it.
+fn tag_page(repo: &str, mut tags: Vec<String>, query: Option<&str>, head: bool) -> Response<FakeBody> {
+    let params: HashMap<String, String> =
+        form_urlencoded::parse(query.unwrap_or_default().as_bytes()).into_owned().collect();
+    tags.sort();
+    if let Some(last) = params.get("last") {
+        tags.retain(|t| t > last);
+    }
+    let mut next = None;
+    if let Some(n) = params.get("n").and_then(|n| n.parse::<usize>().ok()) {
+        if tags.len() > n {
+            tags.truncate(n);
+            next = tags.last().map(|last| format!("</v2/{repo}/tags/list?n={n}&last={last}>; rel=\"next\""));
+        }
+    }
+    let body = serde_json::json!({ "name": repo, "tags": tags }).to_string();
+    let mut resp = Response::builder().header(CONTENT_TYPE, "application/json").header(CONTENT_LENGTH, body.len());
+    if let Some(link) = next {
+        resp = resp.header("link", link);
+    }
+    resp.body(if head { empty() } else { full(body) }).expect("a valid tag list")
+}
+
 fn full(bytes: impl Into<Bytes>) -> FakeBody {
     Full::new(bytes.into()).map_err(|never| match never {}).boxed_unsync()
 }
@@ -710,7 +745,7 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<FakeBody>
     let path = req.uri().path().to_owned();
     let range = req.headers().get(RANGE).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
     let authorization = req.headers().get(AUTHORIZATION).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
-    state.record(method.as_str(), &path, range, authorization.clone());
+    state.record(method.as_str(), &path, req.uri().query(), range, authorization.clone());
     let guard = OpenGuard::new(&state);
     let head = method == Method::HEAD;
 
@@ -755,6 +790,13 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<FakeBody>
     let next_status = lock(&state.next_statuses).pop_front();
     if let Some((status, retry_after)) = next_status {
         return error(status, status_code(status), retry_after.as_deref(), head);
+    }
+    if let Some(repo) = path.strip_prefix("/v2/").and_then(|p| p.strip_suffix("/tags/list")) {
+        let tags = lock(&state.content).tag_lists.get(repo).cloned();
+        return match tags {
+            Some(tags) => tag_page(repo, tags, req.uri().query(), head),
+            None => error(404, "NAME_UNKNOWN", None, head),
+        };
     }
     let Some((kind, repo, reference)) = parse_path(&path) else {
         return error(404, "NOT_FOUND", None, head);
