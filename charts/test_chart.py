@@ -138,7 +138,7 @@ def chart() -> helm_python.Chart:
     return _chart
 
 
-def render(label: str, values: dict, name: str = "larder") -> Rendered | None:
+def render(label: str, values: dict, name: str = "larder", validate: bool = True) -> Rendered | None:
     try:
         manifests = chart().render(values, name=name, namespace=NAMESPACE, is_install=True)
     except helm_python.HelmError as e:
@@ -146,7 +146,8 @@ def render(label: str, values: dict, name: str = "larder") -> Rendered | None:
         return None
     r = Rendered(label, manifests)
     check(f"[{label}] renders ({len(r.objects)} objects)", r.objects)
-    validate_all(r)
+    if validate:
+        validate_all(r)
     return r
 
 
@@ -221,8 +222,19 @@ def check_config(label: str, toml_text: str, expect_ok: bool = True) -> None:
         text = toml_text
         if expect_ok:
             parsed = tomllib.loads(toml_text)
-            for u in parsed.get("upstream", []):
-                for key, content in (("password_file", "s3cret\n"), ("ca_file", "-----BEGIN CERTIFICATE-----\n")):
+            tables = parsed.get("upstream", []) + [
+                parsed.get("server", {}).get("tls", {}),
+                parsed.get("server", {}).get("auth", {}),
+            ]
+            files = (
+                ("password_file", "s3cret\n"),
+                ("ca_file", "-----BEGIN CERTIFICATE-----\n"),
+                ("cert", "-----BEGIN CERTIFICATE-----\n"),
+                ("key", "-----BEGIN PRIVATE KEY-----\n"),
+                ("htpasswd", "user:$2y$05$abcdefghijklmnopqrstuv\n"),
+            )
+            for u in tables:
+                for key, content in files:
                     if key in u:
                         inside = Path(tmp) / u[key].lstrip("/")
                         inside.parent.mkdir(parents=True, exist_ok=True)
@@ -328,7 +340,9 @@ def duration_seconds(s: str) -> float:
 
 
 def workload(r: Rendered) -> dict:
-    objs = r.of_kind("StatefulSet") + [d for d in r.of_kind("DaemonSet") if "node-setup" not in d["metadata"]["name"]]
+    objs = r.of_kind("StatefulSet") + [
+        d for d in r.of_kind("DaemonSet") if not d["metadata"]["name"].endswith(("-node-setup", "-node-cleanup"))
+    ]
     assert len(objs) == 1, r.kinds()
     return objs[0]
 
@@ -390,10 +404,18 @@ def check_mirror_pod(r: Rendered, node: bool, fullname: str = "larder") -> None:
         csc,
     )
     check(f"[{L}] no API token mounted", spec.get("automountServiceAccountToken") is False)
+    rewrite = next((i for i in spec.get("initContainers", []) if i["name"] == "listen-address"), None)
+    # With it, the node's IP is written into a copy of larder.toml at start.
+    config_file = "/run/larder/config/larder.toml" if rewrite else "/etc/larder/larder.toml"
     check(
         f"[{L}] args",
-        c["args"] == ["--config", "/etc/larder/larder.toml", "--log-format", "json"],
+        c["args"] == ["--config", config_file, "--log-format", "json"],
         c["args"],
+    )
+    check(
+        f"[{L}] Linux nodes only",
+        spec.get("nodeSelector", {}).get("kubernetes.io/os") == "linux",
+        spec.get("nodeSelector"),
     )
     env = {e["name"]: e.get("value") for e in c.get("env", [])}
     check(f"[{L}] RUST_LOG from logLevel", env.get("RUST_LOG") == "larder=info", env)
@@ -408,10 +430,22 @@ def check_mirror_pod(r: Rendered, node: bool, fullname: str = "larder") -> None:
         )
     res = c["resources"]
     check(
-        f"[{L}] resources 100m/128Mi requests, 512Mi limit",
-        res.get("requests") == {"cpu": "100m", "memory": "128Mi"} and res.get("limits", {}).get("memory") == "512Mi",
+        f"[{L}] resources 100m/320Mi requests, 512Mi limit",
+        res.get("requests") == {"cpu": "100m", "memory": "320Mi"} and res.get("limits", {}).get("memory") == "512Mi",
         res,
     )
+    loopback_admin = (
+        node
+        and spec.get("hostNetwork")
+        and r.toml(fullname)["server"]["admin_listen"].startswith("127.0.0.1:")
+        and not (rewrite and "s|^admin_listen" in rewrite["command"][2])
+    )
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        host = c[probe]["httpGet"].get("host")
+        if loopback_admin:
+            check(f"[{L}] {probe} on 127.0.0.1 (admin on the node's loopback)", host == "127.0.0.1", host)
+        else:
+            check(f"[{L}] {probe} on the pod's IP", host is None, host)
 
     conf = r.toml(fullname)
     grace = duration_seconds(conf["server"]["shutdown_grace"])
@@ -457,17 +491,24 @@ def check_mirror_pod(r: Rendered, node: bool, fullname: str = "larder") -> None:
     check(f"[{L}] selector matches pod labels", subset(sel, pod["metadata"]["labels"]), sel)
     svc = r.get("Service", fullname)
     check(f"[{L}] Service selects the larder pods", subset(svc["spec"]["selector"], pod["metadata"]["labels"]))
-    check(f"[{L}] Service type ClusterIP", svc["spec"]["type"] == "ClusterIP")
+    if "service type" not in L:
+        check(f"[{L}] Service type ClusterIP", svc["spec"]["type"] == "ClusterIP")
     sp = {p["name"]: p for p in svc["spec"]["ports"]}
     check(
-        f"[{L}] Service port 5000 -> registry",
-        sp.get("registry", {}).get("port") == 5000 and sp["registry"].get("targetPort") == "registry",
+        f"[{L}] Service: only port 5000 -> registry (no admin port)",
+        list(sp) == ["registry"] and sp["registry"]["port"] == 5000 and sp["registry"].get("targetPort") == "registry",
         sp,
     )
+    admin = r.get("Service", f"{fullname}-admin")
+    ap = {p["name"]: p for p in admin["spec"]["ports"]}
     check(
-        f"[{L}] Service port 9090 -> admin (named metrics)",
-        sp.get("metrics", {}).get("port") == 9090 and sp["metrics"].get("targetPort") == "admin",
-        sp,
+        f"[{L}] admin Service: ClusterIP, 9090 -> admin (named metrics), selects the larder pods",
+        admin["spec"]["type"] == "ClusterIP"
+        and list(ap) == ["metrics"]
+        and ap["metrics"]["port"] == 9090
+        and ap["metrics"].get("targetPort") == "admin"
+        and subset(admin["spec"]["selector"], pod["metadata"]["labels"]),
+        admin["spec"],
     )
     check(
         f"[{L}] {'DaemonSet' if node else 'StatefulSet'} in {'node' if node else 'deployment'} mode",
@@ -498,6 +539,7 @@ def check_defaults() -> None:
         == [
             "ConfigMap/larder",
             "Service/larder",
+            "Service/larder-admin",
             "Service/larder-headless",
             "ServiceAccount/larder",
             "StatefulSet/larder",
@@ -533,7 +575,7 @@ def check_defaults() -> None:
     conf = r.toml()
     check(
         "[default] larder.toml server section",
-        conf["server"] == {"listen": "0.0.0.0:5000", "admin_listen": "0.0.0.0:9090", "shutdown_grace": "25s"},
+        conf["server"] == {"listen": "[::]:5000", "admin_listen": "[::]:9090", "shutdown_grace": "25s"},
         conf["server"],
     )
     check(
@@ -541,7 +583,7 @@ def check_defaults() -> None:
         conf["cache"]
         == {
             "dir": "/var/lib/larder",
-            "max_size": "40GiB",
+            "max_size": "43520MiB",
             "high_watermark": 0.95,
             "low_watermark": 0.85,
             "memory": "256MiB",
@@ -580,7 +622,8 @@ def check_node_mode() -> None:
         return
     check(
         "[node+hostNetwork] objects",
-        r.kinds() == ["ConfigMap/larder", "DaemonSet/larder", "Service/larder", "ServiceAccount/larder"],
+        r.kinds()
+        == ["ConfigMap/larder", "DaemonSet/larder", "Service/larder", "Service/larder-admin", "ServiceAccount/larder"],
         r.kinds(),
     )
     check_mirror_pod(r, node=True)
@@ -598,37 +641,79 @@ def check_node_mode() -> None:
         reg.get("hostPort") == 5000 and reg["containerPort"] == 5000,
         reg,
     )
-    cache = volume(pod, "cache")
+    server = r.toml()["server"]
     check(
-        "[node+hostNetwork] cache on hostPath /var/lib/larder",
-        cache.get("hostPath") == {"path": "/var/lib/larder", "type": "DirectoryOrCreate"},
-        cache,
+        "[node+hostNetwork] admin on 127.0.0.1 only; registry address written at start (placeholder 127.0.0.1)",
+        server["admin_listen"] == "127.0.0.1:9090" and server["listen"] == "127.0.0.1:5000",
+        server,
     )
-    init = spec.get("initContainers", [])
+    init = [i["name"] for i in spec.get("initContainers", [])]
+    check("[node+hostNetwork] init container writes the node's IP as listen address", init == ["listen-address"], init)
     check(
-        "[node+hostNetwork] init container chowns the hostPath to 65532",
-        len(init) == 1
-        and init[0]["command"][:2] == ["/bin/sh", "-c"]
-        and "owner=65532:65532;" in init[0]["command"][2]
-        and 'chown -R "$owner" /var/lib/larder' in init[0]["command"][2]
-        and init[0]["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
-        and init[0]["securityContext"]["allowPrivilegeEscalation"] is False,
-        init,
+        "[node+hostNetwork] cache: emptyDir with a 10Gi sizeLimit (kubelet-counted)",
+        volume(pod, "cache") == {"name": "cache", "emptyDir": {"sizeLimit": "10Gi"}},
+        volume(pod, "cache"),
     )
-    if init:
-        # The script itself, on a temporary folder already owned by us: it
-        # must see the owner is right and exit 0 without chown.
-        with tempfile.TemporaryDirectory(prefix="larder-chown-") as tmp:
-            script = init[0]["command"][2].replace("/var/lib/larder", tmp)
-            script = script.replace("owner=65532:65532", f"owner={os.getuid()}:{os.getgid()}")
-            p = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=10)
-            check("[node+hostNetwork] chown script runs (owner already right)", p.returncode == 0, p.stderr)
+    check(
+        "[node+hostNetwork] max_size 85% of the emptyDir", r.toml()["cache"]["max_size"] == "8704MiB", r.toml()["cache"]
+    )
     check("[node+hostNetwork] no PVC", "volumeClaimTemplates" not in ds["spec"])
     check(
         "[node+hostNetwork] rolling update without surge (hostPort)",
         ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": 1},
     )
+    check(
+        "[node+hostNetwork] tolerates every taint (like nodeSetup)", spec.get("tolerations") == [{"operator": "Exists"}]
+    )
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    check(
+        "[node+hostNetwork] not on virtual-kubelet or Fargate nodes",
+        {"key": "type", "operator": "NotIn", "values": ["virtual-kubelet"]} in terms[0]["matchExpressions"]
+        and any(e["key"] == "eks.amazonaws.com/compute-type" for e in terms[0]["matchExpressions"]),
+        terms,
+    )
+    check("[node+hostNetwork] NOTES: admin Service has no reachable endpoints", "127.0.0.1 only" in r.notes)
     check_config("node+hostNetwork", r.toml_text())
+
+    r = render(
+        "node hostPath",
+        {"mode": "node", "node": {"cache": {"type": "hostPath"}}, "config": {"cache": {"maxSize": "30GiB"}}},
+    )
+    if r:
+        check_mirror_pod(r, node=True)
+        pod = r.get("DaemonSet", "larder")["spec"]["template"]
+        spec = pod["spec"]
+        cache = volume(pod, "cache")
+        check(
+            "[node hostPath] cache on hostPath /var/lib/larder, max_size as given",
+            cache.get("hostPath") == {"path": "/var/lib/larder", "type": "DirectoryOrCreate"}
+            and r.toml()["cache"]["max_size"] == "30GiB",
+            cache,
+        )
+        init = spec.get("initContainers", [])
+        check(
+            "[node hostPath] init container chowns the hostPath to 65532",
+            len(init) == 1
+            and init[0]["command"][:2] == ["/bin/sh", "-c"]
+            and "owner=65532:65532;" in init[0]["command"][2]
+            and 'chown -R "$owner" /var/lib/larder' in init[0]["command"][2]
+            and init[0]["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+            and init[0]["securityContext"]["allowPrivilegeEscalation"] is False,
+            init,
+        )
+        if init:
+            # The script itself, on a temporary folder already owned by us: it
+            # must see the owner is right and exit 0 without chown.
+            with tempfile.TemporaryDirectory(prefix="larder-chown-") as tmp:
+                script = init[0]["command"][2].replace("/var/lib/larder", tmp)
+                script = script.replace("owner=65532:65532", f"owner={os.getuid()}:{os.getgid()}")
+                p = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=10)
+                check("[node hostPath] chown script runs (owner already right)", p.returncode == 0, p.stderr)
+        check(
+            "[node hostPath] the registry hostPort on every node address (no node.hostIP), probes on the pod IP",
+            "hostIP" not in next(p for p in container(pod)["ports"] if p["name"] == "registry"),
+        )
+        check_config("node hostPath", r.toml_text())
 
     r = render(
         "node hostPort 5001 emptyDir",
@@ -645,10 +730,15 @@ def check_node_mode() -> None:
         )
         check("[node hostPort 5001 emptyDir] not on host network", "hostNetwork" not in pod["spec"])
         check(
-            "[node hostPort 5001 emptyDir] cache emptyDir 20Gi",
-            volume(pod, "cache") == {"name": "cache", "emptyDir": {"sizeLimit": "20Gi"}},
+            "[node hostPort 5001 emptyDir] cache emptyDir 20Gi, max_size 17408MiB",
+            volume(pod, "cache") == {"name": "cache", "emptyDir": {"sizeLimit": "20Gi"}}
+            and r.toml()["cache"]["max_size"] == "17408MiB",
         )
         check("[node hostPort 5001 emptyDir] no init container", not pod["spec"].get("initContainers"))
+        check(
+            "[node hostPort 5001 emptyDir] listeners on [::] in the pod",
+            r.toml()["server"]["listen"] == "[::]:5000" and r.toml()["server"]["admin_listen"] == "[::]:9090",
+        )
         check_config("node hostPort 5001 emptyDir", r.toml_text())
 
     r = render("node hostNetwork hostPort 5001", {"mode": "node", "node": {"hostNetwork": True, "hostPort": 5001}})
@@ -659,23 +749,48 @@ def check_node_mode() -> None:
         )
         check(
             "[node hostNetwork hostPort 5001] listens on 5001",
-            r.toml()["server"]["listen"] == "0.0.0.0:5001" and reg["containerPort"] == 5001 == reg["hostPort"],
+            r.toml()["server"]["listen"] == "127.0.0.1:5001" and reg["containerPort"] == 5001 == reg["hostPort"],
             reg,
         )
 
+    r = render("node.hostIP hostPort", {"mode": "node", "node": {"hostIP": "169.254.20.11"}})
+    if r:
+        check_mirror_pod(r, node=True)
+        reg = next(
+            p for p in container(r.get("DaemonSet", "larder")["spec"]["template"])["ports"] if p["name"] == "registry"
+        )
+        check(
+            "[node.hostIP hostPort] the hostPort published on 169.254.20.11 only",
+            reg.get("hostIP") == "169.254.20.11",
+            reg,
+        )
 
-def run_node_setup(label: str, cm: dict) -> dict[str, str]:
-    """Runs the rendered install.sh with /config and /host/certs.d moved to
-    temporary folders; returns {relative path: content} of what it wrote."""
-    with tempfile.TemporaryDirectory(prefix="larder-nodesetup-") as tmp:
-        conf, certs = Path(tmp, "config"), Path(tmp, "certs.d")
-        conf.mkdir()
-        for k, v in cm["data"].items():
-            (conf / k).write_text(v)
-        script = cm["data"]["install.sh"].replace("/host/certs.d", str(certs)).replace("/config/", f"{conf}/")
-        p = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=30)
-        check(f"[{label}] node setup script runs", p.returncode == 0, p.stderr)
-        return {str(f.relative_to(certs)): f.read_text() for f in certs.rglob("*") if f.is_file()}
+    r = render("node.hostIP hostNetwork", {"mode": "node", "node": {"hostIP": "169.254.20.11", "hostNetwork": True}})
+    if r:
+        check_mirror_pod(r, node=True)
+        spec = r.get("DaemonSet", "larder")["spec"]["template"]["spec"]
+        check(
+            "[node.hostIP hostNetwork] registry on 169.254.20.11, admin on 127.0.0.1, no runtime rewrite",
+            r.toml()["server"]["listen"] == "169.254.20.11:5000"
+            and r.toml()["server"]["admin_listen"] == "127.0.0.1:9090"
+            and not spec.get("initContainers"),
+            (r.toml()["server"], spec.get("initContainers")),
+        )
+
+    r = render(
+        "node adminOnHostIP + ServiceMonitor",
+        {"mode": "node", "node": {"hostNetwork": True, "adminOnHostIP": True}, "serviceMonitor": {"enabled": True}},
+    )
+    if r:
+        spec = r.get("DaemonSet", "larder")["spec"]["template"]["spec"]
+        script = spec["initContainers"][0]["command"][2]
+        check(
+            "[node adminOnHostIP] the admin address is written at start too, probes on the pod (= node) IP",
+            "admin_listen = " in script
+            and container(r.get("DaemonSet", "larder")["spec"]["template"])["livenessProbe"]["httpGet"].get("host")
+            is None,
+            script,
+        )
 
 
 def check_extras() -> None:
@@ -683,7 +798,9 @@ def check_extras() -> None:
         "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
         "podDisruptionBudget": {"enabled": True},
         "nodeSetup": {"enabled": True},
+        "service": {"clusterIP": "10.96.0.50"},
         "grafanaDashboard": {"enabled": True},
+        "networkPolicy": {"enabled": True},
     }
     r = render("extras", values)
     if not r:
@@ -694,11 +811,17 @@ def check_extras() -> None:
         == [
             "ConfigMap/larder",
             "ConfigMap/larder-dashboard",
+            "ConfigMap/larder-node-cleanup",
             "ConfigMap/larder-node-setup",
+            "DaemonSet/larder-node-cleanup",
             "DaemonSet/larder-node-setup",
+            "NetworkPolicy/larder",
+            "Pod/larder-node-cleanup-wait",
             "PodDisruptionBudget/larder",
             "Service/larder",
+            "Service/larder-admin",
             "Service/larder-headless",
+            "Service/larder-node-cleanup",
             "ServiceAccount/larder",
             "ServiceMonitor/larder",
             "StatefulSet/larder",
@@ -722,7 +845,11 @@ def check_extras() -> None:
         s for s in r.of_kind("Service") if subset(sm["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
     ]
     with_metrics = [s["metadata"]["name"] for s in services if any(p["name"] == "metrics" for p in s["spec"]["ports"])]
-    check("[extras] exactly one selected Service has a 'metrics' port", with_metrics == ["larder"], with_metrics)
+    check(
+        "[extras] exactly one selected Service has a 'metrics' port: the admin one",
+        with_metrics == ["larder-admin"],
+        with_metrics,
+    )
 
     pdb = r.get("PodDisruptionBudget", "larder")
     sel = pdb["spec"]["selector"]["matchLabels"]
@@ -739,22 +866,37 @@ def check_extras() -> None:
     check("[extras] node setup selector matches its pods", subset(ns_ds["spec"]["selector"]["matchLabels"], ns_labels))
 
     spec = ns_ds["spec"]["template"]["spec"]
-    certs = volume(ns_ds["spec"]["template"], "certs-d")
+    hosts = volume(ns_ds["spec"]["template"], "containerd-hosts")
+    config = volume(ns_ds["spec"]["template"], "containerd-config")
     check(
-        "[extras] node setup mounts /etc/containerd/certs.d",
-        certs.get("hostPath") == {"path": "/etc/containerd/certs.d", "type": "DirectoryOrCreate"},
-        certs,
+        "[extras] node setup mounts /etc/containerd/certs.d, and /etc/containerd read-only",
+        hosts.get("hostPath") == {"path": "/etc/containerd/certs.d", "type": "DirectoryOrCreate"}
+        and config.get("hostPath") == {"path": "/etc/containerd", "type": "Directory"},
+        (hosts, config),
     )
     init = spec["initContainers"][0]
     check(
         "[extras] node setup init container runs the script with busybox",
-        init["image"] == "busybox:1.36.1" and init["command"] == ["/bin/sh", "/config/install.sh"],
+        init["image"] == "busybox:1.36.1" and init["command"] == ["/bin/sh", "/opt/larder/containerd-hosts.sh"],
         init,
     )
+    config_mount = next(m for m in init["volumeMounts"] if m["name"] == "containerd-config")
+    check("[extras] containerd's config mounted read-only", config_mount.get("readOnly") is True, config_mount)
     check(
-        "[extras] node setup init container has no capabilities",
+        "[extras] node setup init container has no capabilities, its failure reason is the termination message",
         init["securityContext"]["capabilities"] == {"drop": ["ALL"]}
-        and init["securityContext"]["allowPrivilegeEscalation"] is False,
+        and init["securityContext"]["allowPrivilegeEscalation"] is False
+        and init.get("terminationMessagePolicy") == "FallbackToLogsOnError",
+    )
+    env = {e["name"]: e.get("value") for e in init["env"]}
+    check(
+        "[extras] deployment mode: the Service's cluster IP as mirror, dial_timeout 1s, prepend",
+        env.get("LARDER_MIRRORS") == "http://10.96.0.50:5000"
+        and env.get("LARDER_DIAL_TIMEOUT") == "1s"
+        and env.get("LARDER_EXISTING") == "prepend"
+        and env.get("LARDER_UPSTREAMS")
+        == "docker.io https://registry-1.docker.io\nghcr.io https://ghcr.io\nquay.io https://quay.io\nregistry.k8s.io https://registry.k8s.io",
+        env,
     )
     pause = spec["containers"][0]
     check(
@@ -762,35 +904,86 @@ def check_extras() -> None:
         pause["securityContext"]["runAsNonRoot"] is True and "sleep" in pause["command"][-1],
     )
     check("[extras] node setup tolerates every taint", spec.get("tolerations") == [{"operator": "Exists"}])
+    check("[extras] node setup on Linux nodes only", spec.get("nodeSelector") == {"kubernetes.io/os": "linux"})
+    exprs = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
+        "matchExpressions"
+    ]
+    check(
+        "[extras] node setup not on virtual-kubelet nodes",
+        {"key": "type", "operator": "NotIn", "values": ["virtual-kubelet"]} in exprs,
+        exprs,
+    )
+    check(
+        "[extras] node setup pods restart when the script changes",
+        "checksum/script" in ns_ds["spec"]["template"]["metadata"]["annotations"],
+    )
+    script = (CHART / "files" / "containerd-hosts.sh").read_text()
+    check(
+        "[extras] the ConfigMap holds files/containerd-hosts.sh",
+        r.get("ConfigMap", "larder-node-setup")["data"]["containerd-hosts.sh"] == script,
+    )
 
-    cm = r.get("ConfigMap", "larder-node-setup")
-    mirror = "http://larder.cache.svc.cluster.local:5000"
-    upstreams = r.toml()["upstream"]
-    for i, u in enumerate(upstreams):
-        hosts = tomllib.loads(cm["data"][f"upstream-{i}.hosts.toml"])
+    # The uninstall cleanup: post-delete hooks, the wait Pod after the DaemonSet.
+    weights = {}
+    for kind, name in (
+        ("ConfigMap", "larder-node-cleanup"),
+        ("Service", "larder-node-cleanup"),
+        ("DaemonSet", "larder-node-cleanup"),
+        ("Pod", "larder-node-cleanup-wait"),
+    ):
+        a = r.get(kind, name)["metadata"]["annotations"]
+        weights[name, kind] = int(a.get("helm.sh/hook-weight", 0))
         check(
-            f"[extras] hosts.toml for {u['name']}: server {u['url']}, mirror {mirror} pull+resolve",
-            hosts == {"server": u["url"], "host": {mirror: {"capabilities": ["pull", "resolve"]}}},
-            hosts,
+            f"[extras] {kind}/{name}: a post-delete hook, deleted when it succeeded",
+            a.get("helm.sh/hook") == "post-delete" and "hook-succeeded" in a.get("helm.sh/hook-delete-policy", ""),
+            a,
         )
-    written = run_node_setup("extras", cm)
-    expected = {f"{u['name']}/hosts.toml" for u in upstreams}
     check(
-        "[extras] node setup writes <certs.d>/<upstream>/hosts.toml for each upstream",
-        set(written) == expected,
-        sorted(written),
+        "[extras] cleanup order: script ConfigMap, then DaemonSet and Service, then the wait Pod",
+        weights[("larder-node-cleanup", "ConfigMap")]
+        < weights[("larder-node-cleanup", "DaemonSet")]
+        < weights[("larder-node-cleanup-wait", "Pod")],
+        weights,
+    )
+    cleanup = r.get("DaemonSet", "larder-node-cleanup")["spec"]["template"]["spec"]
+    cenv = {e["name"]: e.get("value") for e in cleanup["initContainers"][0]["env"]}
+    check(
+        "[extras] the cleanup DaemonSet runs the script in cleanup mode on the node setup's nodes",
+        cenv.get("LARDER_MODE") == "cleanup"
+        and cleanup.get("tolerations") == spec.get("tolerations")
+        and cleanup.get("nodeSelector") == spec.get("nodeSelector"),
+        cenv,
+    )
+    wait = r.get("Pod", "larder-node-cleanup-wait")["spec"]["containers"][0]["command"][2]
+    check(
+        "[extras] the wait Pod polls the cleanup pods through the headless Service",
+        "larder-node-cleanup.cache.svc.cluster.local" in wait,
+    )
+    p = subprocess.run(["sh", "-n", "-c", wait], capture_output=True, text=True)
+    check("[extras] the wait Pod's script parses (sh -n)", p.returncode == 0, p.stderr)
+
+    np_ = r.get("NetworkPolicy", "larder")["spec"]
+    ingress = np_["ingress"]
+    check(
+        "[extras] NetworkPolicy: the registry port from anywhere",
+        ingress[0] == {"ports": [{"port": "registry", "protocol": "TCP"}]},
+        ingress[0],
     )
     check(
-        "[extras] installed hosts.toml files are the rendered ones",
-        all(
-            written.get(f"{u['name']}/hosts.toml") == cm["data"][f"upstream-{i}.hosts.toml"]
-            for i, u in enumerate(upstreams)
-        ),
+        "[extras] NetworkPolicy: the admin port from the monitoring namespace and this release's pods only",
+        ingress[1]["ports"] == [{"port": "admin", "protocol": "TCP"}]
+        and ingress[1]["from"]
+        == [
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},
+            {
+                "podSelector": {
+                    "matchLabels": {"app.kubernetes.io/name": "larder", "app.kubernetes.io/instance": "larder"}
+                }
+            },
+        ],
+        ingress[1],
     )
-    check(
-        "[extras] node setup pods restart on config change",
-        "checksum/config" in ns_ds["spec"]["template"]["metadata"]["annotations"],
-    )
+    check("[extras] NetworkPolicy selects the larder pods", subset(np_["podSelector"]["matchLabels"], pod_labels))
 
     dash = r.get("ConfigMap", "larder-dashboard")
     check(
@@ -800,36 +993,124 @@ def check_extras() -> None:
     check(
         "[extras] dashboard ConfigMap holds dashboards/larder.json", json.loads(dash["data"]["larder.json"]) == shipped
     )
-    check("[extras] NOTES warn about cluster DNS on nodes", "WARNING" in r.notes)
     check_config("extras", r.toml_text())
-
-    r = render("nodeSetup via clusterIP", {"nodeSetup": {"enabled": True}, "service": {"clusterIP": "10.96.0.50"}})
-    if r:
-        cm = r.get("ConfigMap", "larder-node-setup")
-        hosts = tomllib.loads(cm["data"]["upstream-1.hosts.toml"])
-        check(
-            "[nodeSetup via clusterIP] mirror http://10.96.0.50:5000",
-            list(hosts["host"]) == ["http://10.96.0.50:5000"],
-            hosts,
-        )
-        check(
-            "[nodeSetup via clusterIP] Service clusterIP fixed",
-            r.get("Service", "larder")["spec"].get("clusterIP") == "10.96.0.50",
-        )
 
     r = render(
         "node+nodeSetup",
         {"mode": "node", "node": {"hostPort": 5050}, "nodeSetup": {"enabled": True, "certsDir": "/etc/k8s/certs.d"}},
     )
     if r:
-        cm = r.get("ConfigMap", "larder-node-setup")
-        hosts = tomllib.loads(cm["data"]["upstream-0.hosts.toml"])
-        check("[node+nodeSetup] mirror http://127.0.0.1:5050", list(hosts["host"]) == ["http://127.0.0.1:5050"], hosts)
-        ds = r.get("DaemonSet", "larder-node-setup")
+        check(
+            "[node+nodeSetup] no separate node setup DaemonSet: the larder DaemonSet's own init container writes",
+            [d["metadata"]["name"] for d in r.of_kind("DaemonSet")] == ["larder", "larder-node-cleanup"],
+            r.kinds(),
+        )
+        pod = r.get("DaemonSet", "larder")["spec"]["template"]
+        init = {i["name"]: i for i in pod["spec"]["initContainers"]}
+        env = {e["name"]: e.get("value") for e in init["containerd-hosts"]["env"]}
+        check("[node+nodeSetup] mirror: each node's own IP", env.get("LARDER_MIRRORS") == "http://{nodeIP}:5050", env)
+        check(
+            "[node+nodeSetup] HOST_IP from status.hostIP",
+            {"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}
+            in init["containerd-hosts"]["env"],
+        )
         check(
             "[node+nodeSetup] certsDir from values",
-            volume(ds["spec"]["template"], "certs-d")["hostPath"]["path"] == "/etc/k8s/certs.d",
+            volume(pod, "containerd-hosts")["hostPath"]["path"] == "/etc/k8s/certs.d"
+            and env.get("LARDER_HOSTS_DIR") == "/etc/k8s/certs.d",
         )
+        check(
+            "[node+nodeSetup] larder pods restart when the script changes",
+            "checksum/node-setup-script" in pod["metadata"]["annotations"],
+        )
+        cleanup = r.get("DaemonSet", "larder-node-cleanup")["spec"]["template"]["spec"]
+        check(
+            "[node+nodeSetup] the cleanup runs where larder ran",
+            cleanup.get("tolerations") == pod["spec"].get("tolerations")
+            and cleanup.get("affinity") == pod["spec"].get("affinity"),
+        )
+        check_mirror_pod(r, node=True)
+
+    r = render(
+        "node fallback NodePort, excluded upstream",
+        {
+            "mode": "node",
+            "node": {"fallbackMirror": True},
+            "service": {"type": "NodePort", "nodePort": 30500, "trafficDistribution": "PreferSameNode"},
+            "nodeSetup": {"enabled": True, "excludeUpstreams": ["quay.io"]},
+        },
+    )
+    if r:
+        init = r.get("DaemonSet", "larder")["spec"]["template"]["spec"]["initContainers"][0]
+        env = {e["name"]: e.get("value") for e in init["env"]}
+        check(
+            "[node fallback NodePort] mirrors: the node's larder, then the NodePort on the node's IP",
+            env.get("LARDER_MIRRORS") == "http://{nodeIP}:5000\nhttp://{nodeIP}:30500",
+            env.get("LARDER_MIRRORS"),
+        )
+        check(
+            "[node fallback NodePort] quay.io excluded",
+            "quay.io" not in env.get("LARDER_UPSTREAMS", ""),
+            env.get("LARDER_UPSTREAMS"),
+        )
+        svc = r.get("Service", "larder")["spec"]
+        check(
+            "[node fallback NodePort] Service: NodePort 30500, PreferSameNode",
+            svc["ports"][0].get("nodePort") == 30500 and svc.get("trafficDistribution") == "PreferSameNode",
+            svc,
+        )
+
+    r = render("no cleanup hook", {"mode": "node", "nodeSetup": {"enabled": True, "cleanupOnUninstall": False}})
+    if r:
+        check("[no cleanup hook] nodeSetup.cleanupOnUninstall=false: no hooks", not r.of_kind("Pod"), r.kinds())
+
+
+def check_exposure() -> None:
+    """Item 3: the admin port never on a public Service; TLS and client auth."""
+    r = render("service type LoadBalancer", {"service": {"type": "LoadBalancer"}})
+    if r:
+        svc = r.get("Service", "larder")["spec"]
+        check(
+            "[service type LoadBalancer] the LoadBalancer carries the registry port only",
+            svc["type"] == "LoadBalancer" and [p["name"] for p in svc["ports"]] == ["registry"],
+            svc,
+        )
+        check(
+            "[service type LoadBalancer] the admin Service stays ClusterIP",
+            r.get("Service", "larder-admin")["spec"]["type"] == "ClusterIP",
+        )
+    r = render(
+        "TLS and client auth",
+        {
+            "config": {
+                "tls": {"enabled": True, "existingSecret": "larder-tls"},
+                "auth": {"enabled": True, "existingSecret": "larder-htpasswd", "htpasswdKey": "users"},
+            }
+        },
+    )
+    if r:
+        check_mirror_pod(r, node=False)
+        conf = r.toml()["server"]
+        check(
+            "[TLS and client auth] [server.tls] and [server.auth] in larder.toml",
+            conf.get("tls") == {"cert": "/run/larder/tls/tls.crt", "key": "/run/larder/tls/tls.key"}
+            and conf.get("auth") == {"htpasswd": "/run/larder/auth/htpasswd", "realm": "larder"},
+            conf,
+        )
+        pod = r.get("StatefulSet", "larder")["spec"]["template"]
+        c = container(pod)
+        tls, auth = volume(pod, "tls")["secret"], volume(pod, "auth")["secret"]
+        check(
+            "[TLS and client auth] Secrets mounted where larder.toml says (no subPath: updates reach larder)",
+            tls["secretName"] == "larder-tls"
+            and [i["path"] for i in tls["items"]] == ["tls.crt", "tls.key"]
+            and auth["items"] == [{"key": "users", "path": "htpasswd"}]
+            and mount(c, "/run/larder/tls")["readOnly"] is True
+            and mount(c, "/run/larder/auth")["readOnly"] is True
+            and all("subPath" not in m for m in c["volumeMounts"]),
+        )
+        check("[TLS and client auth] NOTES: https", "https://larder.cache.svc" in r.notes)
+        check_config("TLS and client auth", r.toml_text())
 
 
 def check_credentials() -> None:
@@ -990,24 +1271,28 @@ def check_persistence() -> None:
 
 def check_pdb_and_bind() -> None:
     r = render(
-        "PDB minAvailable, IPv6 bind",
-        {"podDisruptionBudget": {"enabled": True, "minAvailable": "50%"}, "config": {"bindAddress": "[::]"}},
+        "PDB minAvailable 50% of 3, IPv4 bind",
+        {
+            "replicaCount": 3,
+            "podDisruptionBudget": {"enabled": True, "minAvailable": "50%"},
+            "config": {"bindAddress": "0.0.0.0"},
+        },
     )
     if r:
         spec = r.get("PodDisruptionBudget", "larder")["spec"]
         check(
-            "[PDB minAvailable, IPv6 bind] minAvailable 50%, no maxUnavailable",
+            "[PDB minAvailable 50% of 3, IPv4 bind] minAvailable 50%, no maxUnavailable",
             spec.get("minAvailable") == "50%" and "maxUnavailable" not in spec,
             spec,
         )
         server = r.toml()["server"]
         check(
-            "[PDB minAvailable, IPv6 bind] listeners on [::]",
-            server["listen"] == "[::]:5000" and server["admin_listen"] == "[::]:9090",
+            "[PDB minAvailable 50% of 3, IPv4 bind] listeners on 0.0.0.0",
+            server["listen"] == "0.0.0.0:5000" and server["admin_listen"] == "0.0.0.0:9090",
             server,
         )
         check_mirror_pod(r, node=False)
-        check_config("PDB minAvailable, IPv6 bind", r.toml_text())
+        check_config("PDB minAvailable 50% of 3, IPv4 bind", r.toml_text())
 
 
 def check_grace() -> None:
@@ -1055,6 +1340,108 @@ def check_refused() -> None:
         ),
         ("watermark above 1", {"config": {"cache": {"highWatermark": 1.5}}}, "highWatermark"),
         ("unknown node cache type", {"mode": "node", "node": {"cache": {"type": "nfs"}}}, "type"),
+        # Node disks and memory (item 4).
+        (
+            "node hostPath without maxSize",
+            {"mode": "node", "node": {"cache": {"type": "hostPath"}}},
+            "config.cache.maxSize is required with node.cache.type=hostPath",
+        ),
+        (
+            "node emptyDir without sizeLimit",
+            {"mode": "node", "node": {"cache": {"emptyDirSizeLimit": ""}}},
+            "node.cache.emptyDirSizeLimit is required",
+        ),
+        (
+            "maxSize above the PVC",
+            {"config": {"cache": {"maxSize": "60GiB"}}},
+            "must be below the cache volume's size (50Gi)",
+        ),
+        (
+            "maxSize above the emptyDir",
+            {"mode": "node", "config": {"cache": {"maxSize": "12GiB"}}},
+            "must be below the cache volume's size (10Gi)",
+        ),
+        (
+            "emptyDir without sizeLimit or maxSize",
+            {"persistence": {"enabled": False}},
+            "config.cache.maxSize is required when persistence.enabled=false",
+        ),
+        ("maxSize not a size", {"config": {"cache": {"maxSize": "lots"}}}, "maxSize"),
+        (
+            "cache.memory over the memory request",
+            {"config": {"cache": {"memory": "300MiB"}}},
+            "resources.requests.memory",
+        ),
+        (
+            "cache.memory over the memory limit",
+            {
+                "config": {"cache": {"memory": "448MiB"}},
+                "resources": {"requests": {"memory": "1Gi"}, "limits": {"memory": "512Mi"}},
+            },
+            "resources.limits.memory",
+        ),
+        # Mirror addresses nodes cannot reach (items 2 and 8).
+        ("deployment nodeSetup without a reachable address", {"nodeSetup": {"enabled": True}}, "service.clusterIP"),
+        (
+            "fallbackMirror without a reachable address",
+            {"mode": "node", "node": {"fallbackMirror": True}, "nodeSetup": {"enabled": True}},
+            "node.fallbackMirror",
+        ),
+        (
+            "fallbackMirror with internalTrafficPolicy Local",
+            {
+                "mode": "node",
+                "node": {"fallbackMirror": True},
+                "service": {"clusterIP": "10.96.0.5", "internalTrafficPolicy": "Local"},
+            },
+            "internalTrafficPolicy",
+        ),
+        ("unknown distribution", {"nodeSetup": {"distribution": "microk8s"}}, "distribution"),
+        ("unknown existingHosts policy", {"nodeSetup": {"existingHosts": "merge"}}, "existingHosts"),
+        (
+            "excluding an unknown upstream",
+            {"nodeSetup": {"excludeUpstreams": ["docker.com"]}},
+            "is not the name of an upstream",
+        ),
+        # Exposure and credentials (items 3 and 10).
+        (
+            "ServiceMonitor with a loopback admin port",
+            {"mode": "node", "node": {"hostNetwork": True}, "serviceMonitor": {"enabled": True}},
+            "adminOnHostIP",
+        ),
+        ("TLS without a Secret", {"config": {"tls": {"enabled": True}}}, "config.tls.existingSecret"),
+        ("client auth without a Secret", {"config": {"auth": {"enabled": True}}}, "config.auth.existingSecret"),
+        (
+            "client auth with nodeSetup but no credentials for containerd",
+            {
+                "config": {"auth": {"enabled": True, "existingSecret": "h"}},
+                "nodeSetup": {"enabled": True},
+                "service": {"clusterIP": "10.96.0.5"},
+            },
+            "mirrorCredentials",
+        ),
+        # Budgets that block drains (item 11).
+        ("PDB in node mode", {"mode": "node", "podDisruptionBudget": {"enabled": True}}, "DaemonSet"),
+        (
+            "PDB minAvailable 1 with 1 replica",
+            {"podDisruptionBudget": {"enabled": True, "minAvailable": 1}},
+            "never allows an eviction",
+        ),
+        (
+            "PDB minAvailable 50% with 1 replica",
+            {"podDisruptionBudget": {"enabled": True, "minAvailable": "50%"}},
+            "never allows an eviction",
+        ),
+        (
+            "PDB minAvailable 3 with 3 replicas",
+            {"replicaCount": 3, "podDisruptionBudget": {"enabled": True, "minAvailable": 3}},
+            "never allows an eviction",
+        ),
+        (
+            "PDB maxUnavailable 0",
+            {"podDisruptionBudget": {"enabled": True, "maxUnavailable": 0}},
+            "never allows an eviction",
+        ),
     ]
     for label, values, needle in cases:
         err = render_error(values)
@@ -1131,6 +1518,9 @@ def check_docs() -> None:
         "labels",
         "annotations",
         "retentionPolicy",
+        "nodeSelector",
+        "affinity",
+        "metricsNamespaceSelector",
     }
 
     def keys(d: dict, prefix: str = ""):
@@ -1155,15 +1545,19 @@ def _has_key(d: dict, dotted: str) -> bool:
     return True
 
 
-def main() -> int:
-    global LARDER
-    start = time.monotonic()
-    # Helm's own log lines (e.g. each `fail` the refused cases trigger) go
-    # nowhere; errors still arrive as exceptions.
+def quiet_helm() -> None:
+    """Helm's own log lines (e.g. each `fail` the refused cases trigger) go
+    nowhere; errors still arrive as exceptions."""
     helm_log = logging.getLogger("larder-chart-test.helm")
     helm_log.addHandler(logging.NullHandler())
     helm_log.propagate = False
     helm_python.enable_logging(logging.CRITICAL, helm_log)
+
+
+def main() -> int:
+    global LARDER
+    start = time.monotonic()
+    quiet_helm()
     LARDER = larder_bin()
     check("larder binary available", LARDER is not None, os.environ.get("LARDER_BIN", "target/debug/larder"))
     for scenario in (
@@ -1172,6 +1566,7 @@ def main() -> int:
         check_node_mode,
         check_extras,
         check_credentials,
+        check_exposure,
         check_persistence,
         check_pdb_and_bind,
         check_grace,

@@ -4,7 +4,8 @@
 #      (distribution as the origin registry, skopeo, containerd, dockerd);
 #      nothing is started through systemd: each test starts its own;
 #   2. checks formatting and lints;
-#   3. runs every unit and integration test, then the Helm chart's test.
+#   3. runs every unit and integration test, then the Helm chart's tests
+#      (rendering, and the node setup script against a real containerd).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,6 +14,9 @@ command -v docker-registry >/dev/null || need+=(docker-registry)
 command -v skopeo >/dev/null || need+=(skopeo)
 command -v containerd >/dev/null || need+=(containerd)
 command -v dockerd >/dev/null || need+=(docker.io)
+# The chart's node setup script runs under busybox in its tests, and is linted.
+command -v busybox >/dev/null || need+=(busybox)
+command -v shellcheck >/dev/null || need+=(shellcheck)
 if ((${#need[@]})); then
   echo "tests/run.sh: installing ${need[*]}"
   sudo=""
@@ -22,11 +26,13 @@ if ((${#need[@]})); then
 fi
 
 # The Helm chart is rendered, linted and validated with Helm's own engine
-# (bundled in helm-python-sdk) and the Kubernetes schemas.
+# (bundled in helm-python-sdk) and the Kubernetes schemas; grpcio calls
+# containerd's CRI PullImage in the node setup test.
 python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
-  helm-python-sdk kubernetes-validate pyyaml
+  helm-python-sdk kubernetes-validate pyyaml grpcio
 
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings
 cargo test --all-targets --locked "$@"
 LARDER_BIN=target/debug/larder python3 charts/test_chart.py
+LARDER_BIN=target/debug/larder python3 charts/test_nodesetup.py

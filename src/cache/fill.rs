@@ -16,7 +16,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
 use http_body_util::{BodyExt, StreamBody};
-use hyper::body::{Frame, Incoming};
+use hyper::body::Frame;
 use tokio::sync::watch;
 
 use crate::blocking::blocking;
@@ -251,28 +251,65 @@ impl Slot {
 /// What a fill's body may be.
 #[derive(Clone, Copy, Debug)]
 pub struct Bounds {
-    /// Upstream's `Content-Length`, if it sent one: the body must be exactly this long.
+    /// The blob's whole size, if its source said: the bytes written, from
+    /// the first source and any that resumed it, must add up to exactly this.
     pub declared: Option<u64>,
-    /// The most bytes written before the fill is aborted, whatever upstream
-    /// declared (a chunked body has no length to hold it to).
+    /// The most bytes written before the fill is aborted, whatever the
+    /// source declared (a chunked body has no length to hold it to).
     pub limit: u64,
     /// Longest pause between two chunks.
     pub idle: Duration,
 }
 
-/// Streams a blob body from upstream into `writer`, publishing progress,
-/// and checks the length against the `bounds`. Returns the writer at EOF.
+/// A copy that stopped short.
+pub struct Interrupted {
+    pub error: Error,
+    /// What was written and hashed so far, when the source failed (it
+    /// broke, stalled or ended early): another source can resume from
+    /// `writer.written()`. `None` when the failure was the fill's own (the
+    /// disk) or the source broke a bound, which no other source mends.
+    pub writer: Option<Writer>,
+}
+
+impl std::fmt::Debug for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let written = self.writer.as_ref().map(Writer::written);
+        f.debug_struct("Interrupted").field("error", &self.error).field("written", &written).finish()
+    }
+}
+
+impl Interrupted {
+    fn fatal(error: Error) -> Interrupted {
+        Interrupted { error, writer: None }
+    }
+}
+
+/// The source's part in an interruption: its error, and the writer to
+/// resume with once its write in flight (if any) has landed.
+async fn resumable(error: Error, slot: Slot) -> Interrupted {
+    match slot.settle().await {
+        Ok(writer) => Interrupted { error, writer: Some(writer) },
+        Err(write_error) => Interrupted::fatal(write_error),
+    }
+}
+
+/// Streams a blob body into `writer` (which may already hold the start of
+/// the blob, from a source that failed), publishing progress, and checks
+/// the length against the `bounds`. The first `skip` bytes of `body` are
+/// dropped (a source that answered a range request with the whole blob).
+/// Returns the writer at EOF.
 ///
-/// One chunk is written and hashed while the next is read from upstream,
-/// so hashing overlaps the network instead of adding to it; chunks stay in
-/// order because at most one write is in flight.
+/// One chunk is written and hashed while the next is read, so hashing
+/// overlaps the network instead of adding to it; chunks stay in order
+/// because at most one write is in flight.
 pub async fn copy_body(
-    mut body: Incoming,
+    mut body: Body,
     writer: Writer,
+    mut skip: u64,
     bounds: Bounds,
     tx: &watch::Sender<Progress>,
     received: &prometheus::IntCounter,
-) -> Result<Writer, Error> {
+) -> Result<Writer, Interrupted> {
     let Bounds { declared, limit, idle } = bounds;
     let publish = |written: u64| {
         tx.send_modify(|p| {
@@ -285,8 +322,8 @@ pub async fn copy_body(
     loop {
         // Read the next chunk; a write finishing meanwhile is published at
         // once, so followers see bytes as soon as they are on disk even
-        // while upstream stalls.
-        let (chunk, eof) = {
+        // while the source stalls.
+        let (mut chunk, eof) = {
             let next = next_chunk(&mut body, idle);
             tokio::pin!(next);
             loop {
@@ -298,28 +335,42 @@ pub async fn copy_body(
                     Slot::Idle(_) => Step::Read((&mut next).await),
                 };
                 match step {
-                    Step::Read(read) => break read?,
+                    Step::Read(Ok(read)) => break read,
+                    Step::Read(Err(e)) => return Err(resumable(e, slot).await),
                     Step::Wrote(done) => {
-                        let writer = done.map_err(|e| Error::Internal(format!("fill write task failed: {e}")))??;
+                        let writer = match done {
+                            Ok(Ok(writer)) => writer,
+                            Ok(Err(e)) => return Err(Interrupted::fatal(e)),
+                            Err(e) => {
+                                let e = Error::Internal(format!("fill write task failed: {e}"));
+                                return Err(Interrupted::fatal(e));
+                            }
+                        };
                         publish(writer.written());
                         slot = Slot::Idle(writer);
                     }
                 }
             }
         };
-        let writer = slot.settle().await?;
+        if skip > 0 {
+            let dropped = skip.min(chunk.len() as u64);
+            skip -= dropped;
+            chunk = chunk.slice(dropped as usize..);
+        }
+        let writer = slot.settle().await.map_err(Interrupted::fatal)?;
         publish(writer.written());
         slot = if chunk.is_empty() {
             Slot::Idle(writer)
         } else {
             if declared.is_some_and(|d| writer.written() + chunk.len() as u64 > d) {
-                return Err(UpstreamError::Protocol("blob body is longer than its Content-Length".into()).into());
+                let e = UpstreamError::Protocol("blob body is longer than its Content-Length".into());
+                return Err(Interrupted::fatal(e.into()));
             }
             if writer.written() + chunk.len() as u64 > limit {
-                return Err(UpstreamError::Protocol(format!(
+                let e = UpstreamError::Protocol(format!(
                     "blob body is longer than the {limit} bytes allowed (its manifest's size, or cache.max_blob_size)"
-                ))
-                .into());
+                ));
+                return Err(Interrupted::fatal(e.into()));
             }
             received.inc_by(chunk.len() as u64);
             Slot::Busy(tokio::spawn(writer.write(chunk)))
@@ -328,18 +379,19 @@ pub async fn copy_body(
             break;
         }
     }
-    let writer = slot.settle().await?;
+    let writer = slot.settle().await.map_err(Interrupted::fatal)?;
     publish(writer.written());
     if let Some(d) = declared.filter(|d| *d != writer.written()) {
         let got = writer.written();
-        return Err(UpstreamError::Protocol(format!("blob body ended after {got} of {d} bytes")).into());
+        let e = UpstreamError::Protocol(format!("blob body ended after {got} of {d} bytes"));
+        return Err(Interrupted { error: e.into(), writer: Some(writer) });
     }
     Ok(writer)
 }
 
 /// Waits for the next data frame, then takes the frames already buffered
 /// behind it, up to [`WRITE_CHUNK`]. Returns the bytes and whether the body ended.
-async fn next_chunk(body: &mut Incoming, idle: Duration) -> Result<(Bytes, bool), Error> {
+async fn next_chunk(body: &mut Body, idle: Duration) -> Result<(Bytes, bool), Error> {
     let mut buf = BytesMut::new();
     let first = match tokio::time::timeout(idle, body.frame()).await {
         Err(_) => return Err(UpstreamError::Timeout("blob body stalled").into()),

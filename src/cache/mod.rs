@@ -10,6 +10,7 @@ mod memory;
 mod pread;
 pub mod prefetch;
 mod reconcile;
+pub mod source;
 
 use std::fs::File;
 use std::sync::Arc;
@@ -33,6 +34,7 @@ use evict::{Evictor, Limits};
 use fill::{Attach, Fills, Progress, Writer};
 use index::{Entry, Index, Kind};
 use memory::{Memory, TagEntry};
+use source::{Source, SourceBody, Unavailable};
 
 /// How a request was served; a label for metrics and logs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -788,8 +790,44 @@ impl Cache {
         self.memory.declared_size(&member_key(upstream, repo, digest)).unwrap_or(self.config.max_blob_size)
     }
 
-    /// Streams one blob from upstream into a temp file, verifies size and
-    /// digest, and commits it: fsync, rename, then the index row.
+    /// The sources of a fill, in the order they are tried.
+    fn fill_sources(&self) -> Vec<Source> {
+        vec![Source::Upstream]
+    }
+
+    /// Opens `source` for `digest` from byte `offset`.
+    async fn open_source(
+        &self,
+        source: Source,
+        upstream: &Upstream,
+        repo: &RepoName,
+        digest: &Digest,
+        offset: u64,
+    ) -> Result<SourceBody, Unavailable> {
+        match source {
+            Source::Upstream => {
+                let opened = upstream.get_blob(repo, digest).await.map_err(|e| Unavailable::Final(e.into()))?;
+                let Opened { response, permit } = opened.ok_or(Unavailable::Final(Error::BlobUnknown(*digest)))?;
+                let total = content_length(response.headers());
+                let body = http_body_util::BodyExt::boxed_unsync(http_body_util::BodyExt::map_err(
+                    response.into_body(),
+                    |e| Box::new(e) as crate::body::BoxError,
+                ));
+                Ok(SourceBody {
+                    body,
+                    total,
+                    skip: offset,
+                    permit: Some(permit),
+                    received: metrics().upstream_bytes.with_label_values(&[upstream.name()]),
+                    idle: upstream.body_idle_timeout(),
+                })
+            }
+        }
+    }
+
+    /// Streams one blob into a temp file from the first source that has
+    /// it (resuming from the next source when one breaks off), verifies
+    /// size and digest, and commits it: fsync, rename, then the index row.
     async fn fill(
         &self,
         upstream: &Upstream,
@@ -797,24 +835,75 @@ impl Cache {
         digest: Digest,
         tx: &watch::Sender<Progress>,
     ) -> Result<(Arc<File>, u64), Error> {
-        let Opened { response, permit } = upstream.get_blob(repo, &digest).await?.ok_or(Error::BlobUnknown(digest))?;
-        let declared = content_length(response.headers());
         let limit = self.fill_limit(upstream.name(), repo, &digest);
-        if let Some(len) = declared.filter(|len| *len > limit) {
-            return Err(UpstreamError::Protocol(format!(
-                "blob {digest} is {len} bytes, more than the {limit} allowed (its manifest's size, or cache.max_blob_size)"
-            ))
-            .into());
+        let sources = self.fill_sources();
+        // What earlier sources wrote: the writer, the temp file's handle
+        // readers use, and the size they declared.
+        let mut resumed: Option<(Writer, Arc<File>, Option<u64>)> = None;
+        let mut last_error = None;
+        for (n, source) in sources.iter().copied().enumerate() {
+            let offset = resumed.as_ref().map_or(0, |(w, ..)| w.written());
+            let opened = match self.open_source(source, upstream, repo, &digest, offset).await {
+                Ok(opened) => opened,
+                Err(Unavailable::Final(e)) => return Err(e),
+                Err(Unavailable::Next(e)) => {
+                    tracing::debug!(%digest, source = source.name(), error = %e, "source unavailable; trying the next");
+                    last_error = Some(e);
+                    continue;
+                }
+            };
+            let SourceBody { body, total, skip, permit, received, idle } = opened;
+            if let Some(len) = total.filter(|len| *len > limit) {
+                return Err(UpstreamError::Protocol(format!(
+                    "blob {digest} is {len} bytes, more than the {limit} allowed (its manifest's size, or \
+                     cache.max_blob_size)"
+                ))
+                .into());
+            }
+            let (writer, file, declared) = match resumed.take() {
+                Some((writer, file, known)) => {
+                    if let (Some(a), Some(b)) = (known, total) {
+                        if a != b {
+                            let e = format!("sources disagree on the size of {digest}: {a} and {b}");
+                            return Err(UpstreamError::Protocol(e).into());
+                        }
+                    }
+                    (writer, file, known.or(total))
+                }
+                None => {
+                    let store = self.store.clone();
+                    let temp = blocking(move || Ok(store.create_temp()?)).await?;
+                    let file = Arc::new(temp.as_file().try_clone()?);
+                    tx.send_replace(Progress::Streaming { file: Arc::clone(&file), size: total, written: 0 });
+                    (Writer::new(temp), file, total)
+                }
+            };
+            let bounds = fill::Bounds { declared, limit, idle };
+            match fill::copy_body(body, writer, skip, bounds, tx, &received).await {
+                Ok(writer) => {
+                    drop(permit);
+                    return self.commit_fill(writer, file, upstream, repo, digest).await;
+                }
+                Err(fill::Interrupted { error, writer: Some(writer) }) if n + 1 < sources.len() => {
+                    tracing::warn!(%digest, source = source.name(), written = writer.written(), error = %error,
+                        "source broke off; resuming from the next");
+                    resumed = Some((writer, file, declared));
+                }
+                Err(fill::Interrupted { error, .. }) => return Err(error),
+            }
         }
-        let store = self.store.clone();
-        let temp = blocking(move || Ok(store.create_temp()?)).await?;
-        let file = Arc::new(temp.as_file().try_clone()?);
-        tx.send_replace(Progress::Streaming { file: Arc::clone(&file), size: declared, written: 0 });
-        let received = metrics().upstream_bytes.with_label_values(&[upstream.name()]);
-        let idle = upstream.body_idle_timeout();
-        let bounds = fill::Bounds { declared, limit, idle };
-        let writer = fill::copy_body(response.into_body(), Writer::new(temp), bounds, tx, &received).await?;
-        drop(permit);
+        Err(last_error.unwrap_or_else(|| Error::Internal(format!("no source could serve {digest}"))))
+    }
+
+    /// Verifies a fully written blob and commits it.
+    async fn commit_fill(
+        &self,
+        writer: Writer,
+        file: Arc<File>,
+        upstream: &Upstream,
+        repo: &RepoName,
+        digest: Digest,
+    ) -> Result<(Arc<File>, u64), Error> {
         let (temp, actual, size) = writer.finish();
         if actual != digest {
             metrics().digest_mismatch.inc();

@@ -6,15 +6,48 @@ larder.toml, rendered from values. Keys follow config/full.toml.
 # (release {{ .Release.Name }}). Edit the chart's values, not this file.
 
 [server]
-listen = {{ include "larder.toml.string" (printf "%s:%s" .Values.config.bindAddress (include "larder.registryPort" .)) }}
+{{- $node := include "larder.nodeMode" . }}
+{{- $registryPort := include "larder.registryPort" . | int }}
+{{- if and $node .Values.node.hostNetwork }}
+{{- if .Values.node.hostIP }}
+# On the host network: the registry API on node.hostIP only.
+listen = {{ include "larder.toml.string" (include "larder.hostPort" (list .Values.node.hostIP $registryPort)) }}
+{{- else }}
+# On the host network: the registry API on the node's own IP only. This pod's
+# init container writes that IP here when the pod starts.
+listen = {{ include "larder.toml.string" (include "larder.hostPort" (list "127.0.0.1" $registryPort)) }}
+{{- end }}
+{{- if .Values.node.adminOnHostIP }}
+admin_listen = {{ include "larder.toml.string" (include "larder.hostPort" (list (default "127.0.0.1" .Values.node.hostIP) .Values.ports.admin)) }}
+{{- else }}
+# The admin port (POST /purge, /prefetch) stays on the node's loopback.
+admin_listen = {{ include "larder.toml.string" (include "larder.hostPort" (list "127.0.0.1" .Values.ports.admin)) }}
+{{- end }}
+{{- else }}
+listen = {{ include "larder.toml.string" (printf "%s:%d" .Values.config.bindAddress $registryPort) }}
 admin_listen = {{ include "larder.toml.string" (printf "%s:%d" .Values.config.bindAddress (.Values.ports.admin | int)) }}
+{{- end }}
 # Below terminationGracePeriodSeconds ({{ .Values.terminationGracePeriodSeconds }}s){{ if gt (.Values.preStopSleepSeconds | int) 0 }} minus the preStop sleep ({{ .Values.preStopSleepSeconds }}s){{ end }}.
 shutdown_grace = {{ include "larder.toml.string" .Values.config.shutdownGrace }}
+{{- if .Values.config.tls.enabled }}
+
+# From Secret {{ .Values.config.tls.existingSecret }}; re-read when it changes (no restart).
+[server.tls]
+cert = "/run/larder/tls/tls.crt"
+key = "/run/larder/tls/tls.key"
+{{- end }}
+{{- if .Values.config.auth.enabled }}
+
+# From Secret {{ .Values.config.auth.existingSecret }}; re-read when it changes (no restart).
+[server.auth]
+htpasswd = "/run/larder/auth/htpasswd"
+realm = {{ include "larder.toml.string" .Values.config.auth.realm }}
+{{- end }}
 
 [cache]
 dir = "/var/lib/larder"
 {{- with .Values.config.cache }}
-max_size = {{ include "larder.toml.string" .maxSize }}
+max_size = {{ include "larder.toml.string" (include "larder.maxSize" $) }}
 high_watermark = {{ include "larder.toml.float" .highWatermark }}
 low_watermark = {{ include "larder.toml.float" .lowWatermark }}
 memory = {{ include "larder.toml.string" .memory }}

@@ -93,19 +93,146 @@ port is the host port, so node.hostPort wins there.
 {{- end }}
 {{- end }}
 
+{{/* "true" when larder's registry listener serves TLS (config.tls.enabled), else "". */}}
+{{- define "larder.tls" -}}
+{{- if .Values.config.tls.enabled }}true{{ end }}
+{{- end }}
+
+{{/* URL scheme of larder's registry API. */}}
+{{- define "larder.scheme" -}}
+{{- if include "larder.tls" . }}https{{ else }}http{{ end }}
+{{- end }}
+
+{{/* host:port with brackets around an IPv6 address. Call with (list HOST PORT). */}}
+{{- define "larder.hostPort" -}}
+{{- $host := toString (index . 0) }}
+{{- if and (contains ":" $host) (not (hasPrefix "[" $host)) }}
+{{- printf "[%s]:%d" $host (index . 1 | int) }}
+{{- else }}
+{{- printf "%s:%d" $host (index . 1 | int) }}
+{{- end }}
+{{- end }}
+
 {{/*
-The mirror URL containerd is pointed at by nodeSetup (see values.yaml).
+The mirror URLs containerd is pointed at by nodeSetup, one per line, in the
+order containerd tries them; "{nodeIP}" is replaced on each node by its own
+IP (the pod's status.hostIP). Fails when nodes could not reach the mirror.
 */}}
-{{- define "larder.mirrorURL" -}}
+{{- define "larder.mirrorURLs" -}}
+{{- $scheme := include "larder.scheme" . }}
 {{- if .Values.nodeSetup.mirrorURL }}
 {{- .Values.nodeSetup.mirrorURL }}
 {{- else if include "larder.nodeMode" . }}
-{{- printf "http://127.0.0.1:%d" (.Values.node.hostPort | int) }}
-{{- else if and .Values.service.clusterIP (ne .Values.service.clusterIP "None") }}
-{{- printf "http://%s:%d" .Values.service.clusterIP (.Values.service.port | int) }}
-{{- else }}
-{{- printf "http://%s.%s.svc.cluster.local:%d" (include "larder.fullname" .) .Release.Namespace (.Values.service.port | int) }}
+{{- printf "%s://%s" $scheme (include "larder.hostPort" (list (default "{nodeIP}" .Values.node.hostIP) .Values.node.hostPort)) }}
+{{- if .Values.node.fallbackMirror }}
+{{ include "larder.serviceMirrorURL" (dict "root" . "key" "node.fallbackMirror") }}
 {{- end }}
+{{- else }}
+{{- include "larder.serviceMirrorURL" (dict "root" . "key" "nodeSetup.enabled") }}
+{{- end }}
+{{- end }}
+
+{{/*
+The Service as nodes reach it: its fixed cluster IP, or its NodePort on the
+node's own IP. Nodes' own resolvers do not know cluster DNS names, so a
+name is never used. Call with (dict "root" $ "key" "the value that needs it").
+*/}}
+{{- define "larder.serviceMirrorURL" -}}
+{{- $v := .root.Values }}
+{{- $scheme := include "larder.scheme" .root }}
+{{- if and $v.service.clusterIP (ne $v.service.clusterIP "None") }}
+{{- printf "%s://%s" $scheme (include "larder.hostPort" (list $v.service.clusterIP $v.service.port)) }}
+{{- else if and (eq $v.service.type "NodePort") $v.service.nodePort }}
+{{- printf "%s://%s" $scheme (include "larder.hostPort" (list "{nodeIP}" $v.service.nodePort)) }}
+{{- else }}
+{{- fail (printf "%s: containerd on the nodes needs an address of the Service it can reach without cluster DNS (nodes resolve names with their own resolver, so %s.%s.svc would silently bypass larder): set service.clusterIP to a free address of the service range, or service.type=NodePort with service.nodePort, or nodeSetup.mirrorURL" .key (include "larder.fullname" .root) .root.Release.Namespace) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Node folders of the node setup, by nodeSetup.distribution, as YAML
+(hostsDir, config, configDir); explicit values win.
+*/}}
+{{- define "larder.nodeSetup.paths" -}}
+{{- $ns := .Values.nodeSetup }}
+{{- $presets := dict
+  "containerd" (dict "hostsDir" "/etc/containerd/certs.d" "config" "/etc/containerd/config.toml")
+  "k3s" (dict "hostsDir" "/var/lib/rancher/k3s/agent/etc/containerd/certs.d" "config" "/var/lib/rancher/k3s/agent/etc/containerd/config.toml")
+  "rke2" (dict "hostsDir" "/var/lib/rancher/rke2/agent/etc/containerd/certs.d" "config" "/var/lib/rancher/rke2/agent/etc/containerd/config.toml")
+  "talos" (dict "hostsDir" "/etc/cri/conf.d/hosts" "config" "/etc/cri/containerd.toml")
+}}
+{{- $p := get $presets (toString $ns.distribution) }}
+{{- if not $p }}
+{{- fail (printf "nodeSetup.distribution must be containerd, k3s, rke2 or talos, not %q" (toString $ns.distribution)) }}
+{{- end }}
+{{- $config := default $p.config $ns.containerdConfig }}
+hostsDir: {{ default $p.hostsDir $ns.certsDir | trimSuffix "/" | quote }}
+config: {{ $config | quote }}
+configDir: {{ default (dir $config) $ns.containerdConfigDir | trimSuffix "/" | quote }}
+{{- end }}
+
+{{/*
+A size in bytes (int64): larder's units (B, KB, MB, GB, TB, KiB, MiB, GiB,
+TiB) and Kubernetes quantities (k, M, G, T, Ki, Mi, Gi, Ti). Fails on
+anything else. Call with (dict "value" "50Gi" "key" "persistence.size").
+*/}}
+{{- define "larder.bytes" -}}
+{{- $v := toString .value | trim }}
+{{- if not (regexMatch "^[0-9]+(\\.[0-9]+)? ?([kKMGT]i?B?|B)?$" $v) }}
+{{- fail (printf "%s: %q is not a size like \"50Gi\" or \"40GiB\"" .key $v) }}
+{{- end }}
+{{- $num := regexFind "^[0-9]+(\\.[0-9]+)?" $v | float64 }}
+{{- $unit := regexReplaceAll "^[0-9]+(\\.[0-9]+)? ?" $v "" | replace "B" "" | replace "K" "k" }}
+{{- $factors := dict "" 1.0 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 }}
+{{- mulf $num (get $factors $unit) | int64 }}
+{{- end }}
+
+{{/*
+cache.max_size as written into larder.toml: config.cache.maxSize, or 85% of
+the cache volume's size (the PVC, or the emptyDir's sizeLimit); on a
+hostPath, whose free space the chart cannot know, it must be given.
+*/}}
+{{- define "larder.maxSize" -}}
+{{- $c := .Values.config.cache }}
+{{- $volume := include "larder.volumeSize" . }}
+{{- if $c.maxSize }}
+{{- $max := include "larder.bytes" (dict "value" $c.maxSize "key" "config.cache.maxSize") | int64 }}
+{{- if and $volume (ge $max ($volume | int64)) }}
+{{- fail (printf "config.cache.maxSize (%s) must be below the cache volume's size (%s): downloads in progress and the index come on top of it; keep it 10-20%% below" $c.maxSize (include "larder.volumeSizeText" .)) }}
+{{- end }}
+{{- $c.maxSize }}
+{{- else if $volume }}
+{{- printf "%dMiB" (div (mulf ($volume | float64) 0.85 | int64) 1048576) }}
+{{- else if and (include "larder.nodeMode" .) (eq .Values.node.cache.type "emptyDir") }}
+{{- fail "node.cache.emptyDirSizeLimit is required with node.cache.type=emptyDir: the kubelet then evicts larder, not other pods, when the cache outgrows it (and config.cache.maxSize defaults to 85% of it)" }}
+{{- else if include "larder.nodeMode" . }}
+{{- fail "config.cache.maxSize is required with node.cache.type=hostPath: the cache lives on the node's own disk, which kubelet does not count for this pod (DiskPressure then evicts other pods). Give a budget the node's disk can spare, or use node.cache.type=emptyDir with node.cache.emptyDirSizeLimit" }}
+{{- else }}
+{{- fail "config.cache.maxSize is required when persistence.enabled=false and persistence.emptyDirSizeLimit is empty: the chart derives it from the volume's size" }}
+{{- end }}
+{{- end }}
+
+{{/* Size in bytes of the cache volume when the chart knows it, else "". */}}
+{{- define "larder.volumeSize" -}}
+{{- $text := include "larder.volumeSizeText" . }}
+{{- if $text }}{{ include "larder.bytes" (dict "value" $text "key" "cache volume size") }}{{ end }}
+{{- end }}
+
+{{- define "larder.volumeSizeText" -}}
+{{- if include "larder.nodeMode" . }}
+{{- if eq .Values.node.cache.type "emptyDir" }}{{ .Values.node.cache.emptyDirSizeLimit }}{{ end }}
+{{- else if .Values.persistence.enabled }}{{ .Values.persistence.size }}
+{{- else }}{{ .Values.persistence.emptyDirSizeLimit }}
+{{- end }}
+{{- end }}
+
+{{/*
+Whether, in node mode on the host network, larder's listen addresses are
+the node's own IP, known only on the node: an init container then writes
+the final larder.toml. "true" or "".
+*/}}
+{{- define "larder.runtimeConfig" -}}
+{{- if and (include "larder.nodeMode" .) .Values.node.hostNetwork (not .Values.node.hostIP) }}true{{ end }}
 {{- end }}
 
 {{/*
@@ -212,6 +339,67 @@ Folder name for an upstream's mounted files (secrets, CA): its name with
 {{- end }}
 {{- if gt $defaults 1 }}
 {{- fail "upstreams: at most one upstream can have default: true" }}
+{{- end }}
+{{- $v := .Values }}
+{{- $names := list }}
+{{- range $v.upstreams }}{{ $names = append $names .name }}{{ end }}
+{{- range $v.nodeSetup.excludeUpstreams }}
+{{- if not (has . $names) }}
+{{- fail (printf "nodeSetup.excludeUpstreams: %q is not the name of an upstream (%s)" (toString .) (join ", " $names)) }}
+{{- end }}
+{{- end }}
+{{- /* The memory tier must fit in the pod's memory with room for request buffers. */}}
+{{- $memory := include "larder.bytes" (dict "value" $v.config.cache.memory "key" "config.cache.memory") | int64 }}
+{{- $mib := 1048576 }}
+{{- with (($v.resources).requests).memory }}
+{{- $request := include "larder.bytes" (dict "value" . "key" "resources.requests.memory") | int64 }}
+{{- if gt (add $memory (mul 64 $mib)) $request }}
+{{- fail (printf "config.cache.memory (%s) plus 64MiB for buffers exceeds resources.requests.memory (%s): under memory pressure larder would be evicted first. Raise the request or lower cache.memory" $v.config.cache.memory (toString .)) }}
+{{- end }}
+{{- end }}
+{{- with (($v.resources).limits).memory }}
+{{- $limit := include "larder.bytes" (dict "value" . "key" "resources.limits.memory") | int64 }}
+{{- if gt (add $memory (mul 128 $mib)) $limit }}
+{{- fail (printf "config.cache.memory (%s) plus 128MiB for buffers exceeds resources.limits.memory (%s): larder would be OOM-killed once the memory tier fills. Raise the limit or lower cache.memory" $v.config.cache.memory (toString .)) }}
+{{- end }}
+{{- end }}
+{{- $_ := include "larder.maxSize" . }}
+{{- if and $v.config.tls.enabled (not $v.config.tls.existingSecret) }}
+{{- fail "config.tls.existingSecret is required with config.tls.enabled (a kubernetes.io/tls Secret: tls.crt, tls.key)" }}
+{{- end }}
+{{- if and $v.config.auth.enabled (not $v.config.auth.existingSecret) }}
+{{- fail "config.auth.existingSecret is required with config.auth.enabled (a Secret with an htpasswd file of bcrypt hashes)" }}
+{{- end }}
+{{- if and $v.nodeSetup.enabled $v.config.auth.enabled (not $v.nodeSetup.mirrorCredentials.existingSecret) }}
+{{- fail "config.auth.enabled with nodeSetup.enabled needs nodeSetup.mirrorCredentials.existingSecret: containerd would get 401 from larder and silently pull from the registries directly" }}
+{{- end }}
+{{- if include "larder.nodeMode" . }}
+{{- if and $v.node.fallbackMirror (eq (toString $v.service.internalTrafficPolicy) "Local") }}
+{{- fail "node.fallbackMirror sends pulls to the Service when the node's own larder is down; service.internalTrafficPolicy=Local would send them to that same (down) pod. Leave it empty, or use service.trafficDistribution" }}
+{{- end }}
+{{- if and $v.serviceMonitor.enabled $v.node.hostNetwork (not $v.node.adminOnHostIP) }}
+{{- fail "serviceMonitor.enabled with node.hostNetwork: the admin port listens on 127.0.0.1 only (it serves the unauthenticated POST /purge), so Prometheus cannot scrape it. Set node.adminOnHostIP=true to listen on the node's IP, or run without hostNetwork" }}
+{{- end }}
+{{- if $v.podDisruptionBudget.enabled }}
+{{- fail "podDisruptionBudget.enabled in node mode: a DaemonSet's pods are not evicted by drains (kubectl drain skips them), so a PodDisruptionBudget protects nothing. Turn it off" }}
+{{- end }}
+{{- else if $v.podDisruptionBudget.enabled }}
+{{- with $v.podDisruptionBudget }}
+{{- $replicas := $v.replicaCount | int }}
+{{- $min := toString .minAvailable }}
+{{- if and (not (kindIs "invalid" .minAvailable)) (ne $min "") }}
+{{- $need := $min | int }}
+{{- if regexMatch "^[0-9]+%$" $min }}
+{{- /* Kubernetes rounds a percentage of minAvailable up. */}}
+{{- $need = div (add (mul (trimSuffix "%" $min | int) $replicas) 99) 100 }}
+{{- end }}
+{{- if ge $need $replicas }}
+{{- fail (printf "podDisruptionBudget.minAvailable %s with replicaCount %d never allows an eviction: node drains would hang. Use maxUnavailable: 1, or more replicas" $min $replicas) }}
+{{- end }}
+{{- else if regexMatch "^0%?$" (toString .maxUnavailable) }}
+{{- fail "podDisruptionBudget.maxUnavailable 0 never allows an eviction: node drains would hang" }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- $grace := include "larder.durationMillis" (dict "value" .Values.config.shutdownGrace "key" "config.shutdownGrace") | int64 }}
 {{- $budget := mul (sub (.Values.terminationGracePeriodSeconds | int64) (.Values.preStopSleepSeconds | int64)) 1000 }}

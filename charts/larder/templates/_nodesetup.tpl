@@ -1,32 +1,170 @@
 {{/*
-Files of the node setup ConfigMap: one hosts.toml per upstream and the
-script that installs them. Keyed by upstream index (ConfigMap keys cannot
-hold the ":" of a host:port name).
+The node setup: files/containerd-hosts.sh, run as an init container with
+the node's containerd hosts folder (read-write) and containerd's config
+folder (read-only) mounted. Everything it needs comes in environment
+variables (documented at the top of the script).
 */}}
-{{- define "larder.nodeSetup.files" -}}
-{{- $mirror := include "larder.mirrorURL" . }}
-{{- range $i, $u := .Values.upstreams }}
-upstream-{{ $i }}.hosts.toml: |
-  # {{ $u.name }}: pull through larder, falling back to the registry itself.
-  # Written by the {{ $.Release.Name }} release of the larder Helm chart.
-  server = {{ include "larder.toml.string" $u.url }}
 
-  [host.{{ include "larder.toml.string" $mirror }}]
-    capabilities = {{ include "larder.toml.stringArray" $.Values.nodeSetup.capabilities }}
+{{/* "<namespace>/<release>": the marker in every file the script writes. */}}
+{{- define "larder.nodeSetup.release" -}}
+{{- printf "%s/%s" .Release.Namespace .Release.Name }}
 {{- end }}
-install.sh: |
-  #!/bin/sh
-  # Installs <certs.d>/<registry>/hosts.toml for every larder upstream,
-  # each by an atomic rename, so containerd never reads half a file.
-  set -eu
-  certs_d=/host/certs.d
-  install_hosts() {
-    mkdir -p "$certs_d/$1"
-    cp "/config/$2" "$certs_d/$1/.hosts.toml.larder"
-    mv -f "$certs_d/$1/.hosts.toml.larder" "$certs_d/$1/hosts.toml"
-    echo "wrote $certs_d/$1/hosts.toml (mirror {{ $mirror }})"
-  }
-  {{- range $i, $u := .Values.upstreams }}
-  install_hosts {{ $u.name | squote }} {{ printf "upstream-%d.hosts.toml" $i | squote }}
-  {{- end }}
+
+{{/* "<registry> <server url>" per line, for the upstreams not excluded. */}}
+{{- define "larder.nodeSetup.upstreams" -}}
+{{- range .Values.upstreams }}
+{{- if not (has .name ($.Values.nodeSetup.excludeUpstreams | default list)) }}
+{{ .name }} {{ .url | trimSuffix "/" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The script's container. Call with (dict "root" $ "name" NAME "mode"
+setup|cleanup).
+*/}}
+{{- define "larder.nodeSetup.container" -}}
+{{- $root := .root }}
+{{- $v := $root.Values }}
+{{- $paths := include "larder.nodeSetup.paths" $root | fromYaml }}
+{{- $verify := and (eq .mode "setup") $v.nodeSetup.verifyContainerdConfig }}
+- name: {{ .name }}
+  image: {{ include "larder.nodeSetup.image" $root }}
+  imagePullPolicy: {{ $v.nodeSetup.image.pullPolicy }}
+  command:
+    - /bin/sh
+    - /opt/larder/containerd-hosts.sh
+  env:
+    - name: LARDER_MODE
+      value: {{ .mode }}
+    - name: LARDER_RELEASE
+      value: {{ include "larder.nodeSetup.release" $root | quote }}
+    - name: LARDER_HOSTS_DIR
+      value: {{ $paths.hostsDir | quote }}
+    - name: LARDER_HOSTS_MOUNT
+      value: /host/containerd-hosts
+    {{- if $verify }}
+    - name: LARDER_CONTAINERD_CONFIG
+      value: {{ $paths.config | quote }}
+    - name: LARDER_CONFIG_DIR
+      value: {{ $paths.configDir | quote }}
+    - name: LARDER_CONFIG_MOUNT
+      value: /host/containerd-config
+    {{- end }}
+    {{- if eq .mode "setup" }}
+    - name: HOST_IP
+      valueFrom:
+        fieldRef:
+          fieldPath: status.hostIP
+    - name: LARDER_UPSTREAMS
+      value: {{ include "larder.nodeSetup.upstreams" $root | trim | quote }}
+    - name: LARDER_MIRRORS
+      value: {{ include "larder.mirrorURLs" $root | trim | quote }}
+    - name: LARDER_CAPABILITIES
+      value: {{ include "larder.toml.stringArray" $v.nodeSetup.capabilities | trimPrefix "[" | trimSuffix "]" | quote }}
+    - name: LARDER_DIAL_TIMEOUT
+      value: {{ $v.nodeSetup.dialTimeout | quote }}
+    - name: LARDER_EXISTING
+      value: {{ $v.nodeSetup.existingHosts | quote }}
+    - name: LARDER_ALLOW_PATH_LIST
+      value: {{ $v.nodeSetup.allowConfigPathList | toString | quote }}
+    {{- if and $v.config.tls.enabled $v.config.tls.caKey }}
+    - name: LARDER_MIRROR_CA
+      value: /run/larder/mirror-ca/ca.crt
+    {{- end }}
+    {{- if $v.nodeSetup.mirrorCredentials.existingSecret }}
+    - name: LARDER_MIRROR_USERNAME_FILE
+      value: /run/larder/mirror-credentials/username
+    - name: LARDER_MIRROR_PASSWORD_FILE
+      value: /run/larder/mirror-credentials/password
+    {{- end }}
+    {{- end }}
+  # The failure reason, when there is one, shows in `kubectl describe pod`.
+  terminationMessagePolicy: FallbackToLogsOnError
+  # Root: containerd's folders on the node belong to root. No capabilities.
+  securityContext:
+    runAsNonRoot: false
+    runAsUser: 0
+    runAsGroup: 0
+    readOnlyRootFilesystem: true
+    allowPrivilegeEscalation: false
+    capabilities:
+      drop:
+        - ALL
+    seccompProfile:
+      type: RuntimeDefault
+    {{- with $v.nodeSetup.seLinuxOptions }}
+    seLinuxOptions:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+  resources:
+    {{- toYaml $v.nodeSetup.resources | nindent 4 }}
+  volumeMounts:
+    - name: node-setup-script
+      mountPath: /opt/larder
+      readOnly: true
+    - name: node-setup-tmp
+      mountPath: /tmp
+    - name: containerd-hosts
+      mountPath: /host/containerd-hosts
+    {{- if $verify }}
+    - name: containerd-config
+      mountPath: /host/containerd-config
+      readOnly: true
+    {{- end }}
+    {{- if eq .mode "setup" }}
+    {{- if and $v.config.tls.enabled $v.config.tls.caKey }}
+    - name: mirror-ca
+      mountPath: /run/larder/mirror-ca
+      readOnly: true
+    {{- end }}
+    {{- if $v.nodeSetup.mirrorCredentials.existingSecret }}
+    - name: mirror-credentials
+      mountPath: /run/larder/mirror-credentials
+      readOnly: true
+    {{- end }}
+    {{- end }}
+{{- end }}
+
+{{/* Volumes of the script's container (setup mode). */}}
+{{- define "larder.nodeSetup.volumes" -}}
+{{- $paths := include "larder.nodeSetup.paths" . | fromYaml }}
+- name: node-setup-script
+  configMap:
+    name: {{ include "larder.nodeSetup.fullname" . }}
+- name: node-setup-tmp
+  emptyDir:
+    sizeLimit: 16Mi
+- name: containerd-hosts
+  hostPath:
+    path: {{ $paths.hostsDir }}
+    type: DirectoryOrCreate
+{{- if .Values.nodeSetup.verifyContainerdConfig }}
+# Read-only: containerd's config file and the files it imports.
+- name: containerd-config
+  hostPath:
+    path: {{ $paths.configDir }}
+    type: Directory
+{{- end }}
+{{- if and .Values.config.tls.enabled .Values.config.tls.caKey }}
+- name: mirror-ca
+  secret:
+    secretName: {{ .Values.config.tls.existingSecret }}
+    items:
+      - key: {{ .Values.config.tls.caKey }}
+        path: ca.crt
+{{- end }}
+{{- with .Values.nodeSetup.mirrorCredentials }}
+{{- if .existingSecret }}
+- name: mirror-credentials
+  secret:
+    secretName: {{ .existingSecret }}
+    defaultMode: 0400
+    items:
+      - key: {{ .usernameKey }}
+        path: username
+      - key: {{ .passwordKey }}
+        path: password
+{{- end }}
+{{- end }}
 {{- end }}

@@ -4,6 +4,9 @@ the DaemonSet (node mode).
 */}}
 {{- define "larder.podTemplate" -}}
 {{- $node := include "larder.nodeMode" . -}}
+{{- $runtimeConfig := include "larder.runtimeConfig" . -}}
+{{- $nodeSetup := and $node .Values.nodeSetup.enabled -}}
+{{- $loopbackAdmin := and $node .Values.node.hostNetwork (not .Values.node.adminOnHostIP) -}}
 metadata:
   labels:
     {{- include "larder.labels" (dict "root" . "component" "mirror") | nindent 4 }}
@@ -12,7 +15,12 @@ metadata:
     {{- end }}
   annotations:
     # Restart pods when larder.toml changes (larder reads it at start).
+    # Secrets (upstream passwords, TLS certificate, htpasswd) are re-read
+    # by larder when they change: no restart needed for those.
     checksum/config: {{ include "larder.config" . | sha256sum }}
+    {{- if $nodeSetup }}
+    checksum/node-setup-script: {{ .Files.Get "files/containerd-hosts.sh" | sha256sum }}
+    {{- end }}
     {{- with .Values.podAnnotations }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -34,8 +42,9 @@ spec:
   {{- end }}
   securityContext:
     {{- toYaml .Values.podSecurityContext | nindent 4 }}
-  {{- if and $node (eq .Values.node.cache.type "hostPath") .Values.node.cache.fixPermissions }}
+  {{- if or (and $node (eq .Values.node.cache.type "hostPath") .Values.node.cache.fixPermissions) $runtimeConfig $nodeSetup }}
   initContainers:
+    {{- if and $node (eq .Values.node.cache.type "hostPath") .Values.node.cache.fixPermissions }}
     # fsGroup does not apply to hostPath volumes: hand the cache folder to
     # larder's user once, as root, with only the CHOWN capability.
     - name: cache-permissions
@@ -60,11 +69,56 @@ spec:
             - CHOWN
         seccompProfile:
           type: RuntimeDefault
+        {{- with .Values.nodeSetup.seLinuxOptions }}
+        seLinuxOptions:
+          {{- toYaml . | nindent 10 }}
+        {{- end }}
       resources:
         {{- toYaml .Values.nodeSetup.resources | nindent 8 }}
       volumeMounts:
         - name: cache
           mountPath: /var/lib/larder
+    {{- end }}
+    {{- if $runtimeConfig }}
+    # On the host network larder listens on the node's own IP only (not on
+    # every address of the node): known here, written into larder.toml.
+    - name: listen-address
+      image: {{ include "larder.nodeSetup.image" . }}
+      imagePullPolicy: {{ .Values.nodeSetup.image.pullPolicy }}
+      command:
+        - /bin/sh
+        - -c
+        - |
+          set -eu
+          ip="${HOST_IP:?no HOST_IP}"
+          case "$ip" in *:*) ip="[$ip]" ;; esac
+          sed -e "s|^listen = .*|listen = \"$ip:{{ include "larder.registryPort" . }}\"|" \
+          {{- if .Values.node.adminOnHostIP }}
+            -e "s|^admin_listen = .*|admin_listen = \"$ip:{{ .Values.ports.admin }}\"|" \
+          {{- end }}
+            /etc/larder/larder.toml >/run/larder/config/larder.toml
+          grep -E '^(listen|admin_listen) ' /run/larder/config/larder.toml
+      env:
+        - name: HOST_IP
+          valueFrom:
+            fieldRef:
+              fieldPath: status.hostIP
+      securityContext:
+        {{- toYaml .Values.securityContext | nindent 8 }}
+      resources:
+        {{- toYaml .Values.nodeSetup.resources | nindent 8 }}
+      volumeMounts:
+        - name: config
+          mountPath: /etc/larder
+          readOnly: true
+        - name: runtime-config
+          mountPath: /run/larder/config
+    {{- end }}
+    {{- if $nodeSetup }}
+    # Points this node's containerd at this larder (hosts.toml), after
+    # checking that containerd reads those files; fails loudly otherwise.
+    {{- include "larder.nodeSetup.container" (dict "root" . "name" "containerd-hosts" "mode" "setup") | trim | nindent 4 }}
+    {{- end }}
   {{- end }}
   containers:
     - name: larder
@@ -72,7 +126,7 @@ spec:
       imagePullPolicy: {{ .Values.image.pullPolicy }}
       args:
         - --config
-        - /etc/larder/larder.toml
+        - {{ if $runtimeConfig }}/run/larder/config/larder.toml{{ else }}/etc/larder/larder.toml{{ end }}
         - --log-format
         - {{ .Values.logFormat }}
       env:
@@ -86,26 +140,25 @@ spec:
           containerPort: {{ include "larder.registryPort" . }}
           {{- if $node }}
           hostPort: {{ .Values.node.hostPort }}
+          {{- if and .Values.node.hostIP (not .Values.node.hostNetwork) }}
+          hostIP: {{ .Values.node.hostIP }}
+          {{- end }}
           {{- end }}
           protocol: TCP
         - name: admin
           containerPort: {{ .Values.ports.admin }}
           protocol: TCP
-      startupProbe:
+      {{- range $probe := list "startupProbe" "livenessProbe" "readinessProbe" }}
+      {{ $probe }}:
         httpGet:
-          path: /healthz
+          path: {{ if eq $probe "readinessProbe" }}/readyz{{ else }}/healthz{{ end }}
           port: admin
-        {{- toYaml .Values.startupProbe | nindent 8 }}
-      livenessProbe:
-        httpGet:
-          path: /healthz
-          port: admin
-        {{- toYaml .Values.livenessProbe | nindent 8 }}
-      readinessProbe:
-        httpGet:
-          path: /readyz
-          port: admin
-        {{- toYaml .Values.readinessProbe | nindent 8 }}
+          {{- if $loopbackAdmin }}
+          # The admin port listens on the node's loopback only.
+          host: 127.0.0.1
+          {{- end }}
+        {{- toYaml (get $.Values $probe) | nindent 8 }}
+      {{- end }}
       {{- if gt (.Values.preStopSleepSeconds | int) 0 }}
       lifecycle:
         preStop:
@@ -120,10 +173,25 @@ spec:
         - name: config
           mountPath: /etc/larder
           readOnly: true
+        {{- if $runtimeConfig }}
+        - name: runtime-config
+          mountPath: /run/larder/config
+          readOnly: true
+        {{- end }}
         - name: cache
           mountPath: /var/lib/larder
         - name: tmp
           mountPath: /tmp
+        {{- if .Values.config.tls.enabled }}
+        - name: tls
+          mountPath: /run/larder/tls
+          readOnly: true
+        {{- end }}
+        {{- if .Values.config.auth.enabled }}
+        - name: auth
+          mountPath: /run/larder/auth
+          readOnly: true
+        {{- end }}
         {{- range $i, $u := .Values.upstreams }}
         {{- if $u.credentials }}
         - name: {{ printf "upstream-%d-credentials" $i }}
@@ -146,6 +214,12 @@ spec:
     - name: tmp
       emptyDir:
         sizeLimit: 64Mi
+    {{- if $runtimeConfig }}
+    - name: runtime-config
+      emptyDir:
+        medium: Memory
+        sizeLimit: 1Mi
+    {{- end }}
     {{- if $node }}
     {{- if eq .Values.node.cache.type "hostPath" }}
     - name: cache
@@ -153,11 +227,11 @@ spec:
         path: {{ .Values.node.cache.hostPath }}
         type: DirectoryOrCreate
     {{- else if eq .Values.node.cache.type "emptyDir" }}
+    # Counted by the kubelet as this pod's ephemeral storage: past the
+    # sizeLimit (or under DiskPressure) it evicts larder, not its neighbours.
     - name: cache
       emptyDir:
-        {{- with .Values.node.cache.emptyDirSizeLimit }}
-        sizeLimit: {{ . }}
-        {{- end }}
+        sizeLimit: {{ required "node.cache.emptyDirSizeLimit is required with node.cache.type=emptyDir: the kubelet then evicts larder, not other pods, when the cache outgrows it" .Values.node.cache.emptyDirSizeLimit }}
     {{- else }}
     {{- fail (printf "node.cache.type must be hostPath or emptyDir, not %q" (toString .Values.node.cache.type)) }}
     {{- end }}
@@ -167,6 +241,29 @@ spec:
         {{- with .Values.persistence.emptyDirSizeLimit }}
         sizeLimit: {{ . }}
         {{- end }}
+    {{- end }}
+    {{- if .Values.config.tls.enabled }}
+    - name: tls
+      secret:
+        secretName: {{ .Values.config.tls.existingSecret }}
+        defaultMode: {{ if $.Values.podSecurityContext.fsGroup }}0440{{ else }}0444{{ end }}
+        items:
+          - key: tls.crt
+            path: tls.crt
+          - key: tls.key
+            path: tls.key
+    {{- end }}
+    {{- if .Values.config.auth.enabled }}
+    - name: auth
+      secret:
+        secretName: {{ .Values.config.auth.existingSecret }}
+        defaultMode: {{ if $.Values.podSecurityContext.fsGroup }}0440{{ else }}0444{{ end }}
+        items:
+          - key: {{ .Values.config.auth.htpasswdKey }}
+            path: htpasswd
+    {{- end }}
+    {{- if $nodeSetup }}
+    {{- include "larder.nodeSetup.volumes" . | trim | nindent 4 }}
     {{- end }}
     {{- range $i, $u := .Values.upstreams }}
     {{- with $u.credentials }}
@@ -195,7 +292,7 @@ spec:
   nodeSelector:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- with .Values.affinity }}
+  {{- with (ternary .Values.node.affinity .Values.affinity (not (not $node))) }}
   affinity:
     {{- toYaml . | nindent 4 }}
   {{- end }}
@@ -205,7 +302,7 @@ spec:
     {{- toYaml . | nindent 4 }}
   {{- end }}
   {{- end }}
-  {{- with .Values.tolerations }}
+  {{- with (ternary .Values.node.tolerations .Values.tolerations (not (not $node))) }}
   tolerations:
     {{- toYaml . | nindent 4 }}
   {{- end }}

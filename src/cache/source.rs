@@ -1,0 +1,54 @@
+//! Where a fill's bytes come from. The facade tries its sources in order,
+//! and when one fails in the middle of a body the next resumes from the
+//! byte reached, with the running hash kept (see [`super::fill::copy_body`]):
+//! a client sees a pause, not an error.
+
+use std::time::Duration;
+
+use tokio::sync::OwnedSemaphorePermit;
+
+use crate::body::Body;
+use crate::error::Error;
+
+/// One place a blob can be read from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// The upstream registry itself: the last resort, whose answers are final.
+    Upstream,
+}
+
+impl Source {
+    /// A label for logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Source::Upstream => "upstream",
+        }
+    }
+}
+
+/// A source's body, from the offset asked for.
+pub struct SourceBody {
+    pub body: Body,
+    /// The blob's whole size, if the source said.
+    pub total: Option<u64>,
+    /// Bytes at the start of `body` that the fill already has: a source
+    /// that answered a range request with the whole blob.
+    pub skip: u64,
+    /// Held while the body is read (an upstream's concurrency slot).
+    pub permit: Option<OwnedSemaphorePermit>,
+    /// Counts the bytes received from this source.
+    pub received: prometheus::IntCounter,
+    /// Longest pause allowed between two chunks of the body.
+    pub idle: Duration,
+}
+
+/// Why a source did not give a body.
+#[derive(Debug)]
+pub enum Unavailable {
+    /// Its answer stands: upstream (asked directly, or by the key's owner)
+    /// says the blob does not exist in this repository, denies it, or
+    /// rate-limits. No other source is tried.
+    Final(Error),
+    /// It does not have the blob or cannot be reached: try the next one.
+    Next(Error),
+}
