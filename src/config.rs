@@ -42,6 +42,14 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(20);
 /// Default longest pause between two chunks of an upstream body.
 pub const DEFAULT_BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Most URLs one upstream may list in `urls` (a primary and its fallbacks):
+/// each is tried in turn while the ones before it fail.
+pub const MAX_UPSTREAM_URLS: usize = 8;
+/// Longest `credential_helper` name (the program is `docker-credential-<name>`).
+const MAX_HELPER_NAME: usize = 64;
+/// Names that mean Docker Hub, where one-component repositories live under
+/// `library/`.
+const DOCKER_HUB_NAMES: [&str; 3] = ["docker.io", "index.docker.io", "registry-1.docker.io"];
 /// Longest upstream timeout accepted (connect, response headers, body
 /// idle). A client connection sees no byte while larder waits on upstream,
 /// and the connection watchdog closes connections idle for longer than its
@@ -188,12 +196,23 @@ pub struct UpstreamConfig {
     /// Lookup key for `?ns=` and the `/v2/<name>/…` path prefix.
     pub name: String,
     pub aliases: Vec<String>,
-    /// Scheme and authority of the registry; larder only ever dials this.
+    /// Scheme and authority of the registry; larder only ever dials this
+    /// (and `fallback_urls`), plus the token realms and redirect targets
+    /// they name under the rules in `crate::upstream`.
     pub url: http::Uri,
+    /// Further URLs from `urls = [primary, fallback…]`, tried in order when
+    /// the ones before fail to connect or answer 5xx. They are the
+    /// upstream's own origins, as trusted as `url`.
+    pub fallback_urls: Vec<http::Uri>,
     pub default: bool,
     /// Docker Hub keeps one-component names under `library/`.
     pub library_namespace: bool,
-    pub credentials: Option<Credentials>,
+    /// Where the upstream's credentials come from; `None`: anonymous.
+    pub credentials: Option<CredentialSource>,
+    /// Token realms on other domains that may receive the upstream's
+    /// credentials (`trusted_realms`): scheme, host and port must match, and
+    /// the path too unless the entry has none.
+    pub trusted_realms: Vec<http::Uri>,
     pub tag_ttl: Option<Duration>,
     pub immutable_tags: Vec<Regex>,
     /// Open upstream requests allowed at once; further requests wait in order.
@@ -204,10 +223,23 @@ pub struct UpstreamConfig {
     pub body_idle_timeout: Duration,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Credentials {
     pub username: String,
     pub password: Secret,
+}
+
+/// Where an upstream's credentials come from.
+#[derive(Debug, Clone)]
+pub enum CredentialSource {
+    /// `password` or `password_env`: fixed for the life of the process.
+    Fixed(Credentials),
+    /// `password_file`: read at load, and again whenever it changes
+    /// (a Kubernetes Secret rotated under a running pod).
+    File { username: String, path: PathBuf, loaded: Secret },
+    /// `credential_helper = "NAME"`: `docker-credential-NAME get`, run
+    /// again before its answer grows old or when upstream refuses it.
+    Helper(String),
 }
 
 /// A secret string whose `Debug` and `Display` never show the value.
@@ -323,7 +355,8 @@ struct RawCache {
 #[serde(deny_unknown_fields)]
 struct RawUpstream {
     name: String,
-    url: String,
+    url: Option<String>,
+    urls: Option<Vec<String>>,
     #[serde(default)]
     default: bool,
     #[serde(default)]
@@ -333,6 +366,9 @@ struct RawUpstream {
     password: Option<String>,
     password_file: Option<String>,
     password_env: Option<String>,
+    credential_helper: Option<String>,
+    #[serde(default)]
+    trusted_realms: Vec<String>,
     tag_ttl: Option<String>,
     #[serde(default)]
     immutable_tags: Vec<String>,
@@ -781,43 +817,21 @@ impl Validator<'_> {
                 return Err(self.err(key(k), format!("{host:?} is not a registry host name like \"ghcr.io\"")));
             }
         }
-        let url: http::Uri =
-            u.url.parse().map_err(|e| self.err(key("url"), format!("{:?} is not a URL: {e}", u.url)))?;
-        let scheme_ok = matches!(url.scheme_str(), Some("http" | "https"));
-        let path_ok = matches!(url.path(), "" | "/") && url.query().is_none();
-        if !scheme_ok || url.authority().is_none() || !path_ok {
-            return Err(self.err(key("url"), "must be http(s)://host[:port] with no path"));
-        }
+        let (url, fallback_urls) = self.upstream_urls(&key, u.url.as_deref(), u.urls.as_deref())?;
+        let is_docker_hub = |h: &str| DOCKER_HUB_NAMES.contains(&h);
         let host = url.host().unwrap_or_default().to_ascii_lowercase();
+        // Docker Hub by its name or an alias as much as by its URL: users
+        // point `docker.io` at mirror.gcr.io or a corporate Hub mirror.
         let library_namespace = u
             .library_namespace
-            .unwrap_or(matches!(host.as_str(), "registry-1.docker.io" | "index.docker.io" | "docker.io"));
-
-        let password = match (&u.password, &u.password_file, &u.password_env) {
-            (None, None, None) => None,
-            (Some(p), None, None) => Some(Secret::new(p.clone())),
-            (None, Some(f), None) => {
-                let path = self.path(f);
-                let text = std::fs::read_to_string(&path)
-                    .map_err(|e| self.err(key("password_file"), format!("cannot read {}: {e}", path.display())))?;
-                Some(Secret::new(text.trim_end_matches(['\r', '\n'])))
-            }
-            (None, None, Some(var)) => Some(Secret::new(
-                (self.env)(var)
-                    .ok_or_else(|| self.err(key("password_env"), format!("environment variable {var} is not set")))?,
-            )),
-            _ => {
-                return Err(self.err(key("password"), "set only one of password, password_file, password_env"));
-            }
-        };
-        let credentials = match (u.username, password) {
-            (None, None) => None,
-            (Some(username), Some(password)) => Some(Credentials { username, password }),
-            (Some(_), None) => {
-                return Err(self.err(key("username"), "a username needs a password source"));
-            }
-            (None, Some(_)) => return Err(self.err(key("password"), "a password needs a username")),
-        };
+            .unwrap_or(is_docker_hub(&host) || is_docker_hub(&u.name) || u.aliases.iter().any(|a| is_docker_hub(a)));
+        let credentials = self.credentials(&key, &u)?;
+        let trusted_realms = u
+            .trusted_realms
+            .iter()
+            .enumerate()
+            .map(|(j, r)| self.trusted_realm(&format!("upstream[{i}].trusted_realms[{j}]"), r, &url))
+            .collect::<Result<Vec<_>, _>>()?;
 
         let immutable_tags = u
             .immutable_tags
@@ -840,9 +854,11 @@ impl Validator<'_> {
             name: u.name,
             aliases: u.aliases,
             url,
+            fallback_urls,
             default: u.default,
             library_namespace,
             credentials,
+            trusted_realms,
             tag_ttl: u
                 .tag_ttl
                 .as_deref()
@@ -877,6 +893,115 @@ fn valid_bucket(s: &str) -> bool {
         && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'.' || b == b'-')
         && s.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
         && s.bytes().last().is_some_and(|b| b.is_ascii_alphanumeric())
+}
+
+impl Validator<'_> {
+    /// `url`, or `urls = [primary, fallback…]`: exactly one of the two.
+    fn upstream_urls(
+        &self,
+        key: &dyn Fn(&str) -> String,
+        url: Option<&str>,
+        urls: Option<&[String]>,
+    ) -> Result<(http::Uri, Vec<http::Uri>), ConfigError> {
+        let (k, list): (String, Vec<&str>) = match (url, urls) {
+            (Some(u), None) => (key("url"), vec![u]),
+            (None, Some(list)) => (key("urls"), list.iter().map(String::as_str).collect()),
+            (None, None) => return Err(self.err(key("url"), "required (or `urls` for a primary and fallbacks)")),
+            (Some(_), Some(_)) => return Err(self.err(key("urls"), "set either `url` or `urls`, not both")),
+        };
+        if list.is_empty() || list.len() > MAX_UPSTREAM_URLS {
+            return Err(self.err(k, format!("must list between 1 and {MAX_UPSTREAM_URLS} URLs")));
+        }
+        let mut parsed: Vec<http::Uri> = Vec::with_capacity(list.len());
+        for text in list {
+            let uri: http::Uri = text.parse().map_err(|e| self.err(&k, format!("{text:?} is not a URL: {e}")))?;
+            let scheme_ok = matches!(uri.scheme_str(), Some("http" | "https"));
+            let path_ok = matches!(uri.path(), "" | "/") && uri.query().is_none();
+            let userinfo = uri.authority().is_some_and(|a| a.as_str().contains('@'));
+            if !scheme_ok || uri.authority().is_none() || !path_ok || userinfo {
+                return Err(self.err(&k, format!("{text:?} must be http(s)://host[:port] with no path")));
+            }
+            if parsed.iter().any(|p| p.scheme() == uri.scheme() && p.authority() == uri.authority()) {
+                return Err(self.err(&k, format!("{text:?} is listed twice")));
+            }
+            parsed.push(uri);
+        }
+        let primary = parsed.remove(0);
+        Ok((primary, parsed))
+    }
+
+    /// The upstream's credential source: a username with exactly one
+    /// password source, or a credential helper, or nothing.
+    fn credentials(
+        &self,
+        key: &dyn Fn(&str) -> String,
+        u: &RawUpstream,
+    ) -> Result<Option<CredentialSource>, ConfigError> {
+        if let Some(name) = &u.credential_helper {
+            let valid = !name.is_empty()
+                && name.len() <= MAX_HELPER_NAME
+                && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+                && !name.starts_with(['.', '-']);
+            if !valid {
+                return Err(self.err(
+                    key("credential_helper"),
+                    format!("{name:?} is not a helper name like \"ecr-login\" (runs docker-credential-<name>)"),
+                ));
+            }
+            if u.username.is_some() || u.password.is_some() || u.password_file.is_some() || u.password_env.is_some() {
+                return Err(self.err(
+                    key("credential_helper"),
+                    "set either credential_helper or a username and password, not both",
+                ));
+            }
+            return Ok(Some(CredentialSource::Helper(name.clone())));
+        }
+        let source = match (&u.password, &u.password_file, &u.password_env) {
+            (None, None, None) => None,
+            (Some(p), None, None) => Some(Err(Secret::new(p.clone()))),
+            (None, Some(f), None) => {
+                let path = self.path(f);
+                let text = std::fs::read_to_string(&path)
+                    .map_err(|e| self.err(key("password_file"), format!("cannot read {}: {e}", path.display())))?;
+                Some(Ok((path, Secret::new(text.trim_end_matches(['\r', '\n'])))))
+            }
+            (None, None, Some(var)) => Some(Err(Secret::new(
+                (self.env)(var)
+                    .ok_or_else(|| self.err(key("password_env"), format!("environment variable {var} is not set")))?,
+            ))),
+            _ => {
+                return Err(self.err(key("password"), "set only one of password, password_file, password_env"));
+            }
+        };
+        match (u.username.clone(), source) {
+            (None, None) => Ok(None),
+            (Some(username), Some(Err(password))) => {
+                Ok(Some(CredentialSource::Fixed(Credentials { username, password })))
+            }
+            (Some(username), Some(Ok((path, loaded)))) => Ok(Some(CredentialSource::File { username, path, loaded })),
+            (Some(_), None) => Err(self.err(key("username"), "a username needs a password source")),
+            (None, Some(_)) => Err(self.err(key("password"), "a password needs a username")),
+        }
+    }
+
+    /// One `trusted_realms` entry: an absolute http(s) URL, https unless
+    /// the upstream itself is http, without userinfo or query.
+    fn trusted_realm(&self, key: &str, text: &str, upstream: &http::Uri) -> Result<http::Uri, ConfigError> {
+        let uri: http::Uri = text.parse().map_err(|e| self.err(key, format!("{text:?} is not a URL: {e}")))?;
+        let Some(authority) = uri.authority() else {
+            return Err(self.err(key, format!("{text:?} must be a URL like \"https://auth.example.com/token\"")));
+        };
+        if authority.as_str().contains('@') || uri.query().is_some() || authority.host().is_empty() {
+            return Err(self.err(key, format!("{text:?} must be scheme://host[:port][/path], without user or query")));
+        }
+        match (uri.scheme_str(), upstream.scheme_str()) {
+            (Some("https"), _) | (Some("http"), Some("http")) => Ok(uri),
+            (Some("http"), _) => {
+                Err(self.err(key, format!("{text:?} must be https: credentials never travel in clear text")))
+            }
+            _ => Err(self.err(key, format!("{text:?} is not an http(s) URL"))),
+        }
+    }
 }
 
 /// A registry host as clients name it: DNS labels, optionally `:port`.
@@ -1045,13 +1170,77 @@ mod tests {
         let text =
             "[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nusername = \"bob\"\npassword_file = \"pw\"\n";
         let c = Config::parse(text, "t.toml", Some(dir.path())).unwrap();
-        let creds = c.upstreams[0].credentials.as_ref().unwrap();
-        assert_eq!(creds.password.expose(), "hunter2");
+        let Some(CredentialSource::File { username, path, loaded }) = &c.upstreams[0].credentials else {
+            panic!("a password_file source: {:?}", c.upstreams[0].credentials);
+        };
+        assert_eq!((username.as_str(), loaded.expose()), ("bob", "hunter2"));
+        assert_eq!(path, &dir.path().join("pw"));
         assert!(!format!("{c:?}").contains("hunter2"));
         let missing =
             "[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nusername = \"bob\"\npassword_file = \"nope\"\n";
         let e = Config::parse(missing, "t.toml", Some(dir.path())).unwrap_err().to_string();
         assert!(e.contains("`upstream[0].password_file`"), "{e}");
+    }
+
+    #[test]
+    fn docker_io_by_name_or_alias_defaults_to_the_library_namespace() {
+        let upstream = |extra: &str| {
+            let c = parse(&format!("[[upstream]]\n{extra}\n")).unwrap();
+            c.upstreams[0].library_namespace
+        };
+        assert!(upstream("name = \"docker.io\"\nurl = \"https://mirror.gcr.io\""));
+        assert!(upstream("name = \"hub.corp.example\"\naliases = [\"docker.io\"]\nurl = \"https://hub.corp.example\""));
+        assert!(upstream("name = \"hub.corp.example\"\nurl = \"https://registry-1.docker.io\""));
+        assert!(!upstream("name = \"docker.io\"\nurl = \"https://mirror.gcr.io\"\nlibrary_namespace = false"));
+        assert!(!upstream("name = \"ghcr.io\"\nurl = \"https://ghcr.io\""));
+    }
+
+    #[test]
+    fn trusted_realms_credential_helper_and_urls() {
+        let c = parse(
+            "[[upstream]]\nname = \"nvcr.io\"\nurl = \"https://nvcr.io\"\n\
+             trusted_realms = [\"https://authn.nvidia.com/token\"]\n\
+             [[upstream]]\nname = \"ecr.example\"\nurls = [\"https://a.example\", \"https://b.example:8443\"]\n\
+             credential_helper = \"ecr-login\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.upstreams[0].trusted_realms[0].to_string(), "https://authn.nvidia.com/token");
+        let ecr = &c.upstreams[1];
+        assert!(matches!(&ecr.credentials, Some(CredentialSource::Helper(n)) if n == "ecr-login"));
+        assert_eq!(ecr.url.to_string(), "https://a.example/");
+        assert_eq!(ecr.fallback_urls.iter().map(|u| u.to_string()).collect::<Vec<_>>(), ["https://b.example:8443/"]);
+
+        let cases = [
+            (
+                "url = \"https://q.io\"\ntrusted_realms = [\"http://auth.q.io/token\"]",
+                "upstream[0].trusted_realms[0]",
+                "https",
+            ),
+            ("url = \"https://q.io\"\ntrusted_realms = [\"auth.q.io/token\"]", "upstream[0].trusted_realms[0]", "URL"),
+            (
+                "url = \"https://q.io\"\ntrusted_realms = [\"https://u@auth.q.io/token\"]",
+                "upstream[0].trusted_realms[0]",
+                "without user",
+            ),
+            ("url = \"https://q.io\"\ncredential_helper = \"../evil\"", "upstream[0].credential_helper", "helper name"),
+            (
+                "url = \"https://q.io\"\ncredential_helper = \"x\"\nusername = \"u\"\npassword = \"p\"",
+                "upstream[0].credential_helper",
+                "not both",
+            ),
+            ("url = \"https://q.io\"\nurls = [\"https://q.io\"]", "upstream[0].urls", "not both"),
+            ("urls = []", "upstream[0].urls", "between 1 and"),
+            ("urls = [\"https://q.io\", \"https://q.io\"]", "upstream[0].urls", "twice"),
+            ("urls = [\"https://q.io/v2\"]", "upstream[0].urls", "no path"),
+            ("username = \"u\"", "upstream[0].url", "required"),
+        ];
+        for (lines, key, words) in cases {
+            let e = parse(&format!("[[upstream]]\nname = \"q.io\"\n{lines}\n")).unwrap_err().to_string();
+            assert!(e.contains(&format!("`{key}`")) && e.contains(words), "{lines}: {e}");
+        }
+        // An http upstream may name http realms.
+        let c = parse("[[upstream]]\nname = \"q.io\"\nurl = \"http://q.io\"\ntrusted_realms = [\"http://a.q.io\"]\n");
+        assert!(c.is_ok(), "{c:?}");
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use std::sync::LazyLock;
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 pub struct Metrics {
@@ -49,6 +49,21 @@ pub struct Metrics {
     pub peers_down: IntGauge,
     /// `peers_marked_down_total`: times a peer failed and was skipped for a while.
     pub peers_marked_down: IntCounter,
+    /// `upstream_ratelimit_limit{upstream}`: the pull limit upstream last
+    /// announced (Docker Hub's `ratelimit-limit`).
+    pub upstream_ratelimit_limit: IntGaugeVec,
+    /// `upstream_ratelimit_remaining{upstream}`: pulls left in the window,
+    /// as upstream last said (`ratelimit-remaining`); 0 after a 429.
+    pub upstream_ratelimit_remaining: IntGaugeVec,
+    /// `upstream_auth_failures_total{upstream,reason}`: reason
+    /// `realm_refused|helper_missing|helper_timeout|helper_failed|password_file|token_service|denied`.
+    pub upstream_auth_failures: IntCounterVec,
+    /// `upstream_auth_retries_total{upstream}`: requests answered 401 with a
+    /// cached token or credentials, retried once with fresh ones.
+    pub upstream_auth_retries: IntCounterVec,
+    /// `upstream_tokens_cached{upstream}`: tokens held in the (bounded) token
+    /// cache, as of the last token request.
+    pub upstream_tokens_cached: IntGaugeVec,
 }
 
 const PREFIX: &str = "larder";
@@ -86,6 +101,11 @@ fn build() -> Result<Metrics, prometheus::Error> {
     let peers_marked_down =
         IntCounter::new("peers_marked_down_total", "Times a peer failed a request and was skipped for a while")?;
     registry.register(Box::new(peers_marked_down.clone()))?;
+    let gauge_vec = |name: &str, help: &str, labels: &[&str]| -> Result<IntGaugeVec, prometheus::Error> {
+        let g = IntGaugeVec::new(Opts::new(name, help), labels)?;
+        registry.register(Box::new(g.clone()))?;
+        Ok(g)
+    };
     Ok(Metrics {
         requests: counter_vec("requests_total", "Requests served", &["route", "method", "status"])?,
         request_duration: histogram_vec("request_duration_seconds", "Time to response headers", &["route"])?,
@@ -126,6 +146,31 @@ fn build() -> Result<Metrics, prometheus::Error> {
         peers_up,
         peers_down,
         peers_marked_down,
+        upstream_ratelimit_limit: gauge_vec(
+            "upstream_ratelimit_limit",
+            "Pull limit upstream last announced (ratelimit-limit)",
+            &["upstream"],
+        )?,
+        upstream_ratelimit_remaining: gauge_vec(
+            "upstream_ratelimit_remaining",
+            "Pulls left in upstream's rate-limit window (ratelimit-remaining), 0 after a 429",
+            &["upstream"],
+        )?,
+        upstream_auth_failures: counter_vec(
+            "upstream_auth_failures_total",
+            "Upstream authentication failures by reason",
+            &["upstream", "reason"],
+        )?,
+        upstream_auth_retries: counter_vec(
+            "upstream_auth_retries_total",
+            "Upstream requests refused with a cached token or credentials and retried once with fresh ones",
+            &["upstream"],
+        )?,
+        upstream_tokens_cached: gauge_vec(
+            "upstream_tokens_cached",
+            "Tokens held in the token cache, as of the last token request",
+            &["upstream"],
+        )?,
         registry,
     })
 }
