@@ -11,6 +11,8 @@ use std::time::Duration;
 use regex::Regex;
 use serde::Deserialize;
 
+use crate::cluster::PeerUrl;
+
 /// The configuration used when `larder` runs without `--config`.
 pub const EMBEDDED_DEFAULT: &str = include_str!("../config/default.toml");
 const EMBEDDED_NAME: &str = "<embedded default config>";
@@ -40,6 +42,14 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(20);
 /// Default longest pause between two chunks of an upstream body.
 pub const DEFAULT_BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Most URLs one upstream may list in `urls` (a primary and its fallbacks):
+/// each is tried in turn while the ones before it fail.
+pub const MAX_UPSTREAM_URLS: usize = 8;
+/// Longest `credential_helper` name (the program is `docker-credential-<name>`).
+const MAX_HELPER_NAME: usize = 64;
+/// Names that mean Docker Hub, where one-component repositories live under
+/// `library/`.
+const DOCKER_HUB_NAMES: [&str; 3] = ["docker.io", "index.docker.io", "registry-1.docker.io"];
 /// Longest upstream timeout accepted (connect, response headers, body
 /// idle). A client connection sees no byte while larder waits on upstream,
 /// and the connection watchdog closes connections idle for longer than its
@@ -51,6 +61,14 @@ pub const MAX_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(100);
 pub const MIN_MAX_SIZE: u64 = 1 << 20;
 /// `cache.max_blob_size` when not set: this share of `max_size`.
 pub const DEFAULT_MAX_BLOB_SIZE_DIVISOR: u64 = 4;
+/// Shortest `[shared] max_age`: a sweep must never race the upload of a
+/// blob a replica has just fetched.
+pub const MIN_SHARED_MAX_AGE: Duration = Duration::from_secs(3600);
+/// Default `[cluster] listen`: the peer listener, apart from the client port.
+pub const DEFAULT_CLUSTER_LISTEN: &str = "0.0.0.0:5001";
+/// Shortest cluster secret accepted: it is all that stands between the
+/// peer listener and anyone who can reach it.
+pub const MIN_CLUSTER_SECRET_LEN: usize = 16;
 
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -59,6 +77,53 @@ pub struct Config {
     pub upstreams: Vec<UpstreamConfig>,
     pub log: LogConfig,
     pub admin: AdminConfig,
+    /// The object store shared by all replicas (`[shared]`), if any.
+    pub shared: Option<SharedConfig>,
+    /// Peers and the cluster secret (`[cluster]`), if any.
+    pub cluster: Option<ClusterConfig>,
+}
+
+/// `[shared]`: an S3-compatible bucket (and key prefix) that every replica
+/// reads before going upstream and uploads verified content to.
+#[derive(Debug, Clone)]
+pub struct SharedConfig {
+    /// The bucket, from `url = "s3://<bucket>/<prefix>"`.
+    pub bucket: String,
+    /// Key prefix without leading or trailing `/`; empty for the bucket root.
+    pub prefix: String,
+    /// `scheme://host[:port]` of an S3-compatible store; `None` for AWS S3.
+    pub endpoint: Option<String>,
+    /// Must equal the store's own region name (Garage: `s3_region`).
+    pub region: String,
+    pub access_key_id: Secret,
+    pub secret_access_key: Secret,
+    /// `AWS_SESSION_TOKEN`, when the keys come from the environment.
+    pub session_token: Option<Secret>,
+    /// Objects uploaded longer ago than this are deleted by a sweep; `None`
+    /// leaves expiry to the bucket's lifecycle rules.
+    pub max_age: Option<Duration>,
+}
+
+/// `[cluster]`: this replica's peers and how they prove they are peers.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// The peer listener; not part of the client-facing Service.
+    pub listen: SocketAddr,
+    /// How the other replicas reach this one (`self`, `${ENV}` expanded).
+    pub self_url: PeerUrl,
+    pub peers: PeerSource,
+    /// Sent and checked on every peer request.
+    pub secret: Secret,
+}
+
+/// Where the member list comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeerSource {
+    /// `peers = [...]`, this replica included.
+    Static(Vec<PeerUrl>),
+    /// `peers_dns = "host:port"`, resolved again periodically; every
+    /// address found is a peer at that port, with `self`'s scheme.
+    Dns { name: String },
 }
 
 /// `[admin]`: who may use the admin listener's mutating endpoints.
@@ -159,12 +224,23 @@ pub struct UpstreamConfig {
     /// Lookup key for `?ns=` and the `/v2/<name>/…` path prefix.
     pub name: String,
     pub aliases: Vec<String>,
-    /// Scheme and authority of the registry; larder only ever dials this.
+    /// Scheme and authority of the registry; larder only ever dials this
+    /// (and `fallback_urls`), plus the token realms and redirect targets
+    /// they name under the rules in `crate::upstream`.
     pub url: http::Uri,
+    /// Further URLs from `urls = [primary, fallback…]`, tried in order when
+    /// the ones before fail to connect or answer 5xx. They are the
+    /// upstream's own origins, as trusted as `url`.
+    pub fallback_urls: Vec<http::Uri>,
     pub default: bool,
     /// Docker Hub keeps one-component names under `library/`.
     pub library_namespace: bool,
-    pub credentials: Option<Credentials>,
+    /// Where the upstream's credentials come from; `None`: anonymous.
+    pub credentials: Option<CredentialSource>,
+    /// Token realms on other domains that may receive the upstream's
+    /// credentials (`trusted_realms`): scheme, host and port must match, and
+    /// the path too unless the entry has none.
+    pub trusted_realms: Vec<http::Uri>,
     pub tag_ttl: Option<Duration>,
     pub immutable_tags: Vec<Regex>,
     /// Open upstream requests allowed at once; further requests wait in order.
@@ -175,10 +251,23 @@ pub struct UpstreamConfig {
     pub body_idle_timeout: Duration,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Credentials {
     pub username: String,
     pub password: Secret,
+}
+
+/// Where an upstream's credentials come from.
+#[derive(Debug, Clone)]
+pub enum CredentialSource {
+    /// `password` or `password_env`: fixed for the life of the process.
+    Fixed(Credentials),
+    /// `password_file`: read at load, and again whenever it changes
+    /// (a Kubernetes Secret rotated under a running pod).
+    File { username: String, path: PathBuf, loaded: Secret },
+    /// `credential_helper = "NAME"`: `docker-credential-NAME get`, run
+    /// again before its answer grows old or when upstream refuses it.
+    Helper(String),
 }
 
 /// A secret string whose `Debug` and `Display` never show the value.
@@ -220,6 +309,30 @@ struct RawConfig {
     admin: Option<RawAdmin>,
     #[serde(default)]
     upstream: Vec<RawUpstream>,
+    shared: Option<RawShared>,
+    cluster: Option<RawCluster>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawShared {
+    url: String,
+    endpoint: Option<String>,
+    region: Option<String>,
+    access_key_id_file: Option<String>,
+    secret_access_key_file: Option<String>,
+    max_age: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCluster {
+    listen: Option<String>,
+    #[serde(rename = "self")]
+    self_url: String,
+    peers: Option<Vec<String>>,
+    peers_dns: Option<String>,
+    secret_file: String,
 }
 
 #[derive(Deserialize, Default)]
@@ -277,7 +390,8 @@ struct RawCache {
 #[serde(deny_unknown_fields)]
 struct RawUpstream {
     name: String,
-    url: String,
+    url: Option<String>,
+    urls: Option<Vec<String>>,
     #[serde(default)]
     default: bool,
     #[serde(default)]
@@ -287,6 +401,9 @@ struct RawUpstream {
     password: Option<String>,
     password_file: Option<String>,
     password_env: Option<String>,
+    credential_helper: Option<String>,
+    #[serde(default)]
+    trusted_realms: Vec<String>,
     tag_ttl: Option<String>,
     #[serde(default)]
     immutable_tags: Vec<String>,
@@ -313,9 +430,21 @@ impl Config {
     /// Parses config text. `file` names it in errors; relative paths in it
     /// are resolved against `base_dir` (the file's folder) when given.
     pub fn parse(text: &str, file: &str, base_dir: Option<&Path>) -> Result<Config, ConfigError> {
+        Config::parse_with_env(text, file, base_dir, &|name| std::env::var(name).ok())
+    }
+
+    /// As [`Config::parse`], reading environment variables (`password_env`,
+    /// `AWS_*`, `${VAR}` in `[cluster]`) through `env` instead of the
+    /// process environment.
+    pub fn parse_with_env(
+        text: &str,
+        file: &str,
+        base_dir: Option<&Path>,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Config, ConfigError> {
         let raw: RawConfig =
             toml::from_str(text).map_err(|e| ConfigError::Parse { file: file.to_owned(), message: e.to_string() })?;
-        Validator { file, base_dir }.config(raw)
+        Validator { file, base_dir, env }.config(raw)
     }
 
     pub fn default_upstream(&self) -> Option<&UpstreamConfig> {
@@ -342,6 +471,7 @@ impl UpstreamConfig {
 struct Validator<'a> {
     file: &'a str,
     base_dir: Option<&'a Path>,
+    env: &'a dyn Fn(&str) -> Option<String>,
 }
 
 impl Validator<'_> {
@@ -504,7 +634,216 @@ impl Validator<'_> {
             Some(other) => return Err(self.err("log.format", format!("{other:?} is not \"text\" or \"json\""))),
         };
         let admin = self.admin(raw.admin.unwrap_or_default())?;
-        Ok(Config { server, cache, upstreams, log: LogConfig { level, format }, admin })
+        let shared = raw.shared.map(|s| self.shared(s)).transpose()?;
+        let cluster = raw.cluster.map(|c| self.cluster(c, &server)).transpose()?;
+        Ok(Config { server, cache, upstreams, log: LogConfig { level, format }, admin, shared, cluster })
+    }
+
+    /// A secret read from a file: trailing line breaks and spaces dropped
+    /// (files written by `echo` or a Kubernetes Secret), never empty.
+    fn secret_file(&self, key: &str, p: &str) -> Result<Secret, ConfigError> {
+        let path = self.path(p);
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| self.err(key, format!("cannot read {}: {e}", path.display())))?;
+        let value = text.trim_end();
+        if value.is_empty() {
+            return Err(self.err(key, format!("{} is empty", path.display())));
+        }
+        Ok(Secret::new(value))
+    }
+
+    /// Replaces each `${NAME}` in `v` with that environment variable.
+    fn expand_env(&self, key: &str, v: &str) -> Result<String, ConfigError> {
+        let mut out = String::with_capacity(v.len());
+        let mut rest = v;
+        while let Some(start) = rest.find("${") {
+            out.push_str(&rest[..start]);
+            let after = &rest[start + 2..];
+            let end = after.find('}').ok_or_else(|| self.err(key, format!("{v:?} has an unclosed `${{`")))?;
+            let name = &after[..end];
+            let name_ok = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if !name_ok {
+                return Err(self.err(key, format!("{name:?} is not an environment variable name")));
+            }
+            let value =
+                (self.env)(name).ok_or_else(|| self.err(key, format!("environment variable {name} is not set")))?;
+            out.push_str(&value);
+            rest = &after[end + 1..];
+        }
+        out.push_str(rest);
+        Ok(out)
+    }
+
+    fn shared(&self, s: RawShared) -> Result<SharedConfig, ConfigError> {
+        // Split by hand: a URL parser would resolve `..` and percent-escapes
+        // that must instead be refused.
+        let rest = s
+            .url
+            .strip_prefix("s3://")
+            .ok_or_else(|| self.err("shared.url", format!("{:?} must be an s3:// URL (s3://bucket/prefix)", s.url)))?;
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        if !valid_bucket(bucket) {
+            return Err(self.err(
+                "shared.url",
+                format!("{bucket:?} is not a bucket name (3-63 lowercase letters, digits, dots and hyphens)"),
+            ));
+        }
+        let (bucket, prefix) = (bucket.to_owned(), prefix.trim_end_matches('/').to_owned());
+        let segment_ok = |seg: &str| {
+            !seg.is_empty()
+                && seg != "."
+                && seg != ".."
+                && seg.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        };
+        if !prefix.is_empty() && !prefix.split('/').all(segment_ok) {
+            return Err(self.err(
+                "shared.url",
+                format!("prefix {prefix:?} must be /-separated segments of letters, digits, '.', '_' and '-'"),
+            ));
+        }
+        let endpoint = s.endpoint.as_deref().map(|e| self.endpoint(e)).transpose()?;
+        let region = match (&s.region, &endpoint) {
+            (Some(r), _) => r.clone(),
+            (None, None) => (self.env)("AWS_REGION").or_else(|| (self.env)("AWS_DEFAULT_REGION")).ok_or_else(|| {
+                self.err("shared.region", "set the bucket's region (or AWS_REGION in the environment)")
+            })?,
+            (None, Some(_)) => {
+                return Err(self.err(
+                    "shared.region",
+                    "set it to the store's own region name (Garage: `s3_region`, often \"garage\")",
+                ));
+            }
+        };
+        if region.is_empty() || !region.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+            return Err(self.err("shared.region", format!("{region:?} is not a region name")));
+        }
+        let (access_key_id, secret_access_key, session_token) = match (&s.access_key_id_file, &s.secret_access_key_file)
+        {
+            (Some(id), Some(secret)) => (
+                self.secret_file("shared.access_key_id_file", id)?,
+                self.secret_file("shared.secret_access_key_file", secret)?,
+                None,
+            ),
+            (None, None) => {
+                let id = (self.env)("AWS_ACCESS_KEY_ID").filter(|v| !v.is_empty());
+                let secret = (self.env)("AWS_SECRET_ACCESS_KEY").filter(|v| !v.is_empty());
+                match (id, secret) {
+                    (Some(id), Some(secret)) => (
+                        Secret::new(id),
+                        Secret::new(secret),
+                        (self.env)("AWS_SESSION_TOKEN").filter(|v| !v.is_empty()).map(Secret::new),
+                    ),
+                    _ => {
+                        return Err(self.err(
+                            "shared.access_key_id_file",
+                            "set access_key_id_file and secret_access_key_file, or \
+                                 AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment",
+                        ));
+                    }
+                }
+            }
+            (Some(_), None) => {
+                return Err(self.err("shared.secret_access_key_file", "needed with access_key_id_file"));
+            }
+            (None, Some(_)) => {
+                return Err(self.err("shared.access_key_id_file", "needed with secret_access_key_file"));
+            }
+        };
+        let max_age =
+            s.max_age.as_deref().map(|a| self.duration("shared.max_age", Some(a), Duration::ZERO)).transpose()?;
+        if let Some(age) = max_age {
+            if age < MIN_SHARED_MAX_AGE {
+                return Err(self.err(
+                    "shared.max_age",
+                    format!("must be at least {}", humantime::format_duration(MIN_SHARED_MAX_AGE)),
+                ));
+            }
+        }
+        Ok(SharedConfig { bucket, prefix, endpoint, region, access_key_id, secret_access_key, session_token, max_age })
+    }
+
+    fn endpoint(&self, e: &str) -> Result<String, ConfigError> {
+        let bad = || self.err("shared.endpoint", format!("{e:?} must be http(s)://host[:port] with no path"));
+        let url = url::Url::parse(e).map_err(|_| bad())?;
+        let ok = matches!(url.scheme(), "http" | "https")
+            && url.host_str().is_some_and(|h| !h.is_empty())
+            && url.username().is_empty()
+            && url.password().is_none()
+            && matches!(url.path(), "" | "/")
+            && url.query().is_none()
+            && url.fragment().is_none();
+        if !ok {
+            return Err(bad());
+        }
+        Ok(url.as_str().trim_end_matches('/').to_owned())
+    }
+
+    fn cluster(&self, c: RawCluster, server: &ServerConfig) -> Result<ClusterConfig, ConfigError> {
+        let listen = self.addr("cluster.listen", c.listen.as_deref().unwrap_or(DEFAULT_CLUSTER_LISTEN))?;
+        let clashes = |other: SocketAddr| {
+            other.port() == listen.port()
+                && (other.ip() == listen.ip() || other.ip().is_unspecified() || listen.ip().is_unspecified())
+        };
+        if clashes(server.listen) || server.admin_listen.is_some_and(clashes) {
+            return Err(self.err("cluster.listen", format!("{listen} overlaps server.listen or server.admin_listen")));
+        }
+        let self_url =
+            PeerUrl::parse(&self.expand_env("cluster.self", &c.self_url)?).map_err(|e| self.err("cluster.self", e))?;
+        let peers = match (c.peers, c.peers_dns) {
+            (Some(list), None) => {
+                if list.is_empty() {
+                    return Err(self.err("cluster.peers", "list every replica, this one included"));
+                }
+                let mut peers: Vec<PeerUrl> = Vec::with_capacity(list.len());
+                for (i, p) in list.iter().enumerate() {
+                    let key = format!("cluster.peers[{i}]");
+                    let peer = PeerUrl::parse(&self.expand_env(&key, p)?).map_err(|e| self.err(&key, e))?;
+                    if peer.is_https() != self_url.is_https() {
+                        return Err(
+                            self.err(&key, format!("{peer} does not use the scheme of cluster.self ({self_url})"))
+                        );
+                    }
+                    if peers.contains(&peer) {
+                        return Err(self.err(&key, format!("{peer} is listed twice")));
+                    }
+                    peers.push(peer);
+                }
+                if !peers.contains(&self_url) {
+                    return Err(self.err(
+                        "cluster.self",
+                        format!("{self_url} is not in cluster.peers: list every replica, this one included"),
+                    ));
+                }
+                PeerSource::Static(peers)
+            }
+            (None, Some(name)) => {
+                let name = self.expand_env("cluster.peers_dns", &name)?;
+                // Without a port, peers listen where this replica does.
+                let self_port = || self_url.authority().rsplit_once(':').and_then(|(_, p)| p.parse::<u16>().ok());
+                let (host, port) = match name.rsplit_once(':') {
+                    Some((host, port)) => (host, port.parse::<u16>().ok().filter(|p| *p > 0)),
+                    None => (name.as_str(), self_port()),
+                };
+                let port = port.ok_or_else(|| self.err("cluster.peers_dns", format!("{name:?} has a bad port")))?;
+                if !valid_host(host) {
+                    return Err(self.err("cluster.peers_dns", format!("{host:?} is not a DNS name")));
+                }
+                PeerSource::Dns { name: format!("{host}:{port}") }
+            }
+            (Some(_), Some(_)) => return Err(self.err("cluster.peers", "set either peers or peers_dns, not both")),
+            (None, None) => return Err(self.err("cluster.peers", "set peers (a list) or peers_dns (a DNS name)")),
+        };
+        let secret = self.secret_file("cluster.secret_file", &c.secret_file)?;
+        if secret.expose().chars().count() < MIN_CLUSTER_SECRET_LEN {
+            return Err(self.err(
+                "cluster.secret_file",
+                format!(
+                    "the secret must be at least {MIN_CLUSTER_SECRET_LEN} characters (e.g. `openssl rand -hex 32`)"
+                ),
+            ));
+        }
+        Ok(ClusterConfig { listen, self_url, peers, secret })
     }
 
     fn admin(&self, raw: RawAdmin) -> Result<AdminConfig, ConfigError> {
@@ -523,43 +862,21 @@ impl Validator<'_> {
                 return Err(self.err(key(k), format!("{host:?} is not a registry host name like \"ghcr.io\"")));
             }
         }
-        let url: http::Uri =
-            u.url.parse().map_err(|e| self.err(key("url"), format!("{:?} is not a URL: {e}", u.url)))?;
-        let scheme_ok = matches!(url.scheme_str(), Some("http" | "https"));
-        let path_ok = matches!(url.path(), "" | "/") && url.query().is_none();
-        if !scheme_ok || url.authority().is_none() || !path_ok {
-            return Err(self.err(key("url"), "must be http(s)://host[:port] with no path"));
-        }
+        let (url, fallback_urls) = self.upstream_urls(&key, u.url.as_deref(), u.urls.as_deref())?;
+        let is_docker_hub = |h: &str| DOCKER_HUB_NAMES.contains(&h);
         let host = url.host().unwrap_or_default().to_ascii_lowercase();
+        // Docker Hub by its name or an alias as much as by its URL: users
+        // point `docker.io` at mirror.gcr.io or a corporate Hub mirror.
         let library_namespace = u
             .library_namespace
-            .unwrap_or(matches!(host.as_str(), "registry-1.docker.io" | "index.docker.io" | "docker.io"));
-
-        let password = match (&u.password, &u.password_file, &u.password_env) {
-            (None, None, None) => None,
-            (Some(p), None, None) => Some(Secret::new(p.clone())),
-            (None, Some(f), None) => {
-                let path = self.path(f);
-                let text = std::fs::read_to_string(&path)
-                    .map_err(|e| self.err(key("password_file"), format!("cannot read {}: {e}", path.display())))?;
-                Some(Secret::new(text.trim_end_matches(['\r', '\n'])))
-            }
-            (None, None, Some(var)) => Some(Secret::new(
-                std::env::var(var)
-                    .map_err(|_| self.err(key("password_env"), format!("environment variable {var} is not set")))?,
-            )),
-            _ => {
-                return Err(self.err(key("password"), "set only one of password, password_file, password_env"));
-            }
-        };
-        let credentials = match (u.username, password) {
-            (None, None) => None,
-            (Some(username), Some(password)) => Some(Credentials { username, password }),
-            (Some(_), None) => {
-                return Err(self.err(key("username"), "a username needs a password source"));
-            }
-            (None, Some(_)) => return Err(self.err(key("password"), "a password needs a username")),
-        };
+            .unwrap_or(is_docker_hub(&host) || is_docker_hub(&u.name) || u.aliases.iter().any(|a| is_docker_hub(a)));
+        let credentials = self.credentials(&key, &u)?;
+        let trusted_realms = u
+            .trusted_realms
+            .iter()
+            .enumerate()
+            .map(|(j, r)| self.trusted_realm(&format!("upstream[{i}].trusted_realms[{j}]"), r, &url))
+            .collect::<Result<Vec<_>, _>>()?;
 
         let immutable_tags = u
             .immutable_tags
@@ -582,9 +899,11 @@ impl Validator<'_> {
             name: u.name,
             aliases: u.aliases,
             url,
+            fallback_urls,
             default: u.default,
             library_namespace,
             credentials,
+            trusted_realms,
             tag_ttl: u
                 .tag_ttl
                 .as_deref()
@@ -609,6 +928,124 @@ impl Validator<'_> {
                 DEFAULT_BODY_IDLE_TIMEOUT,
             )?,
         })
+    }
+}
+
+/// An S3 bucket name: 3-63 lowercase letters, digits, dots and hyphens,
+/// starting and ending with a letter or digit.
+fn valid_bucket(s: &str) -> bool {
+    (3..=63).contains(&s.len())
+        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'.' || b == b'-')
+        && s.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
+        && s.bytes().last().is_some_and(|b| b.is_ascii_alphanumeric())
+}
+
+impl Validator<'_> {
+    /// `url`, or `urls = [primary, fallback…]`: exactly one of the two.
+    fn upstream_urls(
+        &self,
+        key: &dyn Fn(&str) -> String,
+        url: Option<&str>,
+        urls: Option<&[String]>,
+    ) -> Result<(http::Uri, Vec<http::Uri>), ConfigError> {
+        let (k, list): (String, Vec<&str>) = match (url, urls) {
+            (Some(u), None) => (key("url"), vec![u]),
+            (None, Some(list)) => (key("urls"), list.iter().map(String::as_str).collect()),
+            (None, None) => return Err(self.err(key("url"), "required (or `urls` for a primary and fallbacks)")),
+            (Some(_), Some(_)) => return Err(self.err(key("urls"), "set either `url` or `urls`, not both")),
+        };
+        if list.is_empty() || list.len() > MAX_UPSTREAM_URLS {
+            return Err(self.err(k, format!("must list between 1 and {MAX_UPSTREAM_URLS} URLs")));
+        }
+        let mut parsed: Vec<http::Uri> = Vec::with_capacity(list.len());
+        for text in list {
+            let uri: http::Uri = text.parse().map_err(|e| self.err(&k, format!("{text:?} is not a URL: {e}")))?;
+            let scheme_ok = matches!(uri.scheme_str(), Some("http" | "https"));
+            let path_ok = matches!(uri.path(), "" | "/") && uri.query().is_none();
+            let userinfo = uri.authority().is_some_and(|a| a.as_str().contains('@'));
+            if !scheme_ok || uri.authority().is_none() || !path_ok || userinfo {
+                return Err(self.err(&k, format!("{text:?} must be http(s)://host[:port] with no path")));
+            }
+            if parsed.iter().any(|p| p.scheme() == uri.scheme() && p.authority() == uri.authority()) {
+                return Err(self.err(&k, format!("{text:?} is listed twice")));
+            }
+            parsed.push(uri);
+        }
+        let primary = parsed.remove(0);
+        Ok((primary, parsed))
+    }
+
+    /// The upstream's credential source: a username with exactly one
+    /// password source, or a credential helper, or nothing.
+    fn credentials(
+        &self,
+        key: &dyn Fn(&str) -> String,
+        u: &RawUpstream,
+    ) -> Result<Option<CredentialSource>, ConfigError> {
+        if let Some(name) = &u.credential_helper {
+            let valid = !name.is_empty()
+                && name.len() <= MAX_HELPER_NAME
+                && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+                && !name.starts_with(['.', '-']);
+            if !valid {
+                return Err(self.err(
+                    key("credential_helper"),
+                    format!("{name:?} is not a helper name like \"ecr-login\" (runs docker-credential-<name>)"),
+                ));
+            }
+            if u.username.is_some() || u.password.is_some() || u.password_file.is_some() || u.password_env.is_some() {
+                return Err(self.err(
+                    key("credential_helper"),
+                    "set either credential_helper or a username and password, not both",
+                ));
+            }
+            return Ok(Some(CredentialSource::Helper(name.clone())));
+        }
+        let source = match (&u.password, &u.password_file, &u.password_env) {
+            (None, None, None) => None,
+            (Some(p), None, None) => Some(Err(Secret::new(p.clone()))),
+            (None, Some(f), None) => {
+                let path = self.path(f);
+                let text = std::fs::read_to_string(&path)
+                    .map_err(|e| self.err(key("password_file"), format!("cannot read {}: {e}", path.display())))?;
+                Some(Ok((path, Secret::new(text.trim_end_matches(['\r', '\n'])))))
+            }
+            (None, None, Some(var)) => Some(Err(Secret::new(
+                (self.env)(var)
+                    .ok_or_else(|| self.err(key("password_env"), format!("environment variable {var} is not set")))?,
+            ))),
+            _ => {
+                return Err(self.err(key("password"), "set only one of password, password_file, password_env"));
+            }
+        };
+        match (u.username.clone(), source) {
+            (None, None) => Ok(None),
+            (Some(username), Some(Err(password))) => {
+                Ok(Some(CredentialSource::Fixed(Credentials { username, password })))
+            }
+            (Some(username), Some(Ok((path, loaded)))) => Ok(Some(CredentialSource::File { username, path, loaded })),
+            (Some(_), None) => Err(self.err(key("username"), "a username needs a password source")),
+            (None, Some(_)) => Err(self.err(key("password"), "a password needs a username")),
+        }
+    }
+
+    /// One `trusted_realms` entry: an absolute http(s) URL, https unless
+    /// the upstream itself is http, without userinfo or query.
+    fn trusted_realm(&self, key: &str, text: &str, upstream: &http::Uri) -> Result<http::Uri, ConfigError> {
+        let uri: http::Uri = text.parse().map_err(|e| self.err(key, format!("{text:?} is not a URL: {e}")))?;
+        let Some(authority) = uri.authority() else {
+            return Err(self.err(key, format!("{text:?} must be a URL like \"https://auth.example.com/token\"")));
+        };
+        if authority.as_str().contains('@') || uri.query().is_some() || authority.host().is_empty() {
+            return Err(self.err(key, format!("{text:?} must be scheme://host[:port][/path], without user or query")));
+        }
+        match (uri.scheme_str(), upstream.scheme_str()) {
+            (Some("https"), _) | (Some("http"), Some("http")) => Ok(uri),
+            (Some("http"), _) => {
+                Err(self.err(key, format!("{text:?} must be https: credentials never travel in clear text")))
+            }
+            _ => Err(self.err(key, format!("{text:?} is not an http(s) URL"))),
+        }
     }
 }
 
@@ -654,18 +1091,38 @@ mod tests {
         assert_eq!(c.cache.dir, PathBuf::from("./larder-data"));
     }
 
+    /// Loads every example in `config/`. Secret files an example names
+    /// (`password_file = "/run/secrets/..."`, uncommented) are created under
+    /// a temp dir and the text pointed there, as a pod would have them
+    /// mounted; `${POD_IP}` and friends come from a made-up environment.
     #[test]
     fn every_example_in_config_dir_loads() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+        let file_key = Regex::new(r#"(?m)^\s*\w+_file\s*=\s*"([^"]+)""#).unwrap();
+        let env = |name: &str| match name {
+            "POD_IP" => Some("10.0.0.7".to_owned()),
+            "POD_NAMESPACE" => Some("larder".to_owned()),
+            _ => None,
+        };
         let mut n = 0;
         for entry in std::fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();
             if path.extension().is_some_and(|e| e == "toml") {
-                Config::load(&path).unwrap_or_else(|e| panic!("{e}"));
+                let mut text = std::fs::read_to_string(&path).unwrap();
+                let mounts = tempfile::tempdir().unwrap();
+                for named in file_key.captures_iter(&text.clone()) {
+                    let named = &named[1];
+                    let mounted = mounts.path().join(named.trim_start_matches('/'));
+                    std::fs::create_dir_all(mounted.parent().unwrap()).unwrap();
+                    std::fs::write(&mounted, "an-example-secret-of-some-length\n").unwrap();
+                    text = text.replace(&format!("\"{named}\""), &format!("{:?}", mounted.display().to_string()));
+                }
+                Config::parse_with_env(&text, &path.display().to_string(), Some(&dir), &env)
+                    .unwrap_or_else(|e| panic!("{e}"));
                 n += 1;
             }
         }
-        assert!(n >= 3, "expected the documented examples in config/, found {n}");
+        assert!(n >= 5, "expected the documented examples in config/, found {n}");
     }
 
     #[test]
@@ -758,8 +1215,11 @@ mod tests {
         let text =
             "[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nusername = \"bob\"\npassword_file = \"pw\"\n";
         let c = Config::parse(text, "t.toml", Some(dir.path())).unwrap();
-        let creds = c.upstreams[0].credentials.as_ref().unwrap();
-        assert_eq!(creds.password.expose(), "hunter2");
+        let Some(CredentialSource::File { username, path, loaded }) = &c.upstreams[0].credentials else {
+            panic!("a password_file source: {:?}", c.upstreams[0].credentials);
+        };
+        assert_eq!((username.as_str(), loaded.expose()), ("bob", "hunter2"));
+        assert_eq!(path, &dir.path().join("pw"));
         assert!(!format!("{c:?}").contains("hunter2"));
         let missing =
             "[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nusername = \"bob\"\npassword_file = \"nope\"\n";
@@ -787,6 +1247,67 @@ mod tests {
     }
 
     #[test]
+    fn docker_io_by_name_or_alias_defaults_to_the_library_namespace() {
+        let upstream = |extra: &str| {
+            let c = parse(&format!("[[upstream]]\n{extra}\n")).unwrap();
+            c.upstreams[0].library_namespace
+        };
+        assert!(upstream("name = \"docker.io\"\nurl = \"https://mirror.gcr.io\""));
+        assert!(upstream("name = \"hub.corp.example\"\naliases = [\"docker.io\"]\nurl = \"https://hub.corp.example\""));
+        assert!(upstream("name = \"hub.corp.example\"\nurl = \"https://registry-1.docker.io\""));
+        assert!(!upstream("name = \"docker.io\"\nurl = \"https://mirror.gcr.io\"\nlibrary_namespace = false"));
+        assert!(!upstream("name = \"ghcr.io\"\nurl = \"https://ghcr.io\""));
+    }
+
+    #[test]
+    fn trusted_realms_credential_helper_and_urls() {
+        let c = parse(
+            "[[upstream]]\nname = \"nvcr.io\"\nurl = \"https://nvcr.io\"\n\
+             trusted_realms = [\"https://authn.nvidia.com/token\"]\n\
+             [[upstream]]\nname = \"ecr.example\"\nurls = [\"https://a.example\", \"https://b.example:8443\"]\n\
+             credential_helper = \"ecr-login\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.upstreams[0].trusted_realms[0].to_string(), "https://authn.nvidia.com/token");
+        let ecr = &c.upstreams[1];
+        assert!(matches!(&ecr.credentials, Some(CredentialSource::Helper(n)) if n == "ecr-login"));
+        assert_eq!(ecr.url.to_string(), "https://a.example/");
+        assert_eq!(ecr.fallback_urls.iter().map(|u| u.to_string()).collect::<Vec<_>>(), ["https://b.example:8443/"]);
+
+        let cases = [
+            (
+                "url = \"https://q.io\"\ntrusted_realms = [\"http://auth.q.io/token\"]",
+                "upstream[0].trusted_realms[0]",
+                "https",
+            ),
+            ("url = \"https://q.io\"\ntrusted_realms = [\"auth.q.io/token\"]", "upstream[0].trusted_realms[0]", "URL"),
+            (
+                "url = \"https://q.io\"\ntrusted_realms = [\"https://u@auth.q.io/token\"]",
+                "upstream[0].trusted_realms[0]",
+                "without user",
+            ),
+            ("url = \"https://q.io\"\ncredential_helper = \"../evil\"", "upstream[0].credential_helper", "helper name"),
+            (
+                "url = \"https://q.io\"\ncredential_helper = \"x\"\nusername = \"u\"\npassword = \"p\"",
+                "upstream[0].credential_helper",
+                "not both",
+            ),
+            ("url = \"https://q.io\"\nurls = [\"https://q.io\"]", "upstream[0].urls", "not both"),
+            ("urls = []", "upstream[0].urls", "between 1 and"),
+            ("urls = [\"https://q.io\", \"https://q.io\"]", "upstream[0].urls", "twice"),
+            ("urls = [\"https://q.io/v2\"]", "upstream[0].urls", "no path"),
+            ("username = \"u\"", "upstream[0].url", "required"),
+        ];
+        for (lines, key, words) in cases {
+            let e = parse(&format!("[[upstream]]\nname = \"q.io\"\n{lines}\n")).unwrap_err().to_string();
+            assert!(e.contains(&format!("`{key}`")) && e.contains(words), "{lines}: {e}");
+        }
+        // An http upstream may name http realms.
+        let c = parse("[[upstream]]\nname = \"q.io\"\nurl = \"http://q.io\"\ntrusted_realms = [\"http://a.q.io\"]\n");
+        assert!(c.is_ok(), "{c:?}");
+    }
+
+    #[test]
     fn immutable_tags_and_per_upstream_ttl() {
         let text = "[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\ntag_ttl = \"1s\"\nimmutable_tags = ['^v?\\d+\\.\\d+\\.\\d+$']\n";
         let c = parse(text).unwrap();
@@ -794,5 +1315,169 @@ mod tests {
         assert_eq!(u.tag_ttl(&c.cache), Duration::from_secs(1));
         assert!(u.tag_is_immutable("v1.2.3"));
         assert!(!u.tag_is_immutable("latest"));
+    }
+
+    const SHARED_AND_CLUSTER: &str = r#"
+        [shared]
+        url = "s3://larder-cache/mirror/v1"
+        endpoint = "http://garage.storage:3900"
+        region = "garage"
+        access_key_id_file = "s3-id"
+        secret_access_key_file = "s3-secret"
+        max_age = "90d"
+
+        [cluster]
+        listen = "0.0.0.0:5001"
+        self = "http://${POD_IP}:5001"
+        peers = ["http://10.0.0.1:5001", "http://10.0.0.2:5001/"]
+        secret_file = "cluster-secret"
+    "#;
+
+    /// A dir with the secret files [`SHARED_AND_CLUSTER`] names.
+    fn secrets_dir() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("s3-id"), "GK31c2f218a2e44f485b94239e\n").unwrap();
+        std::fs::write(
+            dir.path().join("s3-secret"),
+            "b892c0665f0ada8a4755dae98baa3b133590e11dae3bcc1f9d769d67f16c3835\n",
+        )
+        .unwrap();
+        std::fs::write(dir.path().join("cluster-secret"), "4f1e6b5e0d9c8a7b6c5d4e3f2a1b0c9d\n").unwrap();
+        dir
+    }
+
+    fn env_of(vars: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+        move |name| vars.iter().find(|(k, _)| *k == name).map(|(_, v)| (*v).to_owned())
+    }
+
+    fn parse_in(dir: &Path, text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+        Config::parse_with_env(&format!("{text}{MINIMAL}"), "t.toml", Some(dir), env)
+    }
+
+    #[test]
+    fn shared_and_cluster_parse_into_types_with_redacted_secrets() {
+        let dir = secrets_dir();
+        let c = parse_in(dir.path(), SHARED_AND_CLUSTER, &env_of(&[("POD_IP", "10.0.0.2")])).unwrap();
+        let shared = c.shared.as_ref().unwrap();
+        assert_eq!((shared.bucket.as_str(), shared.prefix.as_str()), ("larder-cache", "mirror/v1"));
+        assert_eq!(shared.endpoint.as_deref(), Some("http://garage.storage:3900"));
+        assert_eq!(shared.region, "garage");
+        assert_eq!(shared.access_key_id.expose(), "GK31c2f218a2e44f485b94239e");
+        assert_eq!(shared.max_age, Some(Duration::from_secs(90 * 86400)));
+        let cluster = c.cluster.as_ref().unwrap();
+        assert_eq!(cluster.listen, "0.0.0.0:5001".parse().unwrap());
+        assert_eq!(cluster.self_url.as_str(), "http://10.0.0.2:5001");
+        let expected: Vec<PeerUrl> =
+            ["http://10.0.0.1:5001", "http://10.0.0.2:5001"].iter().map(|p| p.parse().unwrap()).collect();
+        assert_eq!(cluster.peers, PeerSource::Static(expected));
+        assert_eq!(cluster.secret.expose(), "4f1e6b5e0d9c8a7b6c5d4e3f2a1b0c9d");
+        let debug = format!("{c:?}");
+        for secret in ["b892c0665f", "4f1e6b5e0d"] {
+            assert!(!debug.contains(secret), "secret in Debug output: {debug}");
+        }
+        assert!(parse(MINIMAL).unwrap().shared.is_none() && parse(MINIMAL).unwrap().cluster.is_none());
+    }
+
+    #[test]
+    fn shared_keys_come_from_the_aws_environment_without_files() {
+        let dir = secrets_dir();
+        let text = "[shared]\nurl = \"s3://bucket-a\"\n";
+        let env = env_of(&[
+            ("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE"),
+            ("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMI"),
+            ("AWS_SESSION_TOKEN", "tok"),
+            ("AWS_REGION", "eu-west-3"),
+        ]);
+        let c = parse_in(dir.path(), text, &env).unwrap();
+        let shared = c.shared.unwrap();
+        assert_eq!((shared.bucket.as_str(), shared.prefix.as_str()), ("bucket-a", ""));
+        assert_eq!(shared.endpoint, None, "AWS S3 itself");
+        assert_eq!(shared.region, "eu-west-3");
+        assert_eq!(shared.access_key_id.expose(), "AKIDEXAMPLE");
+        assert_eq!(shared.session_token.map(|t| t.expose().to_owned()).as_deref(), Some("tok"));
+        let e = parse_in(dir.path(), text, &env_of(&[("AWS_REGION", "eu-west-3")])).unwrap_err().to_string();
+        assert!(e.contains("`shared.access_key_id_file`") && e.contains("AWS_ACCESS_KEY_ID"), "{e}");
+    }
+
+    #[test]
+    fn bad_shared_and_cluster_values_name_their_key() {
+        let dir = secrets_dir();
+        let env = env_of(&[("POD_IP", "10.0.0.1"), ("AWS_ACCESS_KEY_ID", "a"), ("AWS_SECRET_ACCESS_KEY", "b")]);
+        let shared = |extra: &str| format!("[shared]\nendpoint = \"http://s3:3900\"\n{extra}\n");
+        let cluster = |lines: &str| format!("[cluster]\nsecret_file = \"cluster-secret\"\n{lines}\n");
+        let cases = [
+            (shared("url = \"gs://bucket\"\nregion = \"garage\""), "shared.url"),
+            (shared("url = \"s3://Bucket\"\nregion = \"garage\""), "shared.url"),
+            (shared("url = \"s3://bucket/a//b\"\nregion = \"garage\""), "shared.url"),
+            (shared("url = \"s3://bucket/../b\"\nregion = \"garage\""), "shared.url"),
+            (shared("url = \"s3://bucket\""), "shared.region"),
+            (shared("url = \"s3://bucket\"\nregion = \"garage\"\nmax_age = \"10m\""), "shared.max_age"),
+            (
+                shared("url = \"s3://bucket\"\nregion = \"garage\"\naccess_key_id_file = \"s3-id\""),
+                "shared.secret_access_key_file",
+            ),
+            (
+                shared(
+                    "url = \"s3://bucket\"\nregion = \"garage\"\naccess_key_id_file = \"nope\"\nsecret_access_key_file = \"s3-secret\"",
+                ),
+                "shared.access_key_id_file",
+            ),
+            (shared("url = \"s3://bucket\"\nregion = \"garage\"\nbucket = \"x\""), "bucket"),
+            (
+                "[shared]\nurl = \"s3://bucket\"\nregion = \"garage\"\nendpoint = \"http://s3:3900/path\"\n".to_owned(),
+                "shared.endpoint",
+            ),
+            (cluster("self = \"http://${POD_IP}:5001\"\npeers = [\"http://10.0.0.2:5001\"]"), "cluster.self"),
+            (cluster("self = \"http://${NODE_IP}:5001\"\npeers = [\"http://10.0.0.1:5001\"]"), "cluster.self"),
+            (cluster("self = \"http://${POD_IP:5001\"\npeers = [\"http://10.0.0.1:5001\"]"), "cluster.self"),
+            (
+                cluster(
+                    "self = \"http://${POD_IP}:5001\"\npeers = [\"http://10.0.0.1:5001\", \"http://10.0.0.1:5001/\"]",
+                ),
+                "cluster.peers[1]",
+            ),
+            (
+                cluster(
+                    "self = \"http://${POD_IP}:5001\"\npeers = [\"http://10.0.0.1:5001\", \"https://10.0.0.2:5001\"]",
+                ),
+                "cluster.peers[1]",
+            ),
+            (cluster("self = \"http://${POD_IP}:5001\"\npeers = [\"http://10.0.0.1:5001/v2/\"]"), "cluster.peers[0]"),
+            (cluster("self = \"http://${POD_IP}:5001\"\npeers = []"), "cluster.peers"),
+            (cluster("self = \"http://${POD_IP}:5001\""), "cluster.peers"),
+            (
+                cluster(
+                    "self = \"http://${POD_IP}:5001\"\npeers = [\"http://10.0.0.1:5001\"]\npeers_dns = \"larder:5001\"",
+                ),
+                "cluster.peers",
+            ),
+            (cluster("self = \"http://${POD_IP}:5001\"\npeers_dns = \"Not A Name:5001\""), "cluster.peers_dns"),
+            (cluster("self = \"http://${POD_IP}:5001\"\npeers_dns = \"larder:http\""), "cluster.peers_dns"),
+            (
+                cluster("listen = \"127.0.0.1:5000\"\nself = \"http://${POD_IP}:5001\"\npeers_dns = \"larder:5001\""),
+                "cluster.listen",
+            ),
+            (cluster("self = \"ftp://${POD_IP}:5001\"\npeers_dns = \"larder:5001\""), "cluster.self"),
+        ];
+        for (text, key) in cases {
+            let e = parse_in(dir.path(), &text, &env).unwrap_err().to_string();
+            assert!(e.contains(&format!("`{key}`")) || e.contains(key), "{text}\n=> {e}");
+            assert!(e.starts_with("t.toml"), "{e}");
+        }
+        std::fs::write(dir.path().join("short"), "hunter2\n").unwrap();
+        let text =
+            "[cluster]\nself = \"http://${POD_IP}:5001\"\npeers_dns = \"larder:5001\"\nsecret_file = \"short\"\n";
+        let e = parse_in(dir.path(), text, &env).unwrap_err().to_string();
+        assert!(e.contains("`cluster.secret_file`") && e.contains("at least"), "{e}");
+    }
+
+    #[test]
+    fn peers_dns_takes_the_port_of_self_when_it_names_none() {
+        let dir = secrets_dir();
+        let env = env_of(&[("POD_IP", "10.0.0.1"), ("POD_NAMESPACE", "mirror")]);
+        let text = "[cluster]\nself = \"http://${POD_IP}:5101\"\npeers_dns = \"larder-headless.${POD_NAMESPACE}.svc.cluster.local\"\nsecret_file = \"cluster-secret\"\n";
+        let c = parse_in(dir.path(), text, &env).unwrap().cluster.unwrap();
+        assert_eq!(c.peers, PeerSource::Dns { name: "larder-headless.mirror.svc.cluster.local:5101".into() });
+        assert_eq!(c.listen, DEFAULT_CLUSTER_LISTEN.parse().unwrap());
     }
 }

@@ -70,7 +70,7 @@ pub enum UpstreamError {
     Protocol(String),
     #[error("upstream content does not match digest {expected} (got {actual})")]
     DigestMismatch { expected: Digest, actual: String },
-    #[error("upstream token service failed: {0}")]
+    #[error("upstream authentication failed: {0}")]
     Auth(String),
 }
 

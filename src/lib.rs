@@ -10,6 +10,7 @@ pub mod blocking;
 pub mod body;
 pub mod cache;
 pub mod cli;
+pub mod cluster;
 pub mod coalesce;
 pub mod config;
 pub mod error;

@@ -5,7 +5,7 @@
 use std::sync::LazyLock;
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 pub struct Metrics {
@@ -41,6 +41,39 @@ pub struct Metrics {
     pub cache_max_size: IntGauge,
     /// `cache_high_watermark_bytes`: usage above which eviction starts.
     pub cache_high_watermark: IntGauge,
+    /// `shared_requests_total{op,result}`: requests to the shared object
+    /// store; op `head|get|put|put_multipart|delete|list`, result
+    /// `ok|not_found|error`.
+    pub shared_requests: IntCounterVec,
+    /// `shared_bytes_total{direction}`: direction `download|upload`.
+    pub shared_bytes: IntCounterVec,
+    /// `shared_uploads_total{kind,result}`: background uploads; kind
+    /// `blob|manifest`, result `uploaded|present|failed|dropped` (`failed`
+    /// is retried later; `dropped` had nothing valid left to upload).
+    pub shared_uploads: IntCounterVec,
+    /// `pending_uploads`: verified content waiting for upload to the shared tier.
+    pub pending_uploads: IntGauge,
+    /// `peers_up` / `peers_down`: cluster members answering or being
+    /// skipped (this replica counts as up).
+    pub peers_up: IntGauge,
+    pub peers_down: IntGauge,
+    /// `peers_marked_down_total`: times a peer failed and was skipped for a while.
+    pub peers_marked_down: IntCounter,
+    /// `upstream_ratelimit_limit{upstream}`: the pull limit upstream last
+    /// announced (Docker Hub's `ratelimit-limit`).
+    pub upstream_ratelimit_limit: IntGaugeVec,
+    /// `upstream_ratelimit_remaining{upstream}`: pulls left in the window,
+    /// as upstream last said (`ratelimit-remaining`); 0 after a 429.
+    pub upstream_ratelimit_remaining: IntGaugeVec,
+    /// `upstream_auth_failures_total{upstream,reason}`: reason
+    /// `realm_refused|helper_missing|helper_timeout|helper_failed|password_file|token_service|denied`.
+    pub upstream_auth_failures: IntCounterVec,
+    /// `upstream_auth_retries_total{upstream}`: requests answered 401 with a
+    /// cached token or credentials, retried once with fresh ones.
+    pub upstream_auth_retries: IntCounterVec,
+    /// `upstream_tokens_cached{upstream}`: tokens held in the (bounded) token
+    /// cache, as of the last token request.
+    pub upstream_tokens_cached: IntGaugeVec,
 }
 
 const PREFIX: &str = "larder";
@@ -75,6 +108,18 @@ fn build() -> Result<Metrics, prometheus::Error> {
     let cache_max_size = gauge("cache_max_size_bytes", "The configured cache.max_size")?;
     let cache_high_watermark =
         gauge("cache_high_watermark_bytes", "Cache usage above which least recently used content is evicted")?;
+    let pending_uploads =
+        gauge("pending_uploads", "Verified blobs and manifests waiting for upload to the shared tier")?;
+    let peers_up = gauge("peers_up", "Cluster members currently answering (this replica included)")?;
+    let peers_down = gauge("peers_down", "Cluster members skipped after a failed request")?;
+    let peers_marked_down =
+        IntCounter::new("peers_marked_down_total", "Times a peer failed a request and was skipped for a while")?;
+    registry.register(Box::new(peers_marked_down.clone()))?;
+    let gauge_vec = |name: &str, help: &str, labels: &[&str]| -> Result<IntGaugeVec, prometheus::Error> {
+        let g = IntGaugeVec::new(Opts::new(name, help), labels)?;
+        registry.register(Box::new(g.clone()))?;
+        Ok(g)
+    };
     Ok(Metrics {
         requests: counter_vec("requests_total", "Requests served", &["route", "method", "status"])?,
         request_duration: histogram_vec("request_duration_seconds", "Time to response headers", &["route"])?,
@@ -104,6 +149,50 @@ fn build() -> Result<Metrics, prometheus::Error> {
         ready,
         cache_max_size,
         cache_high_watermark,
+        shared_requests: counter_vec(
+            "shared_requests_total",
+            "Requests to the shared object store by operation and result",
+            &["op", "result"],
+        )?,
+        shared_bytes: counter_vec(
+            "shared_bytes_total",
+            "Bytes moved to and from the shared object store",
+            &["direction"],
+        )?,
+        shared_uploads: counter_vec(
+            "shared_uploads_total",
+            "Background uploads to the shared tier by kind and result",
+            &["kind", "result"],
+        )?,
+        pending_uploads,
+        peers_up,
+        peers_down,
+        peers_marked_down,
+        upstream_ratelimit_limit: gauge_vec(
+            "upstream_ratelimit_limit",
+            "Pull limit upstream last announced (ratelimit-limit)",
+            &["upstream"],
+        )?,
+        upstream_ratelimit_remaining: gauge_vec(
+            "upstream_ratelimit_remaining",
+            "Pulls left in upstream's rate-limit window (ratelimit-remaining), 0 after a 429",
+            &["upstream"],
+        )?,
+        upstream_auth_failures: counter_vec(
+            "upstream_auth_failures_total",
+            "Upstream authentication failures by reason",
+            &["upstream", "reason"],
+        )?,
+        upstream_auth_retries: counter_vec(
+            "upstream_auth_retries_total",
+            "Upstream requests refused with a cached token or credentials and retried once with fresh ones",
+            &["upstream"],
+        )?,
+        upstream_tokens_cached: gauge_vec(
+            "upstream_tokens_cached",
+            "Tokens held in the token cache, as of the last token request",
+            &["upstream"],
+        )?,
         registry,
     })
 }

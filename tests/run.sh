@@ -3,7 +3,7 @@
 #   1. installs the real peers the integration tests use, if missing
 #      (distribution as the origin registry, skopeo, containerd, dockerd,
 #      Prometheus and promtool, headless Chromium for the status page,
-#      `script` for a pseudo-terminal);
+#      `script` for a pseudo-terminal, and Garage for the shared tier);
 #      nothing is started through systemd: each test starts its own;
 #   2. checks formatting and lints;
 #   3. runs every unit and integration test, then the Helm chart's tests
@@ -30,6 +30,17 @@ if ((${#need[@]})); then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
 fi
+
+# Garage, the distributed object store the shared-tier tests run (3 nodes
+# on loopback). Built from crates.io once (about 11 minutes on 2 cores) into
+# a cache folder that later runs reuse; the harness finds it there.
+GARAGE_VERSION=2.5.0
+GARAGE_ROOT="${XDG_CACHE_HOME:-$HOME/.cache}/larder-tests/garage-$GARAGE_VERSION"
+if [ ! -x "$GARAGE_ROOT/bin/garage" ]; then
+  echo "tests/run.sh: building Garage $GARAGE_VERSION into $GARAGE_ROOT (once)"
+  cargo install garage --version "$GARAGE_VERSION" --locked --root "$GARAGE_ROOT"
+fi
+export LARDER_TEST_GARAGE="$GARAGE_ROOT/bin/garage"
 
 # The Helm chart is rendered, linted and validated with Helm's own engine
 # (bundled in helm-python-sdk) and the Kubernetes schemas; grpcio calls

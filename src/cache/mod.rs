@@ -10,12 +10,14 @@ mod memory;
 mod pread;
 pub mod prefetch;
 mod reconcile;
+pub mod shared;
 pub mod source;
 pub mod stats;
+pub mod upload;
 
 use std::fs::File;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use tokio::sync::watch;
@@ -95,14 +97,8 @@ pub struct Cache {
     revalidations: SingleFlight<String, Option<Digest>>,
     /// One upstream `tags/list` or `referrers` request per page however many ask.
     listing_fetches: SingleFlight<String, Option<Page>>,
-    /// Upstreams whose last revalidation failed, until when stale tags are
-    /// served without asking them. A std Mutex: never held across `.await`.
-    revalidation_backoff: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
 }
 
-/// After a revalidation fails (upstream down, 5xx, 429, timeout), stale tags
-/// of that upstream are served for this long without asking it again.
-const REVALIDATION_BACKOFF: Duration = Duration::from_secs(30);
 /// Times a request may find that the fill it joined, started for another
 /// repository, failed for a reason about that repository, before it takes
 /// that answer as its own.
@@ -185,7 +181,6 @@ impl Cache {
             fills: Fills::default(),
             manifest_fetches: SingleFlight::default(),
             revalidations: SingleFlight::default(),
-            revalidation_backoff: std::sync::Mutex::default(),
             listing_fetches: SingleFlight::default(),
         }))
     }
@@ -427,7 +422,7 @@ impl Cache {
             return Ok((cached, CacheResult::Hit));
         }
         let may_serve_stale = age < ttl + self.config.stale_if_error;
-        if may_serve_stale && self.backing_off(upstream.name()) {
+        if may_serve_stale && upstream.revalidation_backoff().active() {
             return Ok((cached, CacheResult::Stale));
         }
         let head = {
@@ -435,17 +430,29 @@ impl Cache {
             move || async move { upstream.head_manifest(&repo, &reference).await.map_err(Error::Upstream) }
         };
         let answer = self.revalidations.run(key.clone(), head).await.0;
-        self.note_revalidation(upstream.name(), matches!(answer, Err(Error::Upstream(_))));
+        upstream.revalidation_backoff().record(matches!(answer, Err(Error::Upstream(_))), ttl);
         match answer {
             Ok(Some(digest)) if digest == entry.digest => {
                 self.set_tag(key, digest).await?;
                 Ok((cached, CacheResult::Hit))
             }
-            Ok(Some(digest)) => {
-                let (m, result) = self.fetch_manifest(upstream, repo, &Reference::Digest(digest)).await?;
-                self.set_tag(key, digest).await?;
-                Ok((m, result))
+            // Moved. A GET counts against Docker Hub's pull limit (the HEAD
+            // did not): with the limit used up, what is cached is served.
+            Ok(Some(_)) if may_serve_stale && upstream.rate_limited() => {
+                tracing::warn!(upstream = upstream.name(), %repo, %tag, "tag moved, but the pull limit is used up: serving stale");
+                Ok((cached, CacheResult::Stale))
             }
+            Ok(Some(digest)) => match self.fetch_manifest(upstream, repo, &Reference::Digest(digest)).await {
+                Ok((m, result)) => {
+                    self.set_tag(key, digest).await?;
+                    Ok((m, result))
+                }
+                Err(Error::Upstream(e @ UpstreamError::RateLimited { .. })) if may_serve_stale => {
+                    tracing::warn!(upstream = upstream.name(), %repo, %tag, error = %e, "tag moved, but fetching it was refused: serving stale");
+                    Ok((cached, CacheResult::Stale))
+                }
+                Err(e) => Err(e),
+            },
             Ok(None) => {
                 self.memory.remove_tag(&key);
                 let index = Arc::clone(&self.index);
@@ -457,23 +464,6 @@ impl Cache {
                 Ok((cached, CacheResult::Stale))
             }
             Err(e) => Err(e),
-        }
-    }
-
-    /// Whether a recent revalidation against `upstream` failed, so stale tags
-    /// are served without asking it again: during an outage each request
-    /// would otherwise wait for its own timeout.
-    fn backing_off(&self, upstream: &str) -> bool {
-        let backoff = self.revalidation_backoff.lock().unwrap_or_else(|p| p.into_inner());
-        backoff.get(upstream).is_some_and(|until| Instant::now() < *until)
-    }
-
-    fn note_revalidation(&self, upstream: &str, failed: bool) {
-        let mut backoff = self.revalidation_backoff.lock().unwrap_or_else(|p| p.into_inner());
-        if failed {
-            backoff.insert(upstream.to_owned(), Instant::now() + REVALIDATION_BACKOFF);
-        } else {
-            backoff.remove(upstream);
         }
     }
 

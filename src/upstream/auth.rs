@@ -1,221 +1,287 @@
-//! Upstream authentication: answers `WWW-Authenticate` challenges with a
-//! Bearer token (anonymous, or obtained with the configured Basic
-//! credentials) or Basic credentials. Tokens are cached per
-//! (realm, service, scope) until they expire, and concurrent requests for
-//! the same token share one token request.
+//! Answering `WWW-Authenticate` challenges (DESIGN.md, "Upstream client",
+//! rules 1–4), per hop of a request:
+//!
+//! - the upstream's own origin gets its credentials: Basic, or a Bearer
+//!   token from a trusted realm ([`super::realm::for_upstream`]) requested
+//!   with them;
+//! - a redirect target (another origin: Artifact Registry behind
+//!   registry.k8s.io, ghcr.io behind a Scarf front) gets only an
+//!   **anonymous** token from its own realm, never the upstream's
+//!   credentials or tokens, and never Basic credentials.
+//!
+//! The scope comes from the path that got the 401 ([`super::scope`]).
+//! Tokens are cached per (realm, service, scopes, identity) in a bounded
+//! cache, one token request per key however many wait for it. A token
+//! (or credentials) that was refused is dropped, and the request retried
+//! once with a fresh one.
 
-use std::collections::HashMap;
-use std::net::IpAddr;
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
 use base64::Engine;
-use bytes::Bytes;
-use http::header::{AUTHORIZATION, USER_AGENT};
-use http::{HeaderValue, Request, Uri};
-use http_body_util::Empty;
-use serde::Deserialize;
+use http::{HeaderValue, Uri};
 
 use super::challenge::Challenge;
 use super::client::HttpClient;
+use super::credentials::CredentialStore;
+use super::realm;
+use super::scope::{Scopes, repository_of};
+use super::tokens::{self, FetchError, Identity, TokenCache, TokenKey};
 use crate::coalesce::SingleFlight;
-use crate::config::{Credentials, Secret};
+use crate::config::{Credentials, Secret, UpstreamConfig};
 use crate::error::{Error, UpstreamError};
+use crate::metrics::metrics;
+use crate::oci::RepoName;
 
-/// Largest token response read; bigger ones are refused.
-pub const MAX_TOKEN_RESPONSE: usize = 1 << 20;
-/// Lifetime assumed when a token response has no `expires_in` (the spec's default).
-const DEFAULT_TOKEN_LIFETIME: Duration = Duration::from_secs(60);
-/// Longest a token is cached, whatever its `expires_in` says.
-const MAX_TOKEN_LIFETIME: Duration = Duration::from_secs(24 * 3600);
-/// A token is dropped from the cache this long before it expires, so that
-/// it is not sent while it expires in flight.
-const TOKEN_EXPIRY_MARGIN: Duration = Duration::from_secs(5);
+/// Origins whose last challenge is remembered (the upstream, its realms'
+/// hosts, the redirect targets it uses), so that later requests present a
+/// cached token up front instead of collecting a 401 first.
+const MAX_REMEMBERED_CHALLENGES: u64 = 1024;
 
-#[derive(Clone, PartialEq, Eq, Hash, Debug)]
-struct TokenKey {
-    realm: String,
-    service: Option<String>,
-    scope: String,
+/// One request of a chain of redirects: where it goes, and whether that is
+/// the upstream's own origin.
+pub struct Hop<'a> {
+    pub url: &'a Uri,
+    /// One of the upstream's configured origins (`url`, `urls`).
+    pub own: bool,
+    /// The repository the client asked for, the scope of last resort for the
+    /// upstream's own origin when the path names none.
+    pub requested: &'a RepoName,
 }
 
-struct CachedToken {
-    token: Secret,
-    expires: Instant,
+impl Hop<'_> {
+    /// The repository a token for this hop must be scoped to: the one its
+    /// path names (a redirect may have rewritten it).
+    fn repository(&self) -> Option<RepoName> {
+        repository_of(self.url.path()).or_else(|| self.own.then(|| self.requested.clone()))
+    }
+
+    fn origin(&self) -> String {
+        let scheme = self.url.scheme_str().unwrap_or("https");
+        let authority = self.url.authority().map(|a| a.as_str()).unwrap_or_default();
+        format!("{scheme}://{authority}").to_ascii_lowercase()
+    }
+
+    fn identity(&self) -> Identity {
+        if self.own { Identity::Upstream } else { Identity::Anonymous }
+    }
+}
+
+/// What a request carried, so that a 401 can drop exactly that.
+pub enum Presented {
+    Nothing,
+    /// A cached token.
+    Token(TokenKey, Secret),
+    /// The upstream's Basic credentials.
+    Basic(Credentials),
+    /// What answering a 401 just produced: refused again, the request fails.
+    Fresh,
 }
 
 pub struct Auth {
-    credentials: Option<Credentials>,
-    /// Host of the upstream URL; token realms must be on it or its registrable domain.
-    upstream_host: String,
-    /// The last challenge upstream sent, so later requests can present a
-    /// cached token up front instead of collecting a 401 first.
-    last_challenge: Mutex<Option<Challenge>>,
-    tokens: Mutex<HashMap<TokenKey, CachedToken>>,
-    flights: SingleFlight<TokenKey, (Secret, Duration)>,
-}
-
-#[derive(Deserialize)]
-struct TokenResponse {
-    token: Option<String>,
-    access_token: Option<String>,
-    expires_in: Option<u64>,
+    /// The upstream's name, for metrics and messages.
+    upstream: String,
+    trusted_realms: Vec<Uri>,
+    credentials: Option<Arc<CredentialStore>>,
+    challenges: moka::sync::Cache<String, Challenge>,
+    tokens: TokenCache,
+    flights: SingleFlight<TokenKey, Secret>,
 }
 
 impl Auth {
-    pub fn new(credentials: Option<Credentials>, upstream_host: &str) -> Auth {
+    pub fn new(config: &UpstreamConfig) -> Auth {
         Auth {
-            credentials,
-            upstream_host: upstream_host.to_ascii_lowercase(),
-            last_challenge: Mutex::new(None),
-            tokens: Mutex::new(HashMap::new()),
+            upstream: config.name.clone(),
+            trusted_realms: config.trusted_realms.clone(),
+            credentials: config
+                .credentials
+                .as_ref()
+                .map(|c| Arc::new(CredentialStore::new(&config.name, config.authority(), c))),
+            challenges: moka::sync::Cache::new(MAX_REMEMBERED_CHALLENGES),
+            tokens: TokenCache::new(),
             flights: SingleFlight::default(),
         }
     }
 
-    fn basic(&self) -> Option<HeaderValue> {
-        let c = self.credentials.as_ref()?;
-        let raw = format!("{}:{}", c.username, c.password.expose());
-        let mut v =
-            HeaderValue::from_str(&format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(raw))).ok()?;
-        v.set_sensitive(true);
-        Some(v)
-    }
-
-    /// An `Authorization` value for `scope` that needs no network round
-    /// trip: a cached, unexpired token for the last challenge, or Basic
-    /// credentials if upstream asked for Basic.
-    pub fn cached_header(&self, scope: &str) -> Option<HeaderValue> {
-        let challenge = self.last_challenge.lock().unwrap_or_else(|p| p.into_inner()).clone()?;
+    /// What to send with a request before any 401: a cached token for the
+    /// hop's origin and scope, or the upstream's Basic credentials when its
+    /// origin asked for Basic before. Nothing for a redirect target that
+    /// wants Basic.
+    pub async fn up_front(&self, hop: &Hop<'_>) -> Result<(Option<HeaderValue>, Presented), UpstreamError> {
+        let Some(challenge) = self.challenges.get(&hop.origin()) else {
+            return Ok((None, Presented::Nothing));
+        };
         match challenge {
-            Challenge::Basic => self.basic(),
-            Challenge::Bearer { realm, service, .. } => {
-                let key = TokenKey { realm, service, scope: scope.to_owned() };
-                let tokens = self.tokens.lock().unwrap_or_else(|p| p.into_inner());
-                let t = tokens.get(&key).filter(|t| t.expires > Instant::now())?;
-                bearer(&t.token)
+            Challenge::Basic => match (&self.credentials, hop.own) {
+                (Some(store), true) => {
+                    let c = store.current().await?;
+                    Ok((Some(basic(&c)?), Presented::Basic(c)))
+                }
+                _ => Ok((None, Presented::Nothing)),
+            },
+            Challenge::Bearer { realm, service, scope } => {
+                let key = self.key(hop, realm, service, scope.as_deref());
+                match self.tokens.get(&key) {
+                    Some(token) => Ok((Some(bearer(&token)?), Presented::Token(key, token))),
+                    None => Ok((None, Presented::Nothing)),
+                }
             }
         }
     }
 
-    /// Answers a challenge for `scope`, fetching a token if needed.
-    pub async fn authorize(
+    /// Answers a 401 from `hop`: drops what was `presented` (a refused
+    /// cached token, or credentials to be read again), then returns what to
+    /// retry the request with, once.
+    pub async fn answer(
         &self,
         http: &HttpClient,
+        hop: &Hop<'_>,
         challenge: Challenge,
-        scope: &str,
+        presented: Presented,
     ) -> Result<HeaderValue, UpstreamError> {
-        *self.last_challenge.lock().unwrap_or_else(|p| p.into_inner()) = Some(challenge.clone());
-        let (realm, service) = match challenge {
-            Challenge::Basic => return self.basic().ok_or(UpstreamError::Denied),
-            Challenge::Bearer { realm, service, .. } => (realm, service),
+        match &presented {
+            Presented::Token(key, token) => {
+                self.tokens.evict(key, token);
+                metrics().upstream_auth_retries.with_label_values(&[&self.upstream]).inc();
+            }
+            Presented::Basic(c) => {
+                if let Some(store) = &self.credentials {
+                    store.refused(c);
+                }
+                metrics().upstream_auth_retries.with_label_values(&[&self.upstream]).inc();
+            }
+            Presented::Nothing | Presented::Fresh => {}
+        }
+        let (realm, service, scope) = match &challenge {
+            Challenge::Basic => return self.answer_basic(hop).await,
+            Challenge::Bearer { realm, service, scope } => (realm.clone(), service.clone(), scope.clone()),
         };
-        let realm_uri = self.trusted_realm(&realm)?;
-        let key = TokenKey { realm, service, scope: scope.to_owned() };
-        if let Some(h) = self.cached_token(&key) {
-            return Ok(h);
+        let checked = if hop.own {
+            realm::for_upstream(&realm, &self.upstream, hop.url, &self.trusted_realms)
+        } else {
+            realm::for_redirect_target(&realm, hop.url)
+        };
+        let realm_uri = checked.map_err(|refused| {
+            self.failed("realm_refused");
+            UpstreamError::Auth(refused.0)
+        })?;
+        self.challenges.insert(hop.origin(), challenge);
+        let key = self.key(hop, realm, service, scope.as_deref());
+        if let Some(token) = self.tokens.get(&key) {
+            return bearer(&token);
+        }
+        if !hop.own {
+            tracing::debug!(upstream = self.upstream, target = hop.origin(), "anonymous token for a redirect target");
         }
         let fetch = {
-            let http = http.clone();
-            let key = key.clone();
-            let basic = self.basic();
-            move || async move { fetch_token(&http, realm_uri, &key, basic).await.map_err(Error::Upstream) }
+            let (http, tokens, key) = (http.clone(), self.tokens.clone(), key.clone());
+            let store = self.credentials.clone().filter(|_| key.identity == Identity::Upstream);
+            let upstream = self.upstream.clone();
+            move || async move { fetch_and_keep(&upstream, &http, &realm_uri, key, &tokens, store.as_deref()).await }
         };
-        let (result, _) = self.flights.run(key.clone(), fetch).await;
-        let (token, lifetime) = match result {
-            Ok(token) => token,
-            Err(Error::Upstream(e)) => return Err(e),
-            Err(e) => return Err(UpstreamError::Auth(e.to_string())),
-        };
-        let header = bearer(&token).ok_or_else(|| UpstreamError::Auth("token is not a valid header value".into()))?;
-        let expires = Instant::now() + lifetime.saturating_sub(TOKEN_EXPIRY_MARGIN);
-        self.tokens.lock().unwrap_or_else(|p| p.into_inner()).insert(key, CachedToken { token, expires });
-        Ok(header)
+        let (result, _) = self.flights.run(key, fetch).await;
+        metrics().upstream_tokens_cached.with_label_values(&[&self.upstream]).set(self.tokens.len() as i64);
+        match result {
+            Ok(token) => bearer(&token),
+            Err(Error::Upstream(UpstreamError::Denied)) => {
+                self.failed("denied");
+                Err(UpstreamError::Denied)
+            }
+            Err(Error::Upstream(e)) => Err(e),
+            Err(e) => Err(UpstreamError::Auth(e.to_string())),
+        }
     }
 
-    fn cached_token(&self, key: &TokenKey) -> Option<HeaderValue> {
-        let tokens = self.tokens.lock().unwrap_or_else(|p| p.into_inner());
-        tokens.get(key).filter(|t| t.expires > Instant::now()).and_then(|t| bearer(&t.token))
+    /// Basic credentials go only to the upstream's own origin.
+    async fn answer_basic(&self, hop: &Hop<'_>) -> Result<HeaderValue, UpstreamError> {
+        if !hop.own {
+            tracing::info!(
+                upstream = self.upstream,
+                target = hop.origin(),
+                "a redirect target asks for Basic credentials; larder sends credentials only to the upstream itself"
+            );
+            self.failed("denied");
+            return Err(UpstreamError::Denied);
+        }
+        let Some(store) = &self.credentials else {
+            self.failed("denied");
+            return Err(UpstreamError::Denied);
+        };
+        self.challenges.insert(hop.origin(), Challenge::Basic);
+        basic(&store.current().await?)
     }
 
-    /// The realm is where larder sends its credentials, so it must belong
-    /// to the upstream: the same host, or (for DNS names) the same
-    /// registrable domain per the public suffix list. An IP or localhost
-    /// realm is trusted only if it is exactly the upstream's host.
-    fn trusted_realm(&self, realm: &str) -> Result<Uri, UpstreamError> {
-        let uri: Uri = realm.parse().map_err(|_| UpstreamError::Auth(format!("token realm {realm:?} is not a URL")))?;
-        if !matches!(uri.scheme_str(), Some("http" | "https")) {
-            return Err(UpstreamError::Auth(format!("token realm {realm:?} is not http(s)")));
-        }
-        let host = uri.host().unwrap_or_default().trim_matches(['[', ']']).to_ascii_lowercase();
-        let upstream = self.upstream_host.trim_matches(['[', ']']);
-        let is_literal = |h: &str| h.parse::<IpAddr>().is_ok() || h == "localhost";
-        let trusted = host == upstream
-            || (!is_literal(&host)
-                && !is_literal(upstream)
-                && psl::domain_str(&host).is_some_and(|d| Some(d) == psl::domain_str(upstream)));
-        if trusted {
-            Ok(uri)
-        } else {
-            Err(UpstreamError::Auth(format!(
-                "token realm host {host:?} is not upstream {upstream:?} or its registrable domain"
-            )))
-        }
+    /// Counts a failure of this upstream's authentication.
+    pub fn failed(&self, reason: &'static str) {
+        metrics().upstream_auth_failures.with_label_values(&[&self.upstream, reason]).inc();
+    }
+
+    fn key(&self, hop: &Hop<'_>, realm: String, service: Option<String>, scope: Option<&str>) -> TokenKey {
+        let scopes = Scopes::new(hop.repository().as_ref(), scope);
+        TokenKey { realm, service, scopes, identity: hop.identity() }
     }
 }
 
-fn bearer(token: &Secret) -> Option<HeaderValue> {
-    let mut v = HeaderValue::from_str(&format!("Bearer {}", token.expose())).ok()?;
-    v.set_sensitive(true);
-    Some(v)
-}
-
-async fn fetch_token(
+/// Fetches a token (with the upstream's credentials when `store` is given)
+/// and caches it. Runs as the one flight for its key: it looks at the cache
+/// first, since a flight that just ended may have filled it. Refused
+/// credentials are read again (file, helper) and tried once more.
+async fn fetch_and_keep(
+    upstream: &str,
     http: &HttpClient,
-    realm: Uri,
-    key: &TokenKey,
-    basic: Option<HeaderValue>,
-) -> Result<(Secret, Duration), UpstreamError> {
-    let query = {
-        let mut query = form_urlencoded::Serializer::new(String::new());
-        if let Some(service) = &key.service {
-            query.append_pair("service", service);
-        }
-        query.append_pair("scope", &key.scope);
-        query.finish()
+    realm: &Uri,
+    key: TokenKey,
+    tokens: &TokenCache,
+    store: Option<&CredentialStore>,
+) -> Result<Secret, Error> {
+    if let Some(token) = tokens.get(&key) {
+        return Ok(token);
+    }
+    let mut credentials = match store {
+        Some(s) => Some(s.current().await?),
+        None => None,
     };
-    let sep = if realm.query().is_some() { '&' } else { '?' };
-    let url = format!("{realm}{sep}{query}");
-    let mut req = Request::get(url).header(USER_AGENT, crate::USER_AGENT);
-    if let Some(b) = basic {
-        req = req.header(AUTHORIZATION, b);
-    }
-    let req =
-        req.body(Empty::<Bytes>::new()).map_err(|e| UpstreamError::Auth(format!("building token request: {e}")))?;
-    let resp = http.send(req).await?;
-    let status = resp.status();
-    match status.as_u16() {
-        200 => {}
-        401 | 403 => return Err(UpstreamError::Denied),
-        429 => {
-            return Err(UpstreamError::RateLimited { retry_after: super::retry_after(resp.headers()) });
+    let mut refreshed = false;
+    let token = loop {
+        let authorization = credentials.as_ref().map(basic).transpose()?;
+        match tokens::fetch(http, realm, &key, authorization).await {
+            Ok(token) => break token,
+            Err(FetchError::Other(e)) => {
+                if matches!(e, UpstreamError::Auth(_)) {
+                    metrics().upstream_auth_failures.with_label_values(&[upstream, "token_service"]).inc();
+                }
+                return Err(e.into());
+            }
+            Err(FetchError::Refused) => match (store, credentials, refreshed) {
+                (Some(s), Some(used), false) => {
+                    s.refused(&used);
+                    let fresh = s.current().await?;
+                    if fresh == used {
+                        return Err(UpstreamError::Denied.into());
+                    }
+                    (credentials, refreshed) = (Some(fresh), true);
+                }
+                _ => return Err(UpstreamError::Denied.into()),
+            },
         }
-        _ => {
-            return Err(UpstreamError::Auth(format!("token service answered {status}")));
-        }
-    }
-    let body = http.read_body(resp.into_body(), MAX_TOKEN_RESPONSE).await?;
-    let parsed: TokenResponse =
-        serde_json::from_slice(&body).map_err(|e| UpstreamError::Auth(format!("token response: {e}")))?;
-    let token = parsed
-        .token
-        .or(parsed.access_token)
-        .filter(|t| !t.is_empty())
-        .ok_or_else(|| UpstreamError::Auth("token response has no token".into()))?;
-    crate::metrics::metrics().tokens_fetched.inc();
-    // An untrusted number: clamped, so that `now + lifetime` cannot overflow.
-    let lifetime = parsed.expires_in.map(Duration::from_secs).unwrap_or(DEFAULT_TOKEN_LIFETIME).min(MAX_TOKEN_LIFETIME);
-    Ok((Secret::new(token), lifetime))
+    };
+    let secret = token.secret.clone();
+    tokens.insert(key, token);
+    Ok(secret)
+}
+
+fn bearer(token: &Secret) -> Result<HeaderValue, UpstreamError> {
+    let mut v = HeaderValue::from_str(&format!("Bearer {}", token.expose()))
+        .map_err(|_| UpstreamError::Auth("the token is not a valid header value".into()))?;
+    v.set_sensitive(true);
+    Ok(v)
+}
+
+fn basic(c: &Credentials) -> Result<HeaderValue, UpstreamError> {
+    let raw = format!("{}:{}", c.username, c.password.expose());
+    let mut v = HeaderValue::from_str(&format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(raw)))
+        .map_err(|_| UpstreamError::Auth("the credentials are not a valid header value".into()))?;
+    v.set_sensitive(true);
+    Ok(v)
 }
 
 #[cfg(test)]
@@ -223,31 +289,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn realms_must_belong_to_the_upstream() {
-        let hub = Auth::new(None, "registry-1.docker.io");
-        assert!(hub.trusted_realm("https://auth.docker.io/token").is_ok());
-        assert!(hub.trusted_realm("https://evil.example/token").is_err());
-        assert!(hub.trusted_realm("https://docker.io.evil.example/token").is_err());
-        assert!(hub.trusted_realm("ftp://auth.docker.io/token").is_err());
-
-        let ghcr = Auth::new(None, "ghcr.io");
-        assert!(ghcr.trusted_realm("https://ghcr.io/token").is_ok());
-        // Different registrable domains under a public suffix.
-        let a = Auth::new(None, "a.github.io");
-        assert!(a.trusted_realm("https://b.github.io/token").is_err());
-
-        let local = Auth::new(None, "127.0.0.1");
-        assert!(local.trusted_realm("http://127.0.0.1:9999/token").is_ok());
-        assert!(local.trusted_realm("http://127.0.0.2:9999/token").is_err());
-        assert!(hub.trusted_realm("http://127.0.0.1/token").is_err());
+    fn credentials_headers_are_sensitive() {
+        let c = Credentials { username: "u".into(), password: Secret::new("p") };
+        let h = basic(&c).unwrap();
+        assert!(h.is_sensitive());
+        assert_eq!(h, "Basic dTpw");
+        let t = bearer(&Secret::new("tok")).unwrap();
+        assert!(t.is_sensitive());
+        assert!(bearer(&Secret::new("bad\nvalue")).is_err());
     }
 
     #[test]
-    fn basic_credentials_are_sensitive() {
-        let auth = Auth::new(Some(Credentials { username: "u".into(), password: Secret::new("p") }), "r.example");
-        *auth.last_challenge.lock().unwrap() = Some(Challenge::Basic);
-        let h = auth.cached_header("repository:x:pull").unwrap();
-        assert!(h.is_sensitive());
-        assert_eq!(h, "Basic dTpw");
+    fn the_scope_follows_the_path_of_each_hop() {
+        let requested: RepoName = "pause".parse().unwrap();
+        let own: Uri = "https://registry.k8s.io/v2/pause/manifests/3.9".parse().unwrap();
+        let rewritten: Uri =
+            "https://us-docker.pkg.dev/v2/k8s-artifacts-prod/images/pause/manifests/3.9".parse().unwrap();
+        let cdn: Uri = "https://cdn.example/blob/abc".parse().unwrap();
+        let hop = |url, own| Hop { url, own, requested: &requested };
+        assert_eq!(hop(&own, true).repository(), Some(requested.clone()));
+        assert_eq!(hop(&rewritten, false).repository().unwrap().as_str(), "k8s-artifacts-prod/images/pause");
+        assert_eq!(hop(&cdn, false).repository(), None, "a redirect target's path names no repository");
+        assert_eq!(hop(&cdn, true).repository(), Some(requested.clone()), "the upstream's own origin");
+        assert_eq!(hop(&rewritten, false).identity(), Identity::Anonymous);
+        assert_eq!(hop(&own, true).origin(), "https://registry.k8s.io");
     }
 }

@@ -1,14 +1,27 @@
 //! One configured upstream registry: the only hosts larder ever dials are
 //! the `url`s of these (plus token realms and redirect targets they name,
-//! under the rules in [`auth`] and [`Upstream::open`]).
+//! under the rules in [`auth`], [`realm`] and [`Upstream::open`]).
+//!
+//! The request loop is here; who gets which credentials is in [`auth`]
+//! (with [`realm`], [`scope`], [`tokens`], [`credentials`] and [`helper`]);
+//! Docker Hub's pull limit in [`ratelimit`]; the pause of tag
+//! revalidation after failures in [`backoff`].
 
 mod auth;
+mod backoff;
 mod challenge;
 mod client;
+mod credentials;
 pub mod health;
+mod helper;
+mod ratelimit;
+mod realm;
+mod scope;
+mod tokens;
 mod upstreams;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{ACCEPT, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, LINK, LOCATION, USER_AGENT};
@@ -17,6 +30,7 @@ use http_body_util::Empty;
 use hyper::body::Incoming;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+pub use backoff::Backoff;
 pub use challenge::Challenge;
 pub use client::error_chain;
 pub use upstreams::Upstreams;
@@ -25,13 +39,19 @@ use crate::config::UpstreamConfig;
 use crate::error::{Error, UpstreamError};
 use crate::metrics::metrics;
 use crate::oci::{Digest, MAX_MANIFEST_SIZE, ManifestRefs, MediaType, Reference, RepoName};
-use auth::Auth;
+use auth::{Auth, Hop, Presented};
 use client::HttpClient;
+use ratelimit::RateLimit;
+use tokio::time::Instant;
 
 /// Redirects followed for one request (blob GETs go to a CDN); more is an error.
 pub const MAX_REDIRECTS: usize = 5;
 /// Largest `tags/list` or `referrers` page read from upstream.
 pub const MAX_LIST_PAGE: usize = 4 << 20;
+/// After one of several `urls` failed to connect or timed out, it is tried
+/// after the others for this long, so that a blackholed primary does not
+/// cost every request a connect timeout.
+pub const FAILOVER_PAUSE: Duration = Duration::from_secs(30);
 
 pub struct Upstream {
     pub config: UpstreamConfig,
@@ -42,6 +62,13 @@ pub struct Upstream {
     permits: Arc<Semaphore>,
     /// Last error, last success and rate-limit headroom, for operators.
     pub health: health::Health,
+    /// `url` and the fallbacks of `urls`, in order: the upstream's own origins.
+    origins: Vec<Uri>,
+    /// Per origin, until when it goes last after failing to connect.
+    /// A std Mutex: never held across `.await`.
+    demoted: Mutex<Vec<Option<Instant>>>,
+    rate_limit: RateLimit,
+    revalidation: Backoff,
 }
 
 /// An upstream response whose body is still open, with the concurrency
@@ -105,11 +132,31 @@ impl Page {
 }
 
 impl Upstream {
+    /// Builds the client for one upstream (reads its `ca_file`: call it off
+    /// the async threads).
     pub fn new(config: UpstreamConfig) -> Result<Upstream, String> {
         let http = HttpClient::new(&config)?;
-        let auth = Auth::new(config.credentials.clone(), config.url.host().unwrap_or_default());
+        let auth = Auth::new(&config);
         let permits = Arc::new(Semaphore::new(config.max_concurrency.get()));
-        Ok(Upstream { config, http, auth, permits, health: health::Health::default() })
+        let origins: Vec<Uri> = std::iter::once(&config.url).chain(&config.fallback_urls).cloned().collect();
+        if let Some(crate::config::CredentialSource::Helper(name)) = &config.credentials {
+            let program = helper::program(name);
+            let path = std::env::var_os("PATH").unwrap_or_default();
+            if !std::env::split_paths(&path).any(|dir| dir.join(&program).is_file()) {
+                tracing::warn!(upstream = config.name, program, "credential helper not found on PATH");
+            }
+        }
+        Ok(Upstream {
+            demoted: Mutex::new(vec![None; origins.len()]),
+            origins,
+            rate_limit: RateLimit::new(&config.name),
+            revalidation: Backoff::default(),
+            config,
+            http,
+            auth,
+            permits,
+            health: health::Health::default(),
+        })
     }
 
     pub fn name(&self) -> &str {
@@ -120,21 +167,49 @@ impl Upstream {
         self.http.body_idle_timeout()
     }
 
-    fn url(&self, path_and_query: &str) -> Result<Uri, UpstreamError> {
-        let base = &self.config.url;
-        format!("{}://{}{path_and_query}", base.scheme_str().unwrap_or("https"), self.config.authority())
+    /// Whether upstream's pull limit is used up (Docker Hub's
+    /// `ratelimit-remaining: 0`, or a recent 429): a manifest GET now would
+    /// be refused, or spend the last pull.
+    pub fn rate_limited(&self) -> bool {
+        self.rate_limit.exhausted()
+    }
+
+    /// The pause of tag revalidation after it failed against this upstream.
+    pub fn revalidation_backoff(&self) -> &Backoff {
+        &self.revalidation
+    }
+
+    fn url(base: &Uri, path_and_query: &str) -> Result<Uri, UpstreamError> {
+        let authority = base.authority().map(|a| a.as_str()).unwrap_or_default();
+        format!("{}://{authority}{path_and_query}", base.scheme_str().unwrap_or("https"))
             .parse()
             .map_err(|e| UpstreamError::Protocol(format!("building upstream URL: {e}")))
     }
 
     fn is_upstream_origin(&self, uri: &Uri) -> bool {
-        uri.scheme() == self.config.url.scheme() && uri.authority() == self.config.url.authority()
+        self.origins.iter().any(|o| uri.scheme() == o.scheme() && uri.authority() == o.authority())
     }
 
-    /// Sends one request for `repo` and returns the final response: a 401
-    /// is answered once through [`Auth`], redirects are followed up to
-    /// [`MAX_REDIRECTS`]. Credentials are only ever sent to the upstream's
-    /// own scheme and authority, never to a redirect target elsewhere.
+    /// The origins in the order to try them: those not demoted first.
+    fn origin_order(&self) -> Vec<usize> {
+        let demoted = self.demoted.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        let is_demoted = |i: &usize| demoted[*i].is_some_and(|until| now < until);
+        let (later, first): (Vec<usize>, Vec<usize>) = (0..self.origins.len()).partition(is_demoted);
+        first.into_iter().chain(later).collect()
+    }
+
+    fn demote(&self, origin: usize, until: Option<Instant>) {
+        let mut demoted = self.demoted.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(slot) = demoted.get_mut(origin) {
+            *slot = until;
+        }
+    }
+
+    /// Sends one request for `repo` and returns the final response, from
+    /// the first of the upstream's `urls` that connects and does not answer
+    /// 5xx (the last one's answer, whatever it is). One permit of
+    /// `max_concurrency` is held throughout.
     async fn open(
         &self,
         method: Method,
@@ -146,37 +221,72 @@ impl Upstream {
             .acquire_owned()
             .await
             .map_err(|_| UpstreamError::Connect("upstream is shutting down".into()))?;
-        let scope = format!("repository:{repo}:pull");
-        let mut authorization = self.auth.cached_header(&scope);
-        let mut url = self.url(path_and_query)?;
-        let mut answered_challenge = false;
+        let mut order = self.origin_order().into_iter().peekable();
+        while let Some(i) = order.next() {
+            let result = self.open_from(&self.origins[i], &method, path_and_query, repo, accept).await;
+            let unreachable = matches!(result, Err(UpstreamError::Connect(_) | UpstreamError::Timeout(_)));
+            self.demote(i, unreachable.then(|| Instant::now() + FAILOVER_PAUSE));
+            let failed = unreachable || result.as_ref().is_ok_and(|r| r.status().is_server_error());
+            if failed && order.peek().is_some() {
+                let why = match &result {
+                    Ok(r) => r.status().to_string(),
+                    Err(e) => e.to_string(),
+                };
+                tracing::warn!(upstream = self.name(), url = %self.origins[i], why, "trying the next of its urls");
+                continue;
+            }
+            return result.map(|response| Opened { response, permit });
+        }
+        Err(UpstreamError::Connect("no upstream url to try".into()))
+    }
+
+    /// One request from one origin: a 401 is answered once per hop through
+    /// [`Auth`] (the upstream's credentials for its own origin, an anonymous
+    /// token for a redirect target), redirects are followed up to
+    /// [`MAX_REDIRECTS`]. `Authorization` only ever carries what [`Auth`]
+    /// chose for that hop's origin.
+    async fn open_from(
+        &self,
+        base: &Uri,
+        method: &Method,
+        path_and_query: &str,
+        repo: &RepoName,
+        accept: Option<&'static str>,
+    ) -> Result<Response<Incoming>, UpstreamError> {
+        let mut url = Self::url(base, path_and_query)?;
+        let mut answer: Option<HeaderValue> = None;
         let mut redirects = 0;
         loop {
-            let own_origin = self.is_upstream_origin(&url);
+            let hop = Hop { url: &url, own: self.is_upstream_origin(&url), requested: repo };
+            let (authorization, presented) = match answer.take() {
+                Some(fresh) => (Some(fresh), Presented::Fresh),
+                None => self.auth.up_front(&hop).await?,
+            };
             let mut req =
                 Request::builder().method(method.clone()).uri(url.clone()).header(USER_AGENT, crate::USER_AGENT);
             if let Some(accept) = accept {
                 req = req.header(ACCEPT, accept);
             }
-            if let (true, Some(a)) = (own_origin, &authorization) {
-                req = req.header(AUTHORIZATION, a.clone());
+            if let Some(a) = authorization {
+                req = req.header(AUTHORIZATION, a);
             }
             let req = req
                 .body(Empty::<Bytes>::new())
                 .map_err(|e| UpstreamError::Protocol(format!("building request: {e}")))?;
-            let started = std::time::Instant::now();
-            let sent = self.http.send(req).await;
-            let m = metrics();
-            m.upstream_duration.with_label_values(&[self.name()]).observe(started.elapsed().as_secs_f64());
-            let status_label = sent.as_ref().map_or("error", |r| status_label(r.status()));
-            m.upstream_requests.with_label_values(&[self.name(), method.as_str(), status_label]).inc();
-            self.health.observe(&sent);
-            let resp = sent?;
+            let resp = self.send(req, method).await?;
             let status = resp.status();
-            if status == StatusCode::UNAUTHORIZED && own_origin && !answered_challenge {
-                let challenge = Challenge::from_headers(resp.headers()).ok_or(UpstreamError::Denied)?;
-                answered_challenge = true;
-                authorization = Some(self.auth.authorize(&self.http, challenge, &scope).await?);
+            if hop.own {
+                self.rate_limit.observe(method, status, resp.headers());
+            }
+            if status == StatusCode::UNAUTHORIZED {
+                if matches!(presented, Presented::Fresh) {
+                    self.auth.failed("denied");
+                    return Ok(resp);
+                }
+                let Some(challenge) = Challenge::from_headers(resp.headers()) else {
+                    return Ok(resp);
+                };
+                answer = Some(self.auth.answer(&self.http, &hop, challenge, presented).await?);
                 continue;
             }
             let redirect = matches!(status.as_u16(), 301 | 302 | 303 | 307 | 308);
@@ -188,8 +298,20 @@ impl Upstream {
                 url = resolve_location(&url, location)?;
                 continue;
             }
-            return Ok(Opened { response: resp, permit });
+            return Ok(resp);
         }
+    }
+
+    /// Sends one request, counted and timed per upstream.
+    async fn send(&self, req: Request<Empty<Bytes>>, method: &Method) -> Result<Response<Incoming>, UpstreamError> {
+        let started = std::time::Instant::now();
+        let sent = self.http.send(req).await;
+        let m = metrics();
+        m.upstream_duration.with_label_values(&[self.name()]).observe(started.elapsed().as_secs_f64());
+        let status_label = sent.as_ref().map_or("error", |r| status_label(r.status()));
+        m.upstream_requests.with_label_values(&[self.name(), method.as_str(), status_label]).inc();
+        self.health.observe(&sent);
+        sent
     }
 
     /// GET a manifest. `Ok(None)`: upstream says it does not exist.

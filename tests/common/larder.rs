@@ -37,6 +37,8 @@ pub fn binary() -> &'static str {
 pub struct Upstream {
     name: String,
     url: String,
+    /// `urls = [primary, fallback…]`, written instead of `url` when set.
+    urls: Option<Vec<String>>,
     default: bool,
     aliases: Vec<String>,
     credentials: Option<Credentials>,
@@ -50,6 +52,7 @@ impl Upstream {
         Upstream {
             name: name.to_owned(),
             url: url.to_owned(),
+            urls: None,
             default: false,
             aliases: Vec::new(),
             credentials: None,
@@ -81,6 +84,12 @@ impl Upstream {
         self
     }
 
+    /// `urls = [...]` (a primary and its fallbacks) instead of `url`.
+    pub fn urls(mut self, urls: &[String]) -> Self {
+        self.urls = Some(urls.to_vec());
+        self
+    }
+
     /// A raw TOML line for this table, e.g. `max_concurrency = 4`.
     pub fn line(mut self, toml: &str) -> Self {
         self.extra_lines.push(toml.to_owned());
@@ -90,7 +99,15 @@ impl Upstream {
     fn write_toml(&self, out: &mut String, dir: &Path) {
         let _ = writeln!(out, "\n[[upstream]]");
         let _ = writeln!(out, "name = {}", toml_string(&self.name));
-        let _ = writeln!(out, "url = {}", toml_string(&self.url));
+        match &self.urls {
+            Some(urls) => {
+                let urls: Vec<String> = urls.iter().map(|u| toml_string(u)).collect();
+                let _ = writeln!(out, "urls = [{}]", urls.join(", "));
+            }
+            None => {
+                let _ = writeln!(out, "url = {}", toml_string(&self.url));
+            }
+        }
         let _ = writeln!(out, "default = {}", self.default);
         if !self.aliases.is_empty() {
             let aliases: Vec<String> = self.aliases.iter().map(|a| toml_string(a)).collect();

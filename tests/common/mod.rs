@@ -22,6 +22,7 @@
 
 pub mod access_log;
 pub mod admin;
+pub mod garage;
 pub mod http;
 pub mod image;
 pub mod larder;
@@ -35,6 +36,7 @@ pub mod tools;
 
 pub use access_log::{AccessLog, AccessLogEntry, LogMark};
 pub use admin::Admin;
+pub use garage::{Garage, GarageBuilder};
 pub use image::{Blob, ImageBuilder, ManifestFormat, PushedImage, PushedManifest};
 pub use larder::{Larder, LarderBuilder, Upstream};
 pub use origin::{ORIGIN_NAME, Origin};

@@ -15,7 +15,7 @@ use crate::cache::stats::{Holdings, RepositoryUsage};
 use crate::error::Error;
 use crate::metrics::metrics;
 use crate::state::App;
-use crate::upstream::health::{LastError, RateLimit};
+use crate::upstream::health::LastError;
 
 /// How long one index scan for the repository figures is reused.
 pub const HOLDINGS_TTL: Duration = Duration::from_secs(10);
@@ -74,11 +74,12 @@ pub struct LastErrorStatus {
     pub message: String,
 }
 
+/// The pull limit upstream last announced (Docker Hub's `ratelimit-*`
+/// headers; remaining 0 after a 429), from larder's rate-limit gauges.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct RateLimitStatus {
     pub remaining: u64,
     pub limit: Option<u64>,
-    pub at_ms: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -119,12 +120,6 @@ impl From<LastError> for LastErrorStatus {
     }
 }
 
-impl From<RateLimit> for RateLimitStatus {
-    fn from(r: RateLimit) -> RateLimitStatus {
-        RateLimitStatus { remaining: r.remaining, limit: r.limit, at_ms: r.at_ms }
-    }
-}
-
 pub fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
@@ -160,27 +155,39 @@ fn ratio(kind: &str) -> (Option<f64>, u64) {
     ((total > 0).then(|| served as f64 / total as f64), total)
 }
 
-/// Requests and failures (no answer, 5xx, 429) per upstream since start,
-/// from `larder_upstream_requests_total`.
-fn upstream_counts(name: &str) -> (u64, u64) {
-    let (mut requests, mut errors) = (0, 0);
-    for family in metrics().registry.gather() {
-        if family.name() != "larder_upstream_requests_total" {
-            continue;
-        }
+/// What the metrics say about one upstream since start: requests and
+/// failures (no answer, 5xx, 429) from `larder_upstream_requests_total`,
+/// and the announced rate limit from `larder_upstream_ratelimit_*` (a
+/// series exists only once upstream announced one).
+struct UpstreamFigures {
+    requests: u64,
+    errors: u64,
+    rate_limit: Option<RateLimitStatus>,
+}
+
+fn upstream_figures(families: &[prometheus::proto::MetricFamily], name: &str) -> UpstreamFigures {
+    let (mut requests, mut errors, mut remaining, mut limit) = (0, 0, None, None);
+    for family in families {
         for m in family.get_metric() {
             let label = |k: &str| m.get_label().iter().find(|l| l.name() == k).map(|l| l.value().to_owned());
             if label("upstream").as_deref() != Some(name) {
                 continue;
             }
-            let n = m.get_counter().get_value() as u64;
-            requests += n;
-            if matches!(label("status").as_deref(), Some("error" | "5xx" | "429")) {
-                errors += n;
+            match family.name() {
+                "larder_upstream_requests_total" => {
+                    let n = m.get_counter().get_value() as u64;
+                    requests += n;
+                    if matches!(label("status").as_deref(), Some("error" | "5xx" | "429")) {
+                        errors += n;
+                    }
+                }
+                "larder_upstream_ratelimit_remaining" => remaining = Some(m.get_gauge().get_value().max(0.0) as u64),
+                "larder_upstream_ratelimit_limit" => limit = Some(m.get_gauge().get_value().max(0.0) as u64),
+                _ => {}
             }
         }
     }
-    (requests, errors)
+    UpstreamFigures { requests, errors, rate_limit: remaining.map(|remaining| RateLimitStatus { remaining, limit }) }
 }
 
 /// Gathers the status. `started` is when the admin listener started.
@@ -188,22 +195,23 @@ pub async fn gather(app: &App, holdings: &HoldingsCache, started: Instant) -> Re
     let (h, scanned_ms) = holdings.get(app).await?;
     let (blob, blob_requests) = ratio("blob");
     let (manifest, manifest_requests) = ratio("manifest");
+    let families = metrics().registry.gather();
     let upstreams = app
         .config
         .upstreams
         .iter()
         .map(|c| {
             let health = app.upstreams.get(&c.name).map(|u| u.health.report()).unwrap_or_default();
-            let (requests, errors) = upstream_counts(&c.name);
+            let figures = upstream_figures(&families, &c.name);
             UpstreamStatus {
                 name: c.name.clone(),
                 url: c.url.to_string().trim_end_matches('/').to_owned(),
                 default: c.default,
-                requests,
-                errors,
+                requests: figures.requests,
+                errors: figures.errors,
                 last_error: health.last_error.map(Into::into),
                 last_success_ms: health.last_success_ms,
-                rate_limit: health.rate_limit.map(Into::into),
+                rate_limit: figures.rate_limit,
             }
         })
         .collect();

@@ -13,7 +13,7 @@
 
 use std::path::Path;
 
-use larder::config::{Config, Credentials, Secret};
+use larder::config::{Config, CredentialSource, Credentials, Secret};
 use larder::upstream::Upstreams;
 use libfuzzer_sys::fuzz_target;
 
@@ -57,9 +57,18 @@ fuzz_target!(|data: &[u8]| {
         assert!(matches!(u.url.path(), "" | "/") && u.url.query().is_none(), "url {}", u.url);
         assert!(!u.authority().is_empty(), "url {}", u.url);
         let _ = u.tag_is_immutable("latest");
-        if let Some(c) = &u.credentials {
-            let blank = Credentials { username: c.username.clone(), password: Secret::new("") };
-            assert_eq!(format!("{c:?}"), format!("{blank:?}"), "the password shows in Debug");
+        match &u.credentials {
+            Some(CredentialSource::Fixed(c)) => {
+                let blank = Credentials { username: c.username.clone(), password: Secret::new("") };
+                assert_eq!(format!("{c:?}"), format!("{blank:?}"), "the password shows in Debug");
+            }
+            Some(CredentialSource::File { loaded, .. }) => {
+                assert_eq!(format!("{loaded:?}"), format!("{:?}", Secret::new("")), "the password shows in Debug");
+            }
+            Some(CredentialSource::Helper(_)) | None => {}
+        }
+        for realm in &u.trusted_realms {
+            assert!(matches!(realm.scheme_str(), Some("http" | "https")), "trusted realm {realm}");
         }
     }
 

@@ -1,0 +1,395 @@
+//! The peer set: who the replicas are, which of them are down for a
+//! while, and for a key the live peers in owner-first order.
+//!
+//! Members come from `[cluster] peers` (a static list) or `peers_dns` (a
+//! name, e.g. a Kubernetes headless Service, resolved again every
+//! [`DNS_REFRESH_INTERVAL`]). This replica is always a member, also before
+//! DNS lists it (a headless Service lists only ready pods). A peer that
+//! fails a request is marked down for [`PEER_DOWN_FOR`] and skipped, so the
+//! next peer in its keys' rankings stands in for it; this replica is never
+//! skipped, so the candidate list always ends in someone who can fetch.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::io;
+use std::net::SocketAddr;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use tokio::time::Instant;
+
+use super::ring::Ring;
+use crate::config::{ClusterConfig, PeerSource};
+use crate::metrics::metrics;
+
+/// How long a peer that failed a request is skipped. Long enough that a
+/// dead owner costs one failed attempt per few seconds, not one per
+/// request; short enough that a restarted replica gets its keys back soon.
+pub const PEER_DOWN_FOR: Duration = Duration::from_secs(10);
+/// How often `peers_dns` is resolved again (and the up/down gauges are
+/// refreshed). A new replica starts receiving its keys at most this late.
+pub const DNS_REFRESH_INTERVAL: Duration = Duration::from_secs(5);
+
+/// A peer's base URL, normalized to `scheme://host:port` so that two
+/// replicas naming the same peer hash it the same way.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerUrl(Arc<str>);
+
+impl PeerUrl {
+    /// Parses `http(s)://host[:port]` (no path, query or credentials).
+    pub fn parse(s: &str) -> Result<PeerUrl, String> {
+        let url = url::Url::parse(s).map_err(|e| format!("{s:?} is not a URL: {e}"))?;
+        let scheme = url.scheme();
+        if scheme != "http" && scheme != "https" {
+            return Err(format!("{s:?} must be an http:// or https:// URL"));
+        }
+        if !url.username().is_empty() || url.password().is_some() {
+            return Err(format!("{s:?} must not carry credentials"));
+        }
+        if !matches!(url.path(), "" | "/") || url.query().is_some() || url.fragment().is_some() {
+            return Err(format!("{s:?} must be scheme://host:port with no path"));
+        }
+        let host = url.host_str().filter(|h| !h.is_empty()).ok_or_else(|| format!("{s:?} has no host"))?;
+        let port = url.port_or_known_default().ok_or_else(|| format!("{s:?} has no port"))?;
+        Ok(PeerUrl(format!("{scheme}://{host}:{port}").into()))
+    }
+
+    /// The URL of a peer found at `addr` (a resolved `peers_dns` address).
+    pub fn from_addr(https: bool, addr: SocketAddr) -> PeerUrl {
+        let scheme = if https { "https" } else { "http" };
+        PeerUrl(format!("{scheme}://{addr}").into())
+    }
+
+    /// `scheme://host:port`.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    pub fn is_https(&self) -> bool {
+        self.0.starts_with("https://")
+    }
+
+    /// `host:port`, as sent in a `Host` header.
+    pub fn authority(&self) -> &str {
+        self.0.split_once("://").map_or(&self.0, |(_, rest)| rest)
+    }
+}
+
+impl FromStr for PeerUrl {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        PeerUrl::parse(s)
+    }
+}
+
+impl AsRef<str> for PeerUrl {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for PeerUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for PeerUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+/// Resolves `host:port` to addresses; tokio's `lookup_host` in production.
+pub type Resolve = Arc<dyn Fn(String) -> BoxFuture<'static, io::Result<Vec<SocketAddr>>> + Send + Sync>;
+
+fn system_resolver() -> Resolve {
+    Arc::new(|name: String| Box::pin(async move { Ok(tokio::net::lookup_host(name).await?.collect()) }))
+}
+
+/// The peer set; see the module docs. Cheap to share behind an `Arc`.
+pub struct Peers {
+    me: PeerUrl,
+    /// `host:port` to resolve, for `peers_dns`.
+    dns: Option<String>,
+    resolve: Resolve,
+    // std locks, held only for a clone or an insert, never across `.await`.
+    ring: RwLock<Arc<Ring<PeerUrl>>>,
+    /// Peers skipped until the given time.
+    down: Mutex<HashMap<PeerUrl, Instant>>,
+}
+
+impl Peers {
+    /// The peer set from `[cluster]`. With `peers_dns` it holds only this
+    /// replica until [`Peers::refresh`] (or the task of [`Peers::spawn`])
+    /// has resolved the name.
+    pub fn new(config: &ClusterConfig) -> Arc<Peers> {
+        Peers::with_resolver(config, system_resolver())
+    }
+
+    /// As [`Peers::new`], resolving `peers_dns` with `resolve`.
+    pub fn with_resolver(config: &ClusterConfig, resolve: Resolve) -> Arc<Peers> {
+        let me = config.self_url.clone();
+        let (initial, dns) = match &config.peers {
+            PeerSource::Static(list) => (list.clone(), None),
+            PeerSource::Dns { name } => (Vec::new(), Some(name.clone())),
+        };
+        let peers = Arc::new(Peers {
+            ring: RwLock::new(Arc::new(Ring::new(std::iter::once(me.clone()).chain(initial)))),
+            me,
+            dns,
+            resolve,
+            down: Mutex::default(),
+        });
+        peers.update_gauges();
+        peers
+    }
+
+    /// This replica's URL.
+    pub fn me(&self) -> &PeerUrl {
+        &self.me
+    }
+
+    pub fn is_me(&self, peer: &PeerUrl) -> bool {
+        *peer == self.me
+    }
+
+    fn ring(&self) -> Arc<Ring<PeerUrl>> {
+        Arc::clone(&self.ring.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn down_map(&self) -> std::sync::MutexGuard<'_, HashMap<PeerUrl, Instant>> {
+        self.down.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Every member, this replica included, sorted.
+    pub fn members(&self) -> Vec<PeerUrl> {
+        self.ring().members().cloned().collect()
+    }
+
+    /// The live peers for `key` (a digest, or `upstream/repo:tag`), owner
+    /// first, then the fallbacks in order. Never empty: this replica is
+    /// always live. Ask them in order; when the one asked is this replica,
+    /// fetch here.
+    pub fn candidates(&self, key: &str) -> Vec<PeerUrl> {
+        let ranked: Vec<PeerUrl> = self.ring().ranked(key).into_iter().cloned().collect();
+        let now = Instant::now();
+        let down = self.down_map();
+        ranked.into_iter().filter(|p| *p == self.me || down.get(p).is_none_or(|until| *until <= now)).collect()
+    }
+
+    /// The live owner of `key`: the first of [`Peers::candidates`].
+    pub fn owner(&self, key: &str) -> PeerUrl {
+        self.candidates(key).into_iter().next().unwrap_or_else(|| self.me.clone())
+    }
+
+    /// Skips `peer` for [`PEER_DOWN_FOR`] (it refused, timed out or failed
+    /// a request). This replica is never marked down.
+    pub fn mark_down(&self, peer: &PeerUrl) {
+        if self.is_me(peer) {
+            return;
+        }
+        let now = Instant::now();
+        let was_up = {
+            let mut down = self.down_map();
+            let was_up = down.get(peer).is_none_or(|until| *until <= now);
+            down.insert(peer.clone(), now + PEER_DOWN_FOR);
+            was_up
+        };
+        if was_up {
+            metrics().peers_marked_down.inc();
+            tracing::warn!(%peer, skip_for = ?PEER_DOWN_FOR, "peer marked down");
+        }
+        self.update_gauges();
+    }
+
+    /// Clears a down mark after `peer` answered a request.
+    pub fn mark_up(&self, peer: &PeerUrl) {
+        let removed = self.down_map().remove(peer).is_some();
+        if removed {
+            tracing::info!(%peer, "peer is up again");
+            self.update_gauges();
+        }
+    }
+
+    /// Whether `peer` is currently skipped.
+    pub fn is_down(&self, peer: &PeerUrl) -> bool {
+        self.down_map().get(peer).is_some_and(|until| *until > Instant::now())
+    }
+
+    /// Resolves `peers_dns` once and makes the result (plus this replica)
+    /// the member set. A failed lookup keeps the previous set: a DNS hiccup
+    /// must not make this replica think it is alone.
+    pub async fn refresh(&self) {
+        if let Some(name) = &self.dns {
+            match (self.resolve)(name.clone()).await {
+                Ok(addrs) => {
+                    let https = self.me.is_https();
+                    let found = addrs.into_iter().map(|a| PeerUrl::from_addr(https, a));
+                    self.set_members(std::iter::once(self.me.clone()).chain(found).collect());
+                }
+                Err(e) => tracing::warn!(name = %name, error = %e, "resolving peers_dns failed; keeping the peer set"),
+            }
+        }
+        self.expire_down_marks();
+        self.update_gauges();
+    }
+
+    fn set_members(&self, members: Vec<PeerUrl>) {
+        let ring = Arc::new(Ring::new(members));
+        let before = self.members();
+        let after: Vec<PeerUrl> = ring.members().cloned().collect();
+        if before != after {
+            let added: Vec<&PeerUrl> = after.iter().filter(|p| !before.contains(p)).collect();
+            let removed: Vec<&PeerUrl> = before.iter().filter(|p| !after.contains(p)).collect();
+            tracing::info!(?added, ?removed, members = after.len(), "peer set changed");
+            *self.ring.write().unwrap_or_else(|p| p.into_inner()) = ring;
+        }
+    }
+
+    fn expire_down_marks(&self) {
+        let now = Instant::now();
+        self.down_map().retain(|_, until| *until > now);
+    }
+
+    fn update_gauges(&self) {
+        let members = self.members();
+        let down = members.iter().filter(|p| self.is_down(p)).count();
+        metrics().peers_up.set((members.len() - down) as i64);
+        metrics().peers_down.set(down as i64);
+    }
+
+    /// Re-resolves `peers_dns` (first at once, then every
+    /// [`DNS_REFRESH_INTERVAL`]) and refreshes the gauges, until `shutdown`.
+    pub fn spawn(self: &Arc<Self>, mut shutdown: crate::shutdown::Shutdown) -> tokio::task::JoinHandle<()> {
+        let peers = Arc::clone(self);
+        tokio::spawn(async move {
+            loop {
+                peers.refresh().await;
+                tokio::select! {
+                    _ = shutdown.changed() => return,
+                    () = tokio::time::sleep(DNS_REFRESH_INTERVAL) => {}
+                }
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Secret;
+
+    fn url(s: &str) -> PeerUrl {
+        PeerUrl::parse(s).unwrap()
+    }
+
+    fn config(me: &str, peers: PeerSource) -> ClusterConfig {
+        ClusterConfig {
+            listen: "127.0.0.1:5001".parse().unwrap(),
+            self_url: url(me),
+            peers,
+            secret: Secret::new("0123456789abcdef0123"),
+        }
+    }
+
+    fn three() -> ClusterConfig {
+        let list = ["http://10.0.0.1:5001", "http://10.0.0.2:5001", "http://10.0.0.3:5001"].map(url).to_vec();
+        config("http://10.0.0.1:5001", PeerSource::Static(list))
+    }
+
+    #[test]
+    fn peer_urls_are_normalized() {
+        assert_eq!(url("http://10.0.0.1:5001/").as_str(), "http://10.0.0.1:5001");
+        assert_eq!(url("HTTP://Larder-0.Larder:5001").as_str(), "http://larder-0.larder:5001");
+        assert_eq!(url("https://larder").as_str(), "https://larder:443");
+        assert_eq!(url("http://[::1]:5001").as_str(), "http://[::1]:5001");
+        assert_eq!(url("http://[::1]:5001").authority(), "[::1]:5001");
+        assert_eq!(PeerUrl::from_addr(false, "[::1]:5001".parse().unwrap()), url("http://[::1]:5001"));
+        assert!(url("https://a:1").is_https());
+        for bad in ["ftp://a:1", "http://a:1/path", "http://u:p@a:1", "http://a:1?x=1", "a:1", "http://:5"] {
+            assert!(PeerUrl::parse(bad).is_err(), "{bad} should be refused");
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_marked_down_is_skipped_for_a_while() {
+        let peers = Peers::new(&three());
+        let key = (0..1000)
+            .map(|i| format!("sha256:{i:064x}"))
+            .find(|k| peers.owner(k).as_str() == "http://10.0.0.2:5001")
+            .expect("some key is owned by peer 2");
+        let before = peers.candidates(&key);
+        assert_eq!(before.len(), 3);
+
+        peers.mark_down(&before[0]);
+        let during = peers.candidates(&key);
+        assert_eq!(during, before[1..].to_vec(), "the next candidate stands in");
+        assert!(peers.is_down(&before[0]));
+
+        tokio::time::advance(PEER_DOWN_FOR + Duration::from_millis(1)).await;
+        assert_eq!(peers.candidates(&key), before, "back after PEER_DOWN_FOR");
+
+        peers.mark_down(&before[0]);
+        peers.mark_up(&before[0]);
+        assert_eq!(peers.candidates(&key), before, "an answer clears the mark at once");
+    }
+
+    #[test]
+    fn this_replica_is_never_skipped() {
+        let peers = Peers::new(&three());
+        for p in peers.members() {
+            peers.mark_down(&p);
+        }
+        for i in 0..50 {
+            let key = format!("k{i}");
+            assert_eq!(peers.candidates(&key), vec![url("http://10.0.0.1:5001")]);
+            assert!(peers.is_me(&peers.owner(&key)));
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn dns_members_follow_the_name_and_survive_lookup_failures() {
+        let answer: Arc<Mutex<io::Result<Vec<SocketAddr>>>> =
+            Arc::new(Mutex::new(Ok(vec!["10.0.0.1:5001".parse().unwrap(), "10.0.0.2:5001".parse().unwrap()])));
+        let served = Arc::clone(&answer);
+        let resolve: Resolve = Arc::new(move |name: String| {
+            assert_eq!(name, "larder-headless.larder.svc:5001");
+            let result = match &*served.lock().unwrap() {
+                Ok(addrs) => Ok(addrs.clone()),
+                Err(e) => Err(io::Error::new(e.kind(), e.to_string())),
+            };
+            Box::pin(async move { result })
+        });
+        let cfg = config("http://10.0.0.3:5001", PeerSource::Dns { name: "larder-headless.larder.svc:5001".into() });
+        let peers = Peers::with_resolver(&cfg, resolve);
+        assert_eq!(peers.members(), vec![url("http://10.0.0.3:5001")], "only itself before the first lookup");
+
+        let (_tx, shutdown) = tokio::sync::watch::channel(());
+        let task = peers.spawn(shutdown);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let expected = ["http://10.0.0.1:5001", "http://10.0.0.2:5001", "http://10.0.0.3:5001"].map(url).to_vec();
+        assert_eq!(peers.members(), expected, "resolved peers plus itself");
+
+        *answer.lock().unwrap() = Err(io::Error::other("SERVFAIL"));
+        tokio::time::sleep(DNS_REFRESH_INTERVAL * 2).await;
+        assert_eq!(peers.members(), expected, "a failed lookup keeps the set");
+
+        *answer.lock().unwrap() = Ok(vec!["10.0.0.2:5001".parse().unwrap(), "10.0.0.4:5001".parse().unwrap()]);
+        tokio::time::sleep(DNS_REFRESH_INTERVAL + Duration::from_millis(1)).await;
+        let expected = ["http://10.0.0.2:5001", "http://10.0.0.3:5001", "http://10.0.0.4:5001"].map(url).to_vec();
+        assert_eq!(peers.members(), expected, "scaled: one gone, one new");
+        task.abort();
+    }
+
+    #[tokio::test]
+    async fn the_system_resolver_finds_loopback() {
+        let cfg = config("http://127.0.0.1:5001", PeerSource::Dns { name: "localhost:5001".into() });
+        let peers = Peers::new(&cfg);
+        peers.refresh().await;
+        assert!(peers.members().contains(&url("http://127.0.0.1:5001")), "{:?}", peers.members());
+    }
+}

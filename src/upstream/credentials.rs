@@ -1,0 +1,246 @@
+//! An upstream's credentials, kept current (DESIGN.md rule 6): fixed ones
+//! from the config, a `password_file` re-read when it changes (a Kubernetes
+//! Secret rotated under a running pod), or a `credential_helper` run again
+//! before its answer grows old. When upstream refuses credentials, the
+//! next use reads the file or runs the helper again at once. Concurrent
+//! users share one read or one helper run.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::helper;
+use crate::coalesce::SingleFlight;
+use crate::config::{CredentialSource, Credentials, Secret};
+use crate::error::{Error, UpstreamError};
+use crate::metrics::metrics;
+
+/// How often a `password_file` is read again while it is in use.
+pub const PASSWORD_FILE_RECHECK: Duration = Duration::from_secs(2);
+/// How long a credential helper's answer is used before the helper runs
+/// again. Docker's helpers say nothing about expiry; ECR's passwords last
+/// 12 h, and a refused password makes larder run the helper at once.
+pub const HELPER_ANSWER_LIFETIME: Duration = Duration::from_secs(300);
+
+pub struct CredentialStore {
+    upstream: String,
+    /// The registry host (and port) handed to a credential helper.
+    server: String,
+    source: Source,
+    /// Shared with the read task, which may outlive a caller.
+    slot: Arc<Mutex<Slot>>,
+    reads: SingleFlight<(), Credentials>,
+}
+
+enum Source {
+    Fixed,
+    File {
+        username: String,
+        path: PathBuf,
+    },
+    /// The helper program, `docker-credential-<name>`.
+    Helper(String),
+}
+
+/// The credentials in use. A std Mutex guards it: never held across `.await`.
+#[derive(Default)]
+struct Slot {
+    credentials: Option<Credentials>,
+    /// When they were read; `None` once upstream refused them, so that the
+    /// next use reads again (a file that cannot be read keeps them).
+    read: Option<Instant>,
+}
+
+impl CredentialStore {
+    pub fn new(upstream: &str, server: &str, config: &CredentialSource) -> CredentialStore {
+        let now = Some(Instant::now());
+        let (source, slot) = match config {
+            CredentialSource::Fixed(c) => (Source::Fixed, Slot { credentials: Some(c.clone()), read: now }),
+            CredentialSource::File { username, path, loaded } => (
+                Source::File { username: username.clone(), path: path.clone() },
+                Slot {
+                    credentials: Some(Credentials { username: username.clone(), password: loaded.clone() }),
+                    read: now,
+                },
+            ),
+            CredentialSource::Helper(name) => (Source::Helper(helper::program(name)), Slot::default()),
+        };
+        CredentialStore {
+            upstream: upstream.to_owned(),
+            server: server.to_owned(),
+            source,
+            slot: Arc::new(Mutex::new(slot)),
+            reads: SingleFlight::default(),
+        }
+    }
+
+    /// The credentials to send now.
+    pub async fn current(&self) -> Result<Credentials, UpstreamError> {
+        let fresh_for = match &self.source {
+            Source::Fixed => Duration::MAX,
+            Source::File { .. } => PASSWORD_FILE_RECHECK,
+            Source::Helper(_) => HELPER_ANSWER_LIFETIME,
+        };
+        {
+            let slot = self.slot.lock().unwrap_or_else(|p| p.into_inner());
+            if let (Some(c), Some(read)) = (&slot.credentials, slot.read) {
+                if read.elapsed() < fresh_for || matches!(self.source, Source::Fixed) {
+                    return Ok(c.clone());
+                }
+            }
+        }
+        let (result, _) = self.reads.run((), || self.read()).await;
+        match result {
+            Ok(c) => Ok(c),
+            Err(Error::Upstream(e)) => Err(e),
+            Err(e) => Err(UpstreamError::Auth(e.to_string())),
+        }
+    }
+
+    /// Upstream refused `used`: the next [`Self::current`] reads the file
+    /// or runs the helper again, unless someone did since.
+    pub fn refused(&self, used: &Credentials) {
+        let mut slot = self.slot.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.credentials.as_ref() == Some(used) {
+            slot.read = None;
+        }
+    }
+
+    /// Reads the credentials from their source in a task of its own (the
+    /// caller may go away), and keeps them.
+    fn read(&self) -> impl Future<Output = Result<Credentials, Error>> + Send + 'static {
+        let (upstream, server, slot) = (self.upstream.clone(), self.server.clone(), Arc::clone(&self.slot));
+        let (kept, refused) = {
+            let slot = slot.lock().unwrap_or_else(|p| p.into_inner());
+            (slot.credentials.clone(), slot.read.is_none())
+        };
+        let source = match &self.source {
+            Source::Fixed => None,
+            Source::File { username, path } => Some(Err((username.clone(), path.clone()))),
+            Source::Helper(program) => Some(Ok(program.clone())),
+        };
+        async move {
+            let fresh = match source {
+                None => return kept.ok_or_else(|| Error::Internal("fixed credentials are missing".into())),
+                Some(Ok(helper)) => match helper::get(&helper, &server).await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        metrics().upstream_auth_failures.with_label_values(&[&upstream, e.reason()]).inc();
+                        match kept.filter(|_| !refused) {
+                            // Only grown old, not refused: ECR's passwords
+                            // outlive the helper's answer by hours, so a
+                            // helper that fails now (its cloud API down)
+                            // does not stop pulls. Run again later.
+                            Some(c) => {
+                                tracing::warn!(upstream, error = %e, "credential helper failed; keeping its last answer");
+                                c
+                            }
+                            None => return Err(Error::Upstream(UpstreamError::Auth(e.to_string()))),
+                        }
+                    }
+                },
+                Some(Err((username, path))) => read_password_file(&upstream, username, path, kept).await?,
+            };
+            let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
+            *slot = Slot { credentials: Some(fresh.clone()), read: Some(Instant::now()) };
+            Ok(fresh)
+        }
+    }
+}
+
+/// Reads a `password_file` again on the blocking pool. A file that cannot
+/// be read (a Secret mid-rotation) keeps the password read before.
+async fn read_password_file(
+    upstream: &str,
+    username: String,
+    path: PathBuf,
+    kept: Option<Credentials>,
+) -> Result<Credentials, Error> {
+    let shown = path.display().to_string();
+    let read = crate::blocking::blocking(move || Ok(std::fs::read_to_string(&path)?)).await;
+    match (read, kept) {
+        (Ok(text), kept) => {
+            let password = Secret::new(text.trim_end_matches(['\r', '\n']));
+            if kept.is_some_and(|c| c.password != password) {
+                tracing::info!(upstream, file = shown, "password_file changed; using the new password");
+            }
+            Ok(Credentials { username, password })
+        }
+        (Err(e), Some(c)) => {
+            metrics().upstream_auth_failures.with_label_values(&[upstream, "password_file"]).inc();
+            tracing::warn!(upstream, file = shown, error = %e, "cannot read password_file; keeping the password read before");
+            Ok(c)
+        }
+        (Err(e), None) => {
+            metrics().upstream_auth_failures.with_label_values(&[upstream, "password_file"]).inc();
+            Err(Error::Upstream(UpstreamError::Auth(format!("cannot read password_file {shown}: {e}"))))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// A store whose helper prints `user:<contents of secret>`, or fails
+    /// while `secret` is missing.
+    fn helper_store(dir: &std::path::Path) -> (CredentialStore, PathBuf) {
+        let (program, secret) = (dir.join("docker-credential-test"), dir.join("secret"));
+        let script = format!(
+            "#!/bin/sh\n[ -f {s:?} ] || {{ echo 'no secret'; exit 1; }}\nprintf '{{\"Username\":\"user\",\"Secret\":\"%s\"}}' \"$(cat {s:?})\"\n",
+            s = secret
+        );
+        std::fs::write(&program, script).unwrap();
+        std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let store = CredentialStore::new("credentials-test", "r.example", &CredentialSource::Helper("x".into()));
+        let store = CredentialStore { source: Source::Helper(program.display().to_string()), ..store };
+        (store, secret)
+    }
+
+    #[tokio::test]
+    async fn a_refused_helper_answer_runs_the_helper_again_and_an_old_one_survives_a_failing_helper() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, secret) = helper_store(dir.path());
+        std::fs::write(&secret, "one").unwrap();
+        let first = store.current().await.unwrap();
+        assert_eq!(first.password.expose(), "one");
+
+        std::fs::write(&secret, "two").unwrap();
+        assert_eq!(store.current().await.unwrap(), first, "the answer is kept while fresh");
+        store.refused(&first);
+        let second = store.current().await.unwrap();
+        assert_eq!(second.password.expose(), "two", "refused: the helper ran again");
+        store.refused(&first);
+        assert_eq!(store.current().await.unwrap(), second, "refusing an answer already replaced changes nothing");
+
+        // The answer grows old and the helper fails: the old answer stays.
+        std::fs::remove_file(&secret).unwrap();
+        store.slot.lock().unwrap().read = Instant::now().checked_sub(HELPER_ANSWER_LIFETIME);
+        assert_eq!(store.current().await.unwrap(), second);
+        // Refused, and the helper fails: a clear error.
+        store.refused(&second);
+        let e = store.current().await.unwrap_err().to_string();
+        assert!(e.contains("docker-credential-test failed") && e.contains("no secret"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_password_file_is_read_again_when_refused_and_kept_when_unreadable() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("password");
+        std::fs::write(&path, "old\n").unwrap();
+        let source = CredentialSource::File { username: "u".into(), path: path.clone(), loaded: Secret::new("old") };
+        let store = CredentialStore::new("credentials-test", "r.example", &source);
+        let old = store.current().await.unwrap();
+        assert_eq!(old.password.expose(), "old");
+        std::fs::write(&path, "new\n").unwrap();
+        store.refused(&old);
+        let new = store.current().await.unwrap();
+        assert_eq!(new.password.expose(), "new", "trailing newline trimmed");
+        std::fs::remove_file(&path).unwrap();
+        store.refused(&new);
+        assert_eq!(store.current().await.unwrap(), new, "an unreadable file keeps the password read before");
+    }
+}
