@@ -1,13 +1,15 @@
-//! Start-up order: config → store and index → upstreams → listeners; and
-//! the future that serves until shutdown. The shared state itself is
-//! [`crate::state::App`].
+//! Start-up order: config → the cluster's tiers (shared store, peers) →
+//! store and index → upstreams → listeners; and the future that serves
+//! until shutdown. The shared state itself is [`crate::state::App`].
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use tokio::net::TcpListener;
 
-use crate::cache::Cache;
+use crate::cache::shared::SharedStore;
+use crate::cache::{Cache, Tiers};
+use crate::cluster::{PeerClient, PeerLink, Peers};
 use crate::config::Config;
 use crate::server::admin::AdminAuth;
 use crate::server::client_auth::ClientAuth;
@@ -26,6 +28,10 @@ pub enum StartError {
     Auth(String),
     #[error("admin.token_file: {0}")]
     AdminAuth(String),
+    #[error("shared: {0}")]
+    Shared(String),
+    #[error("cluster: {0}")]
+    Cluster(String),
     #[error("listening on {addr}: {source}")]
     Listen { addr: SocketAddr, source: std::io::Error },
 }
@@ -34,13 +40,36 @@ pub enum StartError {
 pub struct Started {
     pub addr: SocketAddr,
     pub admin_addr: Option<SocketAddr>,
+    pub peer_addr: Option<SocketAddr>,
     pub serve: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
 }
 
 /// Opens the cache, binds the listeners and returns the future that
 /// serves until `shutdown` fires and connections have drained.
 pub async fn start(config: Config, shutdown: crate::shutdown::Shutdown) -> Result<Started, StartError> {
-    let cache = Cache::open(config.cache.clone())
+    // The shared store makes no request until used; a peer set resolves
+    // its members in the background. Neither is needed to start serving.
+    let shared = match &config.shared {
+        Some(c) => Some(Arc::new(SharedStore::new(c).map_err(|e| StartError::Shared(e.to_string()))?)),
+        None => None,
+    };
+    let peers = match &config.cluster {
+        Some(c) => {
+            let (secret, ca_file) = (c.secret.clone(), c.ca_file.clone());
+            let client = tokio::task::spawn_blocking(move || PeerClient::new(&secret, ca_file.as_deref()))
+                .await
+                .map_err(|e| StartError::Cluster(format!("start-up task failed: {e}")))?
+                .map_err(StartError::Cluster)?;
+            let peers = Peers::new(c);
+            peers.spawn(shutdown.clone());
+            Some(PeerLink { peers, client })
+        }
+        None => None,
+    };
+    if let (Some(store), Some(max_age)) = (&shared, config.shared.as_ref().and_then(|c| c.max_age)) {
+        store.spawn_sweeper(max_age, shutdown.clone());
+    }
+    let cache = Cache::open_with(config.cache.clone(), Tiers { shared, peers })
         .await
         .map_err(|source| StartError::Cache { dir: config.cache.dir.display().to_string(), source })?;
     // Reading CA files, the certificate and the htpasswd file is blocking
@@ -58,11 +87,28 @@ pub async fn start(config: Config, shutdown: crate::shutdown::Shutdown) -> Resul
                 .map(|listen| AdminAuth::load(&config.admin, listen))
                 .transpose()
                 .map_err(StartError::AdminAuth)?;
-            Ok((upstreams, tls, auth, admin_auth))
+            // https peers are served with the registry certificate, but
+            // never asked for a client certificate: the secret is theirs.
+            let peer_tls = match (&config.cluster, &config.server.tls) {
+                (Some(cluster), Some(t)) if cluster.self_url.is_https() => {
+                    let t = crate::config::TlsConfig { client_ca: None, ..t.clone() };
+                    Some(crate::server::tls::acceptor(&t).map_err(StartError::Tls)?)
+                }
+                _ => None,
+            };
+            Ok((upstreams, tls, auth, admin_auth, peer_tls))
         })
     };
-    let (upstreams, tls, auth, admin_auth) =
+    let (upstreams, tls, auth, admin_auth, peer_tls) =
         setup.await.map_err(|e| StartError::Upstream(format!("start-up task failed: {e}")))??;
+    let peer_tls = match (peer_tls, &config.server.tls) {
+        (Some((acceptor, cert)), Some(t)) => {
+            let paths = vec![t.cert.clone(), t.key.clone()];
+            crate::server::reload::watch("peer TLS certificate", paths, shutdown.clone(), move || cert.reload());
+            Some(acceptor)
+        }
+        _ => None,
+    };
     let tls = match (tls, &config.server.tls) {
         (Some((acceptor, cert)), Some(t)) => {
             let paths = vec![t.cert.clone(), t.key.clone()];
@@ -87,22 +133,45 @@ pub async fn start(config: Config, shutdown: crate::shutdown::Shutdown) -> Resul
     };
     let admin_addr = admin.as_ref().and_then(|l| l.local_addr().ok());
     let admin = admin.zip(admin_auth);
+    let peer_listener = match &config.cluster {
+        Some(c) => {
+            Some(TcpListener::bind(c.listen).await.map_err(|source| StartError::Listen { addr: c.listen, source })?)
+        }
+        None => None,
+    };
+    let peer_addr = peer_listener.as_ref().and_then(|l| l.local_addr().ok());
     let app = Arc::new(App { config, upstreams, cache, auth });
-    tracing::info!(%addr, admin = ?admin_addr, cache_dir = %app.config.cache.dir.display(), "larder listening");
+    tracing::info!(
+        %addr,
+        admin = ?admin_addr,
+        peers = ?peer_addr,
+        shared = app.config.shared.is_some(),
+        cache_dir = %app.config.cache.dir.display(),
+        "larder listening"
+    );
     let serve = {
         let grace = app.config.server.shutdown_grace;
         let api = crate::server::serve(listener, Arc::clone(&app), tls, shutdown.clone(), grace);
         let maintenance = app.cache.spawn_maintenance(shutdown.clone());
+        let peer =
+            peer_listener.map(|l| crate::cluster::endpoint::serve(l, Arc::clone(&app), peer_tls, shutdown.clone()));
         async move {
+            let peer = async move {
+                if let Some(peer) = peer {
+                    peer.await;
+                }
+            };
             match admin {
                 Some((admin, admin_auth)) => {
-                    tokio::join!(api, crate::server::admin::serve(admin, app, admin_auth, shutdown));
+                    tokio::join!(api, peer, crate::server::admin::serve(admin, app, admin_auth, shutdown));
                 }
-                None => api.await,
+                None => {
+                    tokio::join!(api, peer);
+                }
             }
             // Access times still in memory are written before exit.
             let _ = maintenance.await;
         }
     };
-    Ok(Started { addr, admin_addr, serve: Box::pin(serve) })
+    Ok(Started { addr, admin_addr, peer_addr, serve: Box::pin(serve) })
 }

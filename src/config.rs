@@ -114,6 +114,10 @@ pub struct ClusterConfig {
     pub peers: PeerSource,
     /// Sent and checked on every peer request.
     pub secret: Secret,
+    /// Extra CA certificates (PEM) trusted for https peers, beside the web
+    /// PKI roots. With https peer URLs the peer listener serves TLS with
+    /// `[server.tls]`'s certificate.
+    pub ca_file: Option<PathBuf>,
 }
 
 /// Where the member list comes from.
@@ -232,6 +236,10 @@ pub struct UpstreamConfig {
     /// the ones before fail to connect or answer 5xx. They are the
     /// upstream's own origins, as trusted as `url`.
     pub fallback_urls: Vec<http::Uri>,
+    /// Another larder (a cluster's hub) this upstream's requests go to
+    /// instead, with `?ns=<name>`: node → hub → registry, one upstream
+    /// fetch for the whole cluster. `url` is then never dialed.
+    pub via: Option<http::Uri>,
     pub default: bool,
     /// Docker Hub keeps one-component names under `library/`.
     pub library_namespace: bool,
@@ -333,6 +341,7 @@ struct RawCluster {
     peers: Option<Vec<String>>,
     peers_dns: Option<String>,
     secret_file: String,
+    ca_file: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -392,6 +401,7 @@ struct RawUpstream {
     name: String,
     url: Option<String>,
     urls: Option<Vec<String>>,
+    via: Option<String>,
     #[serde(default)]
     default: bool,
     #[serde(default)]
@@ -843,7 +853,13 @@ impl Validator<'_> {
                 ),
             ));
         }
-        Ok(ClusterConfig { listen, self_url, peers, secret })
+        if self_url.is_https() && server.tls.is_none() {
+            return Err(
+                self.err("cluster.self", "https peers need [server.tls]: its certificate serves the peer listener")
+            );
+        }
+        let ca_file = c.ca_file.as_deref().map(|f| self.readable("cluster.ca_file", f)).transpose()?;
+        Ok(ClusterConfig { listen, self_url, peers, secret, ca_file })
     }
 
     fn admin(&self, raw: RawAdmin) -> Result<AdminConfig, ConfigError> {
@@ -863,6 +879,17 @@ impl Validator<'_> {
             }
         }
         let (url, fallback_urls) = self.upstream_urls(&key, u.url.as_deref(), u.urls.as_deref())?;
+        let via = match u.via.as_deref() {
+            None => None,
+            Some(text) => {
+                let (via, more) = self.upstream_urls(&|_| key("via"), Some(text), None)?;
+                debug_assert!(more.is_empty());
+                if !fallback_urls.is_empty() {
+                    return Err(self.err(key("via"), "`via` sends every request to one larder: drop `urls`"));
+                }
+                Some(via)
+            }
+        };
         let is_docker_hub = |h: &str| DOCKER_HUB_NAMES.contains(&h);
         let host = url.host().unwrap_or_default().to_ascii_lowercase();
         // Docker Hub by its name or an alias as much as by its URL: users
@@ -900,6 +927,7 @@ impl Validator<'_> {
             aliases: u.aliases,
             url,
             fallback_urls,
+            via,
             default: u.default,
             library_namespace,
             credentials,

@@ -59,6 +59,16 @@ pub struct Metrics {
     pub peers_down: IntGauge,
     /// `peers_marked_down_total`: times a peer failed and was skipped for a while.
     pub peers_marked_down: IntCounter,
+    /// `peer_requests_total{direction,kind,result}`: direction `out` (asked
+    /// an owner) or `in` (asked by a peer); kind `blob|manifest`; result
+    /// `ok|not_found|unreachable|error|refused` (`refused`: no or a wrong
+    /// cluster secret, or an upstream named by anything but its name).
+    pub peer_requests: IntCounterVec,
+    /// `peer_bytes_total`: blob bytes received from owners.
+    pub peer_bytes: IntCounter,
+    /// `shared_corrupt_total`: shared-tier blobs whose bytes failed the
+    /// digest check (the object is deleted and the blob fetched elsewhere).
+    pub shared_corrupt: IntCounter,
     /// `upstream_ratelimit_limit{upstream}`: the pull limit upstream last
     /// announced (Docker Hub's `ratelimit-limit`).
     pub upstream_ratelimit_limit: IntGaugeVec,
@@ -112,6 +122,11 @@ fn build() -> Result<Metrics, prometheus::Error> {
         gauge("pending_uploads", "Verified blobs and manifests waiting for upload to the shared tier")?;
     let peers_up = gauge("peers_up", "Cluster members currently answering (this replica included)")?;
     let peers_down = gauge("peers_down", "Cluster members skipped after a failed request")?;
+    let peer_bytes = IntCounter::new("peer_bytes_total", "Blob bytes received from owners among the peers")?;
+    registry.register(Box::new(peer_bytes.clone()))?;
+    let shared_corrupt =
+        IntCounter::new("shared_corrupt_total", "Shared-tier blobs whose bytes failed the digest check")?;
+    registry.register(Box::new(shared_corrupt.clone()))?;
     let peers_marked_down =
         IntCounter::new("peers_marked_down_total", "Times a peer failed a request and was skipped for a while")?;
     registry.register(Box::new(peers_marked_down.clone()))?;
@@ -168,6 +183,13 @@ fn build() -> Result<Metrics, prometheus::Error> {
         peers_up,
         peers_down,
         peers_marked_down,
+        peer_requests: counter_vec(
+            "peer_requests_total",
+            "Requests between replicas",
+            &["direction", "kind", "result"],
+        )?,
+        peer_bytes,
+        shared_corrupt,
         upstream_ratelimit_limit: gauge_vec(
             "upstream_ratelimit_limit",
             "Pull limit upstream last announced (ratelimit-limit)",

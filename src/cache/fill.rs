@@ -308,7 +308,7 @@ pub async fn copy_body(
     mut skip: u64,
     bounds: Bounds,
     tx: &watch::Sender<Progress>,
-    received: &prometheus::IntCounter,
+    received: Option<&prometheus::IntCounter>,
 ) -> Result<Writer, Interrupted> {
     let Bounds { declared, limit, idle } = bounds;
     let publish = |written: u64| {
@@ -372,7 +372,9 @@ pub async fn copy_body(
                 ));
                 return Err(Interrupted::fatal(e.into()));
             }
-            received.inc_by(chunk.len() as u64);
+            if let Some(received) = received {
+                received.inc_by(chunk.len() as u64);
+            }
             Slot::Busy(tokio::spawn(writer.write(chunk)))
         };
         if eof {

@@ -13,6 +13,7 @@ mod reconcile;
 pub mod shared;
 pub mod source;
 pub mod stats;
+mod tiers;
 pub mod upload;
 
 use std::fs::File;
@@ -26,6 +27,7 @@ pub use memory::StoredManifest;
 pub use reconcile::Report;
 
 use crate::blocking::blocking;
+use crate::cluster::PeerLink;
 use crate::coalesce::{Joined, SingleFlight};
 use crate::config::CacheConfig;
 use crate::error::{Error, UpstreamError};
@@ -37,7 +39,9 @@ use evict::{Evictor, Limits};
 use fill::{Attach, Fills, Progress, Writer};
 use index::{Entry, Index, Kind};
 use memory::{Memory, TagEntry};
+use shared::SharedStore;
 use source::{Source, SourceBody, Unavailable};
+use upload::Uploads;
 
 /// How a request was served; a label for metrics and logs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,6 +101,40 @@ pub struct Cache {
     revalidations: SingleFlight<String, Option<Digest>>,
     /// One upstream `tags/list` or `referrers` request per page however many ask.
     listing_fetches: SingleFlight<String, Option<Page>>,
+    /// The shared tier and its upload queue (`[shared]`).
+    shared: Option<(Arc<SharedStore>, Uploads)>,
+    /// The other replicas (`[cluster]`).
+    peers: Option<PeerLink>,
+}
+
+/// The tiers beyond this replica's own memory and disk: both optional,
+/// and independent of each other.
+#[derive(Clone, Default)]
+pub struct Tiers {
+    /// An object store every replica shares (`[shared]`).
+    pub shared: Option<Arc<SharedStore>>,
+    /// The other replicas, each the owner of some keys (`[cluster]`).
+    pub peers: Option<PeerLink>,
+}
+
+/// Who a request comes from. A peer's request is served from what this
+/// replica has, the shared tier or upstream, and never asked of another
+/// peer again: one hop, so two replicas that disagree on the owner cannot
+/// bounce a request between them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Via {
+    Client,
+    Peer,
+}
+
+/// The key whose owner fetches a digest (blob or manifest) for the cluster.
+fn digest_owner_key(digest: &Digest) -> String {
+    digest.to_string()
+}
+
+/// The key whose owner resolves a tag for the cluster.
+fn tag_owner_key(upstream: &str, repo: &RepoName, tag: &Tag) -> String {
+    format!("{upstream}/{repo}:{tag}")
 }
 
 /// Times a request may find that the fill it joined, started for another
@@ -157,8 +195,14 @@ enum Content {
 }
 
 impl Cache {
-    /// Opens (or creates) the store under `config.dir`.
+    /// Opens (or creates) the store under `config.dir`, on its own.
     pub async fn open(config: CacheConfig) -> Result<Arc<Cache>, Error> {
+        Cache::open_with(config, Tiers::default()).await
+    }
+
+    /// Opens the store with the cluster's tiers; uploads still pending
+    /// from an earlier run are queued again.
+    pub async fn open_with(config: CacheConfig, tiers: Tiers) -> Result<Arc<Cache>, Error> {
         let dir = config.dir.clone();
         let (store, index, usage) = blocking(move || {
             let (store, index) = open_locked(&dir)?;
@@ -172,7 +216,18 @@ impl Cache {
         })
         .await?;
         let limits = Limits::new(config.max_size, config.high_watermark, config.low_watermark);
+        let shared = match tiers.shared {
+            Some(shared) => {
+                let files = store.clone();
+                let blob_path: upload::BlobPath = Arc::new(move |d: &Digest| files.blob_path(d));
+                let uploads = Uploads::open(&config.dir, Arc::clone(&shared), blob_path).await?;
+                Some((shared, uploads))
+            }
+            None => None,
+        };
         Ok(Arc::new(Cache {
+            shared,
+            peers: tiers.peers,
             evictor: Evictor::new(limits, usage),
             memory: Memory::new(config.memory),
             config,
@@ -200,9 +255,14 @@ impl Cache {
 
     /// Runs until `shutdown` fires: writes access times in batches and
     /// evicts when usage crosses the high watermark or a write hit ENOSPC.
-    /// Access times are flushed once more on the way out.
+    /// Access times are flushed once more on the way out. With a shared
+    /// tier, its upload queue runs beside, in its own task, so an upload
+    /// never delays access times or eviction.
     pub fn spawn_maintenance(self: &Arc<Self>, mut shutdown: crate::shutdown::Shutdown) -> tokio::task::JoinHandle<()> {
         let cache = Arc::clone(self);
+        if let Some((_, uploads)) = &self.shared {
+            uploads.spawn(shutdown.clone());
+        }
         tokio::spawn(async move {
             loop {
                 let stopping = tokio::select! {
@@ -346,23 +406,41 @@ impl Cache {
 
     // ---- manifests -------------------------------------------------------
 
+    /// A manifest for a client.
     pub async fn manifest(
         self: &Arc<Self>,
         upstream: &Arc<Upstream>,
         repo: &RepoName,
         reference: &Reference,
     ) -> Result<(Arc<StoredManifest>, CacheResult), Error> {
+        self.manifest_via(upstream, repo, reference, Via::Client).await
+    }
+
+    /// A manifest: memory → disk → (a tag's or digest's owner among the
+    /// peers) → shared tier (by digest) → upstream.
+    pub async fn manifest_via(
+        self: &Arc<Self>,
+        upstream: &Arc<Upstream>,
+        repo: &RepoName,
+        reference: &Reference,
+        via: Via,
+    ) -> Result<(Arc<StoredManifest>, CacheResult), Error> {
         match reference {
             Reference::Digest(digest) => match self.stored_manifest(digest).await? {
                 Some(m) => {
-                    self.ensure_member(upstream, repo, digest, Content::Manifest).await?;
+                    self.ensure_member(upstream, repo, digest, Content::Manifest, via).await?;
                     self.evictor.record_access(Kind::Manifest, *digest, unix_ms(SystemTime::now()));
                     Ok((m, CacheResult::Hit))
                 }
-                None => self.fetch_manifest(upstream, repo, reference).await,
+                None => self.fetch_manifest(upstream, repo, reference, via).await,
             },
-            Reference::Tag(tag) => self.manifest_by_tag(upstream, repo, tag).await,
+            Reference::Tag(tag) => self.manifest_by_tag(upstream, repo, tag, via).await,
         }
+    }
+
+    /// When upstream (or the tag's owner) last confirmed where `tag` points.
+    pub fn tag_confirmed(&self, upstream: &str, repo: &RepoName, tag: &Tag) -> Option<SystemTime> {
+        self.memory.tag(&tag_key(upstream, repo, tag)).map(|e| e.confirmed)
     }
 
     async fn stored_manifest(&self, digest: &Digest) -> Result<Option<Arc<StoredManifest>>, Error> {
@@ -407,13 +485,14 @@ impl Cache {
         upstream: &Arc<Upstream>,
         repo: &RepoName,
         tag: &Tag,
+        via: Via,
     ) -> Result<(Arc<StoredManifest>, CacheResult), Error> {
         let key = tag_key(upstream.name(), repo, tag);
         let Some(entry) = self.tag_entry(&key).await? else {
-            return self.fetch_manifest(upstream, repo, &Reference::Tag(tag.clone())).await;
+            return self.fetch_manifest(upstream, repo, &Reference::Tag(tag.clone()), via).await;
         };
         let Some(cached) = self.stored_manifest(&entry.digest).await? else {
-            return self.fetch_manifest(upstream, repo, &Reference::Tag(tag.clone())).await;
+            return self.fetch_manifest(upstream, repo, &Reference::Tag(tag.clone()), via).await;
         };
         let age = SystemTime::now().duration_since(entry.confirmed).unwrap_or_default();
         let ttl = upstream.config.tag_ttl(&self.config);
@@ -422,6 +501,28 @@ impl Cache {
             return Ok((cached, CacheResult::Hit));
         }
         let may_serve_stale = age < ttl + self.config.stale_if_error;
+        // In a cluster the tag's owner revalidates it for everyone: its
+        // answer carries when upstream last confirmed the tag.
+        if let Some(answer) = self.manifest_from_owner(upstream, repo, &Reference::Tag(tag.clone()), via).await {
+            return match answer {
+                Ok((fetched, confirmed)) => {
+                    let m = self.store_manifest(fetched, upstream.name(), repo, Some(key), confirmed).await?;
+                    let result = if m.digest == cached.digest { CacheResult::Hit } else { CacheResult::Miss };
+                    Ok((m, result))
+                }
+                Err(Error::ManifestUnknown) => {
+                    self.memory.remove_tag(&key);
+                    let index = Arc::clone(&self.index);
+                    blocking(move || Ok(index.remove_tag(&key)?)).await?;
+                    Err(Error::ManifestUnknown)
+                }
+                Err(Error::Upstream(e)) if may_serve_stale => {
+                    tracing::warn!(upstream = upstream.name(), %repo, %tag, error = %e, "serving stale tag");
+                    Ok((cached, CacheResult::Stale))
+                }
+                Err(e) => Err(e),
+            };
+        }
         if may_serve_stale && upstream.revalidation_backoff().active() {
             return Ok((cached, CacheResult::Stale));
         }
@@ -442,7 +543,7 @@ impl Cache {
                 tracing::warn!(upstream = upstream.name(), %repo, %tag, "tag moved, but the pull limit is used up: serving stale");
                 Ok((cached, CacheResult::Stale))
             }
-            Ok(Some(digest)) => match self.fetch_manifest(upstream, repo, &Reference::Digest(digest)).await {
+            Ok(Some(digest)) => match self.fetch_manifest(upstream, repo, &Reference::Digest(digest), via).await {
                 Ok((m, result)) => {
                     self.set_tag(key, digest).await?;
                     Ok((m, result))
@@ -467,25 +568,39 @@ impl Cache {
         }
     }
 
-    /// Fetches a manifest from upstream (one GET per reference however many
-    /// ask), stores it, and for a tag records the mapping.
+    /// Fetches a manifest (one fetch per reference however many ask):
+    /// from its owner among the peers, else by digest from the shared tier
+    /// (once upstream or the owner confirms the repository has it), else
+    /// from upstream; stores it, and for a tag records the mapping.
     async fn fetch_manifest(
         self: &Arc<Self>,
         upstream: &Arc<Upstream>,
         repo: &RepoName,
         reference: &Reference,
+        via: Via,
     ) -> Result<(Arc<StoredManifest>, CacheResult), Error> {
         let key = format!("{}\0{repo}\0{reference}", upstream.name());
         let fetch = {
             let (cache, upstream, repo, reference) =
                 (Arc::clone(self), Arc::clone(upstream), repo.clone(), reference.clone());
             move || async move {
-                let fetched = upstream.get_manifest(&repo, &reference).await?.ok_or(Error::ManifestUnknown)?;
                 let tag = match &reference {
                     Reference::Tag(t) => Some(tag_key(upstream.name(), &repo, t)),
                     Reference::Digest(_) => None,
                 };
-                cache.store_manifest(fetched, upstream.name(), &repo, tag).await
+                if let Some(answer) = cache.manifest_from_owner(&upstream, &repo, &reference, via).await {
+                    let (fetched, confirmed) = answer?;
+                    return cache.store_manifest(fetched, upstream.name(), &repo, tag, confirmed).await;
+                }
+                if let Reference::Digest(digest) = &reference {
+                    if let Some(fetched) = cache.shared_manifest(digest).await {
+                        cache.ensure_member(&upstream, &repo, digest, Content::Manifest, via).await?;
+                        return cache.store_manifest(fetched, upstream.name(), &repo, None, SystemTime::now()).await;
+                    }
+                }
+                let fetched = upstream.get_manifest(&repo, &reference).await?.ok_or(Error::ManifestUnknown)?;
+                cache.share_manifest(&fetched).await;
+                cache.store_manifest(fetched, upstream.name(), &repo, tag, SystemTime::now()).await
             }
         };
         let (result, joined) = self.manifest_fetches.run(key, fetch).await;
@@ -505,9 +620,10 @@ impl Cache {
         upstream: &str,
         repo: &RepoName,
         tag: Option<String>,
+        confirmed: SystemTime,
     ) -> Result<Arc<StoredManifest>, Error> {
         let stored = Arc::new(StoredManifest::new(m.bytes.clone(), m.media_type, m.digest));
-        let now = SystemTime::now();
+        let now = confirmed;
         for (digest, size) in m.refs.blobs.iter().zip(&m.refs.blob_sizes) {
             if let Some(size) = size {
                 self.memory.insert_declared_size(member_key(upstream, repo, digest), *size);
@@ -546,16 +662,28 @@ impl Cache {
         repo: &RepoName,
         digest: &Digest,
         content: Content,
+        via: Via,
     ) -> Result<(), Error> {
         let key = member_key(upstream.name(), repo, digest);
         if self.memory.is_member(&key) {
             return Ok(());
         }
+        // A fill in flight for this very repository settles it: its
+        // upstream GET is the check, and its failure is this request's too.
+        let repo_owner = format!("{}\0{repo}", upstream.name());
+        if matches!(content, Content::Blob) && self.fills.get(digest).is_some_and(|f| f.owner == repo_owner) {
+            return Ok(());
+        }
         let (index, k) = (Arc::clone(&self.index), key.clone());
         if !blocking(move || Ok(index.is_member(&k)?)).await? {
-            let confirmed = match content {
-                Content::Blob => upstream.head_blob(repo, digest).await?.is_some(),
-                Content::Manifest => upstream.head_manifest(repo, &Reference::Digest(*digest)).await?.is_some(),
+            // The digest's owner may know already (it fetched it for this
+            // repository); otherwise it, or this replica, asks upstream.
+            let confirmed = match self.member_from_owner(upstream, repo, digest, content, via).await {
+                Some(answer) => answer?,
+                None => match content {
+                    Content::Blob => upstream.head_blob(repo, digest).await?.is_some(),
+                    Content::Manifest => upstream.head_manifest(repo, &Reference::Digest(*digest)).await?.is_some(),
+                },
             };
             if !confirmed {
                 return Err(match content {
@@ -681,6 +809,17 @@ impl Cache {
     /// The size of a blob cached (or being filled) for `repo`, for `HEAD`,
     /// which never starts a fill.
     pub async fn blob_size(&self, upstream: &Upstream, repo: &RepoName, digest: &Digest) -> Result<Option<u64>, Error> {
+        self.blob_size_via(upstream, repo, digest, Via::Client).await
+    }
+
+    /// [`Cache::blob_size`], for a client or a peer.
+    pub async fn blob_size_via(
+        &self,
+        upstream: &Upstream,
+        repo: &RepoName,
+        digest: &Digest,
+        via: Via,
+    ) -> Result<Option<u64>, Error> {
         let filling = self.fills.get(digest).and_then(|flight| match &*flight.progress.borrow() {
             Progress::Streaming { size: Some(size), .. } | Progress::Complete { size, .. } => Some(*size),
             _ => None,
@@ -690,7 +829,7 @@ impl Cache {
             None => self.committed_blob(digest).await?.map(|(_, size)| size),
         };
         if size.is_some() {
-            self.ensure_member(upstream, repo, digest, Content::Blob).await?;
+            self.ensure_member(upstream, repo, digest, Content::Blob, via).await?;
         }
         Ok(size)
     }
@@ -709,6 +848,18 @@ impl Cache {
         repo: &RepoName,
         digest: Digest,
     ) -> Result<(BlobSource, CacheResult), Error> {
+        self.blob_via(upstream, repo, digest, Via::Client).await
+    }
+
+    /// [`Cache::blob`], for a client or a peer: a fill started for a peer
+    /// reads the shared tier or upstream, never another peer.
+    pub async fn blob_via(
+        self: &Arc<Self>,
+        upstream: &Arc<Upstream>,
+        repo: &RepoName,
+        digest: Digest,
+        via: Via,
+    ) -> Result<(BlobSource, CacheResult), Error> {
         let owner = format!("{}\0{repo}", upstream.name());
         let mut foreign_failures = 0;
         loop {
@@ -716,7 +867,7 @@ impl Cache {
                 Some(flight) => flight,
                 None => {
                     if let Some((file, size)) = self.committed_blob(&digest).await? {
-                        self.ensure_member(upstream, repo, &digest, Content::Blob).await?;
+                        self.ensure_member(upstream, repo, &digest, Content::Blob, via).await?;
                         self.evictor.record_access(Kind::Blob, digest, unix_ms(SystemTime::now()));
                         return Ok((BlobSource::Committed { file, size }, CacheResult::Hit));
                     }
@@ -724,7 +875,7 @@ impl Cache {
                         digest,
                         &owner,
                         || self.memory.blob_size(&digest).is_some(),
-                        |tx| self.spawn_fill(Arc::clone(upstream), repo.clone(), digest, tx),
+                        |tx| self.spawn_fill(Arc::clone(upstream), repo.clone(), digest, via, tx),
                     );
                     match attach {
                         Attach::Started(rx) => return Ok((BlobSource::Filling(rx), CacheResult::Miss)),
@@ -738,7 +889,7 @@ impl Cache {
                     }
                 }
             };
-            self.ensure_member(upstream, repo, &digest, Content::Blob).await?;
+            self.ensure_member(upstream, repo, &digest, Content::Blob, via).await?;
             let mut rx = joined.progress;
             if joined.owner != owner && foreign_failures < FOREIGN_FILL_RETRIES {
                 if let Err(e) = fill::wait_for_headers(&mut rx).await {
@@ -758,12 +909,13 @@ impl Cache {
         upstream: Arc<Upstream>,
         repo: RepoName,
         digest: Digest,
+        via: Via,
         tx: watch::Sender<Progress>,
     ) {
         let cache = Arc::clone(self);
         metrics().fills_in_flight.inc();
         tokio::spawn(async move {
-            match cache.fill(&upstream, &repo, digest, &tx).await {
+            match cache.fill(&upstream, &repo, digest, via, &tx).await {
                 Ok((file, size)) => {
                     cache.memory.insert_blob_size(digest, size);
                     cache.memory.insert_open_blob(digest, Arc::clone(&file), size);
@@ -793,9 +945,19 @@ impl Cache {
         self.memory.declared_size(&member_key(upstream, repo, digest)).unwrap_or(self.config.max_blob_size)
     }
 
-    /// The sources of a fill, in the order they are tried.
-    fn fill_sources(&self) -> Vec<Source> {
-        vec![Source::Upstream]
+    /// The sources of a fill, in the order they are tried: the shared
+    /// tier, the digest's owner among the peers (not for a peer's request:
+    /// one hop), upstream.
+    fn fill_sources(&self, digest: &Digest, via: Via) -> Vec<Source> {
+        let mut sources = Vec::with_capacity(3);
+        if self.shared.is_some() {
+            sources.push(Source::Shared);
+        }
+        if let Some(owner) = self.owner_elsewhere(&digest_owner_key(digest), via) {
+            sources.push(Source::Peer(owner));
+        }
+        sources.push(Source::Upstream);
+        sources
     }
 
     /// Opens `source` for `digest` from byte `offset`.
@@ -806,12 +968,27 @@ impl Cache {
         repo: &RepoName,
         digest: &Digest,
         offset: u64,
+        via: Via,
     ) -> Result<SourceBody, Unavailable> {
         match source {
+            Source::Shared => self.open_shared(upstream, repo, digest, offset, via).await,
+            Source::Peer(owner) => self.open_peer(owner, upstream, repo, digest, offset).await,
             Source::Upstream => {
-                let opened = upstream.get_blob(repo, digest).await.map_err(|e| Unavailable::Final(e.into()))?;
+                let opened =
+                    upstream.get_blob_from(repo, digest, offset).await.map_err(|e| Unavailable::Final(e.into()))?;
                 let Opened { response, permit } = opened.ok_or(Unavailable::Final(Error::BlobUnknown(*digest)))?;
-                let total = content_length(response.headers());
+                // A 206 starts where asked; a 200 is the whole blob again.
+                let (total, skip) = if response.status() == http::StatusCode::PARTIAL_CONTENT {
+                    match tiers::content_range(response.headers()) {
+                        Some((first, total)) if first == offset => (total, 0),
+                        _ => {
+                            let e = format!("upstream answered another range than from byte {offset}");
+                            return Err(Unavailable::Final(UpstreamError::Protocol(e).into()));
+                        }
+                    }
+                } else {
+                    (content_length(response.headers()), offset)
+                };
                 let body = http_body_util::BodyExt::boxed_unsync(http_body_util::BodyExt::map_err(
                     response.into_body(),
                     |e| Box::new(e) as crate::body::BoxError,
@@ -819,9 +996,9 @@ impl Cache {
                 Ok(SourceBody {
                     body,
                     total,
-                    skip: offset,
+                    skip,
                     permit: Some(permit),
-                    received: metrics().upstream_bytes.with_label_values(&[upstream.name()]),
+                    received: Some(metrics().upstream_bytes.with_label_values(&[upstream.name()])),
                     idle: upstream.body_idle_timeout(),
                 })
             }
@@ -836,17 +1013,22 @@ impl Cache {
         upstream: &Upstream,
         repo: &RepoName,
         digest: Digest,
+        via: Via,
         tx: &watch::Sender<Progress>,
     ) -> Result<(Arc<File>, u64), Error> {
         let limit = self.fill_limit(upstream.name(), repo, &digest);
-        let sources = self.fill_sources();
+        let sources = self.fill_sources(&digest, via);
+        // Which sources gave bytes: a digest mismatch with shared-tier bytes
+        // in it condemns the shared object; bytes from anywhere else are
+        // uploaded to the shared tier once verified.
+        let mut used: Vec<Source> = Vec::new();
         // What earlier sources wrote: the writer, the temp file's handle
         // readers use, and the size they declared.
         let mut resumed: Option<(Writer, Arc<File>, Option<u64>)> = None;
         let mut last_error = None;
-        for (n, source) in sources.iter().copied().enumerate() {
+        for (n, source) in sources.iter().cloned().enumerate() {
             let offset = resumed.as_ref().map_or(0, |(w, ..)| w.written());
-            let opened = match self.open_source(source, upstream, repo, &digest, offset).await {
+            let opened = match self.open_source(source.clone(), upstream, repo, &digest, offset, via).await {
                 Ok(opened) => opened,
                 Err(Unavailable::Final(e)) => return Err(e),
                 Err(Unavailable::Next(e)) => {
@@ -882,10 +1064,11 @@ impl Cache {
                 }
             };
             let bounds = fill::Bounds { declared, limit, idle };
-            match fill::copy_body(body, writer, skip, bounds, tx, &received).await {
+            used.push(source.clone());
+            match fill::copy_body(body, writer, skip, bounds, tx, received.as_ref()).await {
                 Ok(writer) => {
                     drop(permit);
-                    return self.commit_fill(writer, file, upstream, repo, digest).await;
+                    return self.commit_fill(writer, file, upstream, repo, digest, &used).await;
                 }
                 Err(fill::Interrupted { error, writer: Some(writer) }) if n + 1 < sources.len() => {
                     tracing::warn!(%digest, source = source.name(), written = writer.written(), error = %error,
@@ -906,10 +1089,14 @@ impl Cache {
         upstream: &Upstream,
         repo: &RepoName,
         digest: Digest,
+        used: &[Source],
     ) -> Result<(Arc<File>, u64), Error> {
         let (temp, actual, size) = writer.finish();
         if actual != digest {
             metrics().digest_mismatch.inc();
+            if used.contains(&Source::Shared) {
+                self.condemn_shared_blob(digest);
+            }
             return Err(UpstreamError::DigestMismatch { expected: digest, actual: actual.to_string() }.into());
         }
         // Readers get the last byte only once the blob is committed, so a
@@ -925,6 +1112,13 @@ impl Cache {
         .await?;
         if new {
             self.evictor.added(size);
+        }
+        // Membership was proven on the way: upstream served it for `repo`,
+        // the owner checked for it, or it was confirmed before the shared
+        // tier's bytes were read. Bytes that did not all come from the
+        // shared tier go there now, in the background.
+        if used.iter().any(|s| *s != Source::Shared) {
+            self.share_blob(digest).await;
         }
         Ok((file, size))
     }

@@ -8,19 +8,26 @@ use std::time::Duration;
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::body::Body;
+use crate::cluster::PeerUrl;
 use crate::error::Error;
 
 /// One place a blob can be read from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Source {
+    /// The object store all replicas share (its bytes are hashed here too).
+    Shared,
+    /// The digest's owner among the peers, which fills it once for all.
+    Peer(PeerUrl),
     /// The upstream registry itself: the last resort, whose answers are final.
     Upstream,
 }
 
 impl Source {
     /// A label for logs.
-    pub fn name(self) -> &'static str {
+    pub fn name(&self) -> &'static str {
         match self {
+            Source::Shared => "shared",
+            Source::Peer(_) => "peer",
             Source::Upstream => "upstream",
         }
     }
@@ -36,8 +43,8 @@ pub struct SourceBody {
     pub skip: u64,
     /// Held while the body is read (an upstream's concurrency slot).
     pub permit: Option<OwnedSemaphorePermit>,
-    /// Counts the bytes received from this source.
-    pub received: prometheus::IntCounter,
+    /// Counts the bytes received from this source (`None`: it counts them itself).
+    pub received: Option<prometheus::IntCounter>,
     /// Longest pause allowed between two chunks of the body.
     pub idle: Duration,
 }

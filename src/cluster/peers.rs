@@ -293,6 +293,7 @@ mod tests {
             self_url: url(me),
             peers,
             secret: Secret::new("0123456789abcdef0123"),
+            ca_file: None,
         }
     }
 

@@ -10,7 +10,7 @@ use super::range::ByteRange;
 use super::routes::Route;
 use crate::body::{self, Body};
 use crate::cache::fill::{read_body, wait_for_headers};
-use crate::cache::{BlobSource, CacheResult};
+use crate::cache::{BlobSource, CacheResult, StoredManifest, Via};
 use crate::error::Error;
 use crate::oci::headers::{API_VERSION, API_VERSION_V2, DOCKER_CONTENT_DIGEST};
 use crate::oci::{Accept, Digest, Reference};
@@ -42,26 +42,45 @@ pub async fn manifest(
     method: &Method,
     headers: &HeaderMap,
 ) -> Result<(Response<Body>, CacheResult), Error> {
-    let (m, result) = app.cache.manifest(&route.upstream, &route.repo, reference).await?;
+    let (m, result) = app.cache.manifest_via(&route.upstream, &route.repo, reference, route.via).await?;
     // A client that only speaks Docker v2 must never get an OCI index it
     // cannot read (distribution answers MANIFEST_UNKNOWN there too). By
     // digest, the client asked for exactly these bytes.
     if matches!(reference, Reference::Tag(_)) && !Accept::from_headers(headers).allows(m.media_type) {
         return Err(Error::NotAcceptable);
     }
-    let body = if method == Method::HEAD {
+    // A peer keeps the tag as long as this owner would: from when upstream
+    // last confirmed it, not from now.
+    let confirmed = match (route.via, reference) {
+        (Via::Peer, Reference::Tag(tag)) => app.cache.tag_confirmed(route.upstream.name(), &route.repo, tag),
+        _ => None,
+    };
+    Ok((manifest_response(&m, method == Method::HEAD, confirmed)?, result))
+}
+
+/// A manifest as served: its exact bytes (none for `HEAD`) and headers;
+/// with `confirmed`, when upstream last confirmed the tag asked for (for a peer).
+pub fn manifest_response(
+    m: &StoredManifest,
+    head: bool,
+    confirmed: Option<std::time::SystemTime>,
+) -> Result<Response<Body>, Error> {
+    let body = if head {
         body::empty()
     } else {
         crate::metrics::metrics().bytes_served.with_label_values(&["memory"]).inc_by(m.bytes.len() as u64);
         body::full(m.bytes.clone())
     };
-    let resp = response(StatusCode::OK)
+    let mut resp = response(StatusCode::OK)
         .header(CONTENT_TYPE, m.content_type.clone())
         .header(CONTENT_LENGTH, m.content_length.clone())
         .header(DOCKER_CONTENT_DIGEST, m.digest_header.clone())
-        .header(http::header::ETAG, m.etag.clone())
-        .body(body);
-    Ok((built(resp)?, result))
+        .header(http::header::ETAG, m.etag.clone());
+    if let Some(confirmed) = confirmed {
+        let ms = confirmed.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        resp = resp.header(crate::cluster::client::TAG_CONFIRMED_HEADER, ms);
+    }
+    built(resp.body(body))
 }
 
 /// `GET/HEAD /v2/<name>/blobs/<digest>`, with `Range`.
@@ -76,7 +95,7 @@ pub async fn blob(
     if method == Method::HEAD {
         return blob_head(app, route, digest).await;
     }
-    let (source, result) = app.cache.blob(&route.upstream, &route.repo, digest).await?;
+    let (source, result) = app.cache.blob_via(&route.upstream, &route.repo, digest, route.via).await?;
     let (file, size, progress) = match source {
         BlobSource::Committed { file, size } => (file, Some(size), None),
         BlobSource::Filling(mut rx) => {
@@ -112,7 +131,7 @@ pub async fn blob(
 async fn blob_head(app: &App, route: &Route, digest: Digest) -> Result<(Response<Body>, CacheResult), Error> {
     // Upstream's HEAD may carry no length: then none is sent (a
     // `Content-Length: 0` would claim an empty blob).
-    let (size, result) = match app.cache.blob_size(&route.upstream, &route.repo, &digest).await? {
+    let (size, result) = match app.cache.blob_size_via(&route.upstream, &route.repo, &digest, route.via).await? {
         Some(size) => (Some(size), CacheResult::Hit),
         None => (
             route.upstream.head_blob(&route.repo, &digest).await?.ok_or(Error::BlobUnknown(digest))?,

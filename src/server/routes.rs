@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use http::{Method, Uri};
 
+use crate::cache::Via;
 use crate::error::Error;
 use crate::oci::{Digest, NameError, Reference, RepoName};
 use crate::upstream::{Upstream, Upstreams};
@@ -39,6 +40,8 @@ pub struct Route {
     pub upstream: Arc<Upstream>,
     pub repo: RepoName,
     pub endpoint: Endpoint,
+    /// A client's request, or a peer's (the peer listener sets it).
+    pub via: Via,
 }
 
 pub enum Parsed {
@@ -91,7 +94,7 @@ pub fn parse(method: &Method, uri: &Uri, upstreams: &Upstreams) -> Result<Parsed
     if upstream.config.library_namespace && repo.components() == 1 {
         repo = repo.in_library().map_err(Error::NameInvalid)?;
     }
-    Ok(Parsed::Repo(Route { upstream: Arc::clone(upstream), repo, endpoint }))
+    Ok(Parsed::Repo(Route { upstream: Arc::clone(upstream), repo, endpoint, via: Via::Client }))
 }
 
 /// A digest-shaped reference must be a valid digest (400 otherwise); any

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{ACCEPT, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, LINK, LOCATION, USER_AGENT};
+use http::header::{ACCEPT, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, LINK, LOCATION, RANGE, USER_AGENT};
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri};
 use http_body_util::Empty;
 use hyper::body::Incoming;
@@ -138,7 +138,11 @@ impl Upstream {
         let http = HttpClient::new(&config)?;
         let auth = Auth::new(&config);
         let permits = Arc::new(Semaphore::new(config.max_concurrency.get()));
-        let origins: Vec<Uri> = std::iter::once(&config.url).chain(&config.fallback_urls).cloned().collect();
+        // Through a hub larder (`via`), the hub is the only origin.
+        let origins: Vec<Uri> = match &config.via {
+            Some(hub) => vec![hub.clone()],
+            None => std::iter::once(&config.url).chain(&config.fallback_urls).cloned().collect(),
+        };
         if let Some(crate::config::CredentialSource::Helper(name)) = &config.credentials {
             let program = helper::program(name);
             let path = std::env::var_os("PATH").unwrap_or_default();
@@ -216,14 +220,26 @@ impl Upstream {
         path_and_query: &str,
         repo: &RepoName,
         accept: Option<&'static str>,
+        from: Option<u64>,
     ) -> Result<Opened, UpstreamError> {
         let permit = Arc::clone(&self.permits)
             .acquire_owned()
             .await
             .map_err(|_| UpstreamError::Connect("upstream is shutting down".into()))?;
+        // A hub routes by `ns`, as it does containerd's requests.
+        let with_ns;
+        let path_and_query = match &self.config.via {
+            Some(_) => {
+                let sep = if path_and_query.contains('?') { '&' } else { '?' };
+                let ns = form_urlencoded::Serializer::new(String::new()).append_pair("ns", self.name()).finish();
+                with_ns = format!("{path_and_query}{sep}{ns}");
+                with_ns.as_str()
+            }
+            None => path_and_query,
+        };
         let mut order = self.origin_order().into_iter().peekable();
         while let Some(i) = order.next() {
-            let result = self.open_from(&self.origins[i], &method, path_and_query, repo, accept).await;
+            let result = self.open_from(&self.origins[i], &method, path_and_query, repo, accept, from).await;
             let unreachable = matches!(result, Err(UpstreamError::Connect(_) | UpstreamError::Timeout(_)));
             self.demote(i, unreachable.then(|| Instant::now() + FAILOVER_PAUSE));
             let failed = unreachable || result.as_ref().is_ok_and(|r| r.status().is_server_error());
@@ -252,6 +268,7 @@ impl Upstream {
         path_and_query: &str,
         repo: &RepoName,
         accept: Option<&'static str>,
+        from: Option<u64>,
     ) -> Result<Response<Incoming>, UpstreamError> {
         let mut url = Self::url(base, path_and_query)?;
         let mut answer: Option<HeaderValue> = None;
@@ -266,6 +283,9 @@ impl Upstream {
                 Request::builder().method(method.clone()).uri(url.clone()).header(USER_AGENT, crate::USER_AGENT);
             if let Some(accept) = accept {
                 req = req.header(ACCEPT, accept);
+            }
+            if let Some(from) = from.filter(|f| *f > 0) {
+                req = req.header(RANGE, format!("bytes={from}-"));
             }
             if let Some(a) = authorization {
                 req = req.header(AUTHORIZATION, a);
@@ -321,7 +341,7 @@ impl Upstream {
         reference: &Reference,
     ) -> Result<Option<FetchedManifest>, UpstreamError> {
         let path = format!("/v2/{repo}/manifests/{reference}");
-        let opened = self.open(Method::GET, &path, repo, Some(MediaType::upstream_accept())).await?;
+        let opened = self.open(Method::GET, &path, repo, Some(MediaType::upstream_accept()), None).await?;
         let resp = opened.response;
         if resp.status() == StatusCode::NOT_FOUND {
             return Ok(None);
@@ -358,7 +378,7 @@ impl Upstream {
     /// a digest exists in `repo`. `Ok(None)`: upstream does not have it.
     pub async fn head_manifest(&self, repo: &RepoName, reference: &Reference) -> Result<Option<Digest>, UpstreamError> {
         let path = format!("/v2/{repo}/manifests/{reference}");
-        let opened = self.open(Method::HEAD, &path, repo, Some(MediaType::upstream_accept())).await?;
+        let opened = self.open(Method::HEAD, &path, repo, Some(MediaType::upstream_accept()), None).await?;
         let resp = opened.response;
         match resp.status() {
             StatusCode::NOT_FOUND => Ok(None),
@@ -373,9 +393,23 @@ impl Upstream {
     /// GET a blob; the body is left open for the caller to stream.
     /// `Ok(None)`: upstream says it does not exist.
     pub async fn get_blob(&self, repo: &RepoName, digest: &Digest) -> Result<Option<Opened>, UpstreamError> {
-        let opened = self.open(Method::GET, &format!("/v2/{repo}/blobs/{digest}"), repo, None).await?;
+        self.get_blob_from(repo, digest, 0).await
+    }
+
+    /// GET a blob from byte `from` (a `Range` request when `from > 0`, to
+    /// resume a fill another source broke off): the response is a 206 from
+    /// there, or a 200 with the whole blob from a registry that ignores
+    /// `Range`. `Ok(None)`: upstream says it does not exist.
+    pub async fn get_blob_from(
+        &self,
+        repo: &RepoName,
+        digest: &Digest,
+        from: u64,
+    ) -> Result<Option<Opened>, UpstreamError> {
+        let opened = self.open(Method::GET, &format!("/v2/{repo}/blobs/{digest}"), repo, None, Some(from)).await?;
         match opened.response.status() {
             StatusCode::OK => Ok(Some(opened)),
+            StatusCode::PARTIAL_CONTENT if from > 0 => Ok(Some(opened)),
             StatusCode::NOT_FOUND => Ok(None),
             status => Err(failure(status, opened.response.headers())),
         }
@@ -384,7 +418,7 @@ impl Upstream {
     /// HEAD a blob: `Some` if upstream has it in `repo`, with its size if
     /// upstream said.
     pub async fn head_blob(&self, repo: &RepoName, digest: &Digest) -> Result<Option<Option<u64>>, UpstreamError> {
-        let opened = self.open(Method::HEAD, &format!("/v2/{repo}/blobs/{digest}"), repo, None).await?;
+        let opened = self.open(Method::HEAD, &format!("/v2/{repo}/blobs/{digest}"), repo, None, None).await?;
         let resp = opened.response;
         match resp.status() {
             StatusCode::OK => Ok(Some(content_length(resp.headers()))),
@@ -405,7 +439,7 @@ impl Upstream {
             Some(q) => format!("{}?{q}", listing.path(repo)),
             None => listing.path(repo),
         };
-        let opened = self.open(Method::GET, &path, repo, None).await?;
+        let opened = self.open(Method::GET, &path, repo, None, None).await?;
         let resp = opened.response;
         match resp.status() {
             StatusCode::OK => {}

@@ -417,3 +417,24 @@ impl Garage {
         panic!("{message} (Garage files in {})", self.dir.path().display());
     }
 }
+
+/// Writes `bytes` under `key` in `garage`'s bucket directly (bypassing
+/// larder: to plant a corrupt object).
+pub async fn put_object(garage: &Garage, key: &str, bytes: Vec<u8>) {
+    use object_store::ObjectStoreExt as _;
+    // object_store's TLS stack has no default crypto provider of its own.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let store = object_store::aws::AmazonS3Builder::new()
+        .with_endpoint(garage.endpoint())
+        .with_allow_http(true)
+        .with_region(REGION)
+        .with_bucket_name(garage.bucket())
+        .with_access_key_id(garage.access_key_id())
+        .with_secret_access_key(garage.secret_access_key())
+        .build()
+        .unwrap_or_else(|e| panic!("an S3 client for Garage: {e}"));
+    store
+        .put(&object_store::path::Path::from(key), bytes.into())
+        .await
+        .unwrap_or_else(|e| panic!("PUT {key} into Garage: {e}"));
+}

@@ -1,0 +1,413 @@
+//! The tiers beyond this replica's own memory and disk, as the facade asks
+//! them: the shared object store, and the key's owner among the peers. The
+//! order they are tried in lives in the facade (`fill_sources`,
+//! `fetch_manifest`, `ensure_member`); this file says how each is asked
+//! and how its answer is read.
+//!
+//! An owner's answer is worth what upstream's is: a 404 or 403 it relays
+//! is final. An owner that cannot be reached, or answers anything else, is
+//! skipped (and marked down if unreachable): this replica then asks
+//! upstream itself, correctness before deduplication. Nothing from a peer
+//! or the shared tier is trusted: blobs are hashed as they arrive, and
+//! manifests must hash to their digest.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::header::{CONTENT_RANGE, CONTENT_TYPE};
+use http::{Method, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+
+use super::source::{SourceBody, Unavailable};
+use super::{Cache, Content, Via, digest_owner_key, tag_owner_key};
+use crate::cluster::PeerUrl;
+use crate::cluster::client::{Ask, PEER_RESPONSE_MARGIN, PeerError, TAG_CONFIRMED_HEADER};
+use crate::error::{Error, UpstreamError};
+use crate::metrics::metrics;
+use crate::oci::{Digest, MAX_MANIFEST_SIZE, MediaType, Reference, RepoName, inspect_manifest};
+use crate::upstream::{FetchedManifest, Upstream, content_length};
+
+/// What a peer's error answer means for the asker.
+enum Verdict {
+    /// Upstream (asked by the owner) says the repository lacks it.
+    NotFound,
+    /// Upstream (asked by the owner) refused: denied, or rate limited.
+    Final(Error),
+    /// Anything else: ask the next source.
+    Fallback,
+}
+
+fn verdict(status: StatusCode, code: &str, retry_after: Option<String>) -> Verdict {
+    match (status.as_u16(), code) {
+        (404, "BLOB_UNKNOWN" | "MANIFEST_UNKNOWN") => Verdict::NotFound,
+        // A HEAD's 404 has no body to tell its code by.
+        (404, "") => Verdict::NotFound,
+        (403, _) => Verdict::Final(UpstreamError::Denied.into()),
+        (429, _) => Verdict::Final(UpstreamError::RateLimited { retry_after }.into()),
+        _ => Verdict::Fallback,
+    }
+}
+
+/// `?ns=<upstream name>`: peers name upstreams by their configured name.
+fn ns_query(upstream: &str) -> String {
+    form_urlencoded::Serializer::new(String::new()).append_pair("ns", upstream).finish()
+}
+
+/// `bytes <first>-<last>/<total>` of a 206: (first, total if known).
+pub(super) fn content_range(headers: &http::HeaderMap) -> Option<(u64, Option<u64>)> {
+    let value = headers.get(CONTENT_RANGE)?.to_str().ok()?;
+    let (range, total) = value.strip_prefix("bytes ")?.split_once('/')?;
+    let first = range.split_once('-')?.0.parse().ok()?;
+    Some((first, total.parse().ok()))
+}
+
+impl Cache {
+    /// The owner of `key` when it is another replica and this request may
+    /// be forwarded to it (a client's, not a peer's: one hop).
+    pub(super) fn owner_elsewhere(&self, key: &str, via: Via) -> Option<PeerUrl> {
+        let link = self.peers.as_ref().filter(|_| via == Via::Client)?;
+        link.owner_elsewhere(key)
+    }
+
+    /// Who to ask about a manifest, a tag or a membership before upstream,
+    /// and how. A client's request goes to the key's owner, which fetches
+    /// for everyone. When this replica is the owner (or was asked as one),
+    /// it asks the runner-up only what it already holds (a lookup, never a
+    /// fetch or a forward): after this replica joined, or lost its disk,
+    /// that is who owned the key before, and upstream is spared. Small
+    /// answers, so the extra round trip costs little; blobs rely on the
+    /// shared tier for the same.
+    fn peer_to_ask(&self, key: &str, via: Via) -> Option<(PeerUrl, bool)> {
+        let link = self.peers.as_ref()?;
+        if via == Via::Client {
+            if let Some(owner) = link.owner_elsewhere(key) {
+                return Some((owner, false));
+            }
+        }
+        link.first_other(key).map(|peer| (peer, true))
+    }
+
+    /// The response-header wait for a peer: the owner may itself be
+    /// waiting on upstream for as long as upstream's own timeout.
+    fn peer_timeout(upstream: &Upstream) -> Duration {
+        upstream.config.response_timeout + PEER_RESPONSE_MARGIN
+    }
+
+    /// Reads a blob from the shared tier from `offset`, once the
+    /// repository is known to have it upstream: the shared tier holds
+    /// every repository's content, so having the bytes proves nothing.
+    pub(super) async fn open_shared(
+        &self,
+        upstream: &Upstream,
+        repo: &RepoName,
+        digest: &Digest,
+        offset: u64,
+        via: Via,
+    ) -> Result<SourceBody, Unavailable> {
+        let Some((store, _)) = &self.shared else {
+            return Err(Unavailable::Next(Error::BlobUnknown(*digest)));
+        };
+        let blob = match store.get_blob(digest, offset..).await {
+            Ok(Some(blob)) => blob,
+            Ok(None) => return Err(Unavailable::Next(Error::BlobUnknown(*digest))),
+            Err(e) => return Err(Unavailable::Next(Error::Storage(format!("shared tier: {e}")))),
+        };
+        match self.ensure_member(upstream, repo, digest, Content::Blob, via).await {
+            Ok(()) => {}
+            Err(e) if e.is_repository_specific() => return Err(Unavailable::Final(e)),
+            Err(e) => return Err(Unavailable::Next(e)),
+        }
+        if blob.range.start != offset {
+            let e = format!("shared tier answered from byte {} for {offset}", blob.range.start);
+            return Err(Unavailable::Next(Error::Storage(e)));
+        }
+        Ok(SourceBody {
+            total: Some(blob.size),
+            skip: 0,
+            body: blob.into_body(),
+            permit: None,
+            received: None,
+            idle: super::shared::READ_TIMEOUT,
+        })
+    }
+
+    /// Asks the digest's owner for the blob from `offset`. The owner joins
+    /// or starts its one fill and streams while it fills.
+    pub(super) async fn open_peer(
+        &self,
+        owner: PeerUrl,
+        upstream: &Upstream,
+        repo: &RepoName,
+        digest: &Digest,
+        offset: u64,
+    ) -> Result<SourceBody, Unavailable> {
+        let Some(link) = &self.peers else { return Err(Unavailable::Next(Error::BlobUnknown(*digest))) };
+        let path = format!("/v2/{repo}/blobs/{digest}?{}", ns_query(upstream.name()));
+        let ask = Ask {
+            method: Method::GET,
+            path_and_query: &path,
+            accept: None,
+            from: Some(offset),
+            lookup: false,
+            timeout: Self::peer_timeout(upstream),
+        };
+        let sent = link.client.send(&owner, ask).await;
+        let resp = match sent {
+            Ok(resp) => resp,
+            Err(PeerError::Unreachable(e)) => {
+                tracing::warn!(peer = %owner, %digest, error = e, "owner unreachable; marked down, fetching elsewhere");
+                link.peers.mark_down(&owner);
+                return Err(Unavailable::Next(UpstreamError::Connect(format!("peer {owner}: {e}")).into()));
+            }
+            Err(PeerError::Status { status, code, retry_after }) => {
+                return Err(match verdict(status, &code, retry_after) {
+                    Verdict::NotFound => Unavailable::Final(Error::BlobUnknown(*digest)),
+                    Verdict::Final(e) => Unavailable::Final(e),
+                    Verdict::Fallback => {
+                        tracing::warn!(peer = %owner, %digest, %status, code, "owner failed; fetching elsewhere");
+                        Unavailable::Next(UpstreamError::Status { status: status.as_u16(), retry_after: None }.into())
+                    }
+                });
+            }
+        };
+        let (total, skip) = if resp.status() == StatusCode::PARTIAL_CONTENT {
+            match content_range(resp.headers()) {
+                Some((first, total)) if first == offset => (total, 0),
+                _ => {
+                    let e = UpstreamError::Protocol(format!("peer {owner} answered another range than from {offset}"));
+                    return Err(Unavailable::Next(e.into()));
+                }
+            }
+        } else {
+            (content_length(resp.headers()), offset)
+        };
+        let body = resp.into_body().map_err(|e| Box::new(e) as crate::body::BoxError).boxed_unsync();
+        Ok(SourceBody {
+            body,
+            total,
+            skip,
+            permit: None,
+            received: Some(metrics().peer_bytes.clone()),
+            idle: upstream.body_idle_timeout(),
+        })
+    }
+
+    /// Asks the owner of a manifest (by digest) or of a tag for it: `None`
+    /// when there is no other owner or it cannot answer (the caller goes on
+    /// alone); otherwise its answer, and for a tag when upstream last
+    /// confirmed it.
+    pub(super) async fn manifest_from_owner(
+        &self,
+        upstream: &Upstream,
+        repo: &RepoName,
+        reference: &Reference,
+        via: Via,
+    ) -> Option<Result<(FetchedManifest, SystemTime), Error>> {
+        let key = match reference {
+            Reference::Digest(d) => digest_owner_key(d),
+            Reference::Tag(t) => tag_owner_key(upstream.name(), repo, t),
+        };
+        let (owner, lookup) = self.peer_to_ask(&key, via)?;
+        let link = self.peers.as_ref()?;
+        let path = format!("/v2/{repo}/manifests/{reference}?{}", ns_query(upstream.name()));
+        let ask = Ask {
+            method: Method::GET,
+            path_and_query: &path,
+            accept: Some(MediaType::upstream_accept()),
+            from: None,
+            lookup,
+            timeout: Self::peer_timeout(upstream),
+        };
+        match link.client.send(&owner, ask).await {
+            Ok(resp) => match read_manifest(resp, reference, upstream.body_idle_timeout()).await {
+                Ok(answer) => Some(Ok(answer)),
+                Err(e) => {
+                    tracing::warn!(peer = %owner, %repo, %reference, error = %e, "owner's manifest refused");
+                    None
+                }
+            },
+            Err(PeerError::Unreachable(e)) => {
+                tracing::warn!(peer = %owner, %repo, %reference, error = e, "owner unreachable; marked down");
+                link.peers.mark_down(&owner);
+                None
+            }
+            // A lookup's miss says only that the peer does not hold it.
+            Err(PeerError::Status { .. }) if lookup => None,
+            Err(PeerError::Status { status, code, retry_after }) => match verdict(status, &code, retry_after) {
+                Verdict::NotFound => Some(Err(Error::ManifestUnknown)),
+                Verdict::Final(e) => Some(Err(e)),
+                Verdict::Fallback => None,
+            },
+        }
+    }
+
+    /// Asks the digest's owner whether `repo` has it: `None` when there is
+    /// no other owner or it cannot answer.
+    pub(super) async fn member_from_owner(
+        &self,
+        upstream: &Upstream,
+        repo: &RepoName,
+        digest: &Digest,
+        content: Content,
+        via: Via,
+    ) -> Option<Result<bool, Error>> {
+        let (owner, lookup) = self.peer_to_ask(&digest_owner_key(digest), via)?;
+        let link = self.peers.as_ref()?;
+        let what = match content {
+            Content::Blob => "blobs",
+            Content::Manifest => "manifests",
+        };
+        let path = format!("/v2/{repo}/{what}/{digest}?{}", ns_query(upstream.name()));
+        let ask = Ask {
+            method: Method::HEAD,
+            path_and_query: &path,
+            accept: matches!(content, Content::Manifest).then(MediaType::upstream_accept),
+            from: None,
+            lookup,
+            timeout: Self::peer_timeout(upstream),
+        };
+        match link.client.send(&owner, ask).await {
+            Ok(_) => Some(Ok(true)),
+            Err(PeerError::Unreachable(e)) => {
+                tracing::warn!(peer = %owner, %digest, error = e, "owner unreachable; marked down");
+                link.peers.mark_down(&owner);
+                None
+            }
+            Err(PeerError::Status { .. }) if lookup => None,
+            Err(PeerError::Status { status, code, retry_after }) => match verdict(status, &code, retry_after) {
+                Verdict::NotFound => Some(Ok(false)),
+                Verdict::Final(e) => Some(Err(e)),
+                Verdict::Fallback => None,
+            },
+        }
+    }
+
+    /// For a peer's lookup: the manifest `digest` if this replica holds it
+    /// for `repo` (stored, and a member); never fetched.
+    pub async fn local_manifest(
+        &self,
+        upstream: &str,
+        repo: &RepoName,
+        digest: &Digest,
+    ) -> Result<Option<Arc<super::StoredManifest>>, Error> {
+        match self.stored_manifest(digest).await? {
+            Some(m) if self.local_member(upstream, repo, digest).await? => Ok(Some(m)),
+            _ => Ok(None),
+        }
+    }
+
+    /// For a peer's lookup: where `tag` points, while this replica's
+    /// mapping is within its TTL, and when upstream confirmed it.
+    pub async fn local_tag(
+        &self,
+        upstream: &Upstream,
+        repo: &RepoName,
+        tag: &crate::oci::Tag,
+    ) -> Result<Option<(Arc<super::StoredManifest>, SystemTime)>, Error> {
+        let Some(entry) = self.tag_entry(&super::tag_key(upstream.name(), repo, tag)).await? else { return Ok(None) };
+        let age = SystemTime::now().duration_since(entry.confirmed).unwrap_or_default();
+        if age >= upstream.config.tag_ttl(&self.config) && !upstream.config.tag_is_immutable(tag.as_str()) {
+            return Ok(None);
+        }
+        Ok(self.stored_manifest(&entry.digest).await?.map(|m| (m, entry.confirmed)))
+    }
+
+    /// For a peer's lookup: whether this replica knows `repo` has `digest`.
+    pub async fn local_member(&self, upstream: &str, repo: &RepoName, digest: &Digest) -> Result<bool, Error> {
+        let key = super::member_key(upstream, repo, digest);
+        if self.memory.is_member(&key) {
+            return Ok(true);
+        }
+        let index = Arc::clone(&self.index);
+        crate::blocking::blocking(move || Ok(index.is_member(&key)?)).await
+    }
+
+    /// A manifest from the shared tier (its digest checked by the store),
+    /// or `None` if it is not there or the store fails.
+    pub(super) async fn shared_manifest(&self, digest: &Digest) -> Option<FetchedManifest> {
+        let (store, _) = self.shared.as_ref()?;
+        match store.get_manifest(digest).await {
+            Ok(Some(m)) => match inspect_manifest(&m.bytes, Some(m.media_type)) {
+                Ok((media_type, refs)) => Some(FetchedManifest { bytes: m.bytes, media_type, digest: *digest, refs }),
+                Err(e) => {
+                    tracing::warn!(%digest, error = e, "shared tier manifest is not a manifest");
+                    None
+                }
+            },
+            Ok(None) => None,
+            Err(e) => {
+                tracing::warn!(%digest, error = %e, "shared tier lookup failed");
+                None
+            }
+        }
+    }
+
+    /// Queues a verified manifest for the shared tier.
+    pub(super) async fn share_manifest(&self, m: &FetchedManifest) {
+        if let Some((_, uploads)) = &self.shared {
+            if let Err(e) = uploads.enqueue_manifest(m.digest, m.media_type, m.bytes.clone()).await {
+                tracing::warn!(digest = %m.digest, error = %e, "cannot queue the manifest for the shared tier");
+            }
+        }
+    }
+
+    /// Queues a committed blob for the shared tier.
+    pub(super) async fn share_blob(&self, digest: Digest) {
+        if let Some((_, uploads)) = &self.shared {
+            if let Err(e) = uploads.enqueue_blob(digest).await {
+                tracing::warn!(%digest, error = %e, "cannot queue the blob for the shared tier");
+            }
+        }
+    }
+
+    /// The shared tier's copy of `digest` failed the digest check: delete
+    /// it (in the background), so the next fill reads it from elsewhere
+    /// and uploads a good copy.
+    pub(super) fn condemn_shared_blob(&self, digest: Digest) {
+        let Some((store, _)) = &self.shared else { return };
+        metrics().shared_corrupt.inc();
+        tracing::error!(%digest, "the shared tier's copy is corrupt; deleting it");
+        let store = Arc::clone(store);
+        tokio::spawn(async move {
+            if let Err(e) = store.delete(super::shared::ObjectKind::Blob, &digest).await {
+                tracing::warn!(%digest, error = %e, "cannot delete the corrupt shared object");
+            }
+        });
+    }
+}
+
+/// A manifest as a peer sent it, checked like upstream's: its bytes hash to
+/// the digest asked for (or, for a tag, the one the peer named), and its
+/// JSON agrees with its `Content-Type`.
+async fn read_manifest(
+    resp: Response<Incoming>,
+    reference: &Reference,
+    idle: Duration,
+) -> Result<(FetchedManifest, SystemTime), Error> {
+    let header = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let declared = header(CONTENT_TYPE.as_str()).as_deref().and_then(MediaType::parse);
+    let named: Option<Digest> = header("docker-content-digest").and_then(|d| d.parse().ok());
+    let confirmed = header(TAG_CONFIRMED_HEADER)
+        .and_then(|ms| ms.parse::<u64>().ok())
+        .map(|ms| UNIX_EPOCH + Duration::from_millis(ms))
+        .unwrap_or_else(SystemTime::now);
+    let body = tokio::time::timeout(idle, Limited::new(resp.into_body(), MAX_MANIFEST_SIZE).collect())
+        .await
+        .map_err(|_| UpstreamError::Timeout("peer manifest body"))?
+        .map_err(|e| UpstreamError::Protocol(format!("peer manifest body: {e}")))?;
+    let bytes: Bytes = body.to_bytes();
+    let digest = Digest::of(&bytes);
+    let expected = match reference {
+        Reference::Digest(d) => Some(*d),
+        Reference::Tag(_) => named,
+    };
+    if expected != Some(digest) {
+        metrics().digest_mismatch.inc();
+        let expected = expected.map_or_else(|| "a Docker-Content-Digest".to_owned(), |d| d.to_string());
+        return Err(UpstreamError::Protocol(format!("peer manifest hashes to {digest}, not {expected}")).into());
+    }
+    let (media_type, refs) = inspect_manifest(&bytes, declared).map_err(UpstreamError::Protocol)?;
+    Ok((FetchedManifest { bytes, media_type, digest, refs }, confirmed))
+}

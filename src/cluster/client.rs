@@ -1,0 +1,171 @@
+//! The asking side of the peer protocol. A replica that misses asks the
+//! key's owner on the owner's peer listener, on the same `/v2/` paths
+//! clients use, with `?ns=<upstream name>` and the cluster secret: for a
+//! blob (streamed while the owner fills, from an offset when resuming), a
+//! manifest, or whether a repository has a digest (`HEAD`). The owner
+//! applies the membership rule and never forwards the request again.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{ACCEPT, HeaderValue, RANGE, USER_AGENT};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper::body::Incoming;
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use super::PeerUrl;
+use crate::config::Secret;
+use crate::metrics::metrics;
+
+/// Header that carries the cluster secret on every peer request.
+pub const SECRET_HEADER: &str = "larder-cluster-secret";
+/// On a request that only asks what the peer already holds: it answers
+/// from its memory and disk, never fetches, never forwards (404 otherwise).
+/// Costs one short round trip, and spares upstream a request whenever the
+/// peer knows (a replica that joined, or lost its disk, asking the one that
+/// owned the key before).
+pub const LOOKUP_HEADER: &str = "larder-peer-lookup";
+/// On an owner's answer for a tag: when upstream last confirmed where the
+/// tag points (unix milliseconds), so the asker's copy expires with the
+/// owner's and not a TTL later.
+pub const TAG_CONFIRMED_HEADER: &str = "larder-tag-confirmed";
+/// Time to open a connection to a peer. Peers are near: a peer that does
+/// not accept within this is taken for down, and the next source is tried.
+pub const PEER_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// Added to the upstream's response timeout when waiting for a peer's
+/// response headers: the owner may itself be waiting on upstream.
+pub const PEER_RESPONSE_MARGIN: Duration = Duration::from_secs(2);
+/// Largest error body read from a peer (to learn its OCI error code).
+const MAX_ERROR_BODY: usize = 64 << 10;
+/// How long an idle pooled connection to a peer is kept.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+
+/// Why a peer did not give what was asked.
+#[derive(Debug)]
+pub enum PeerError {
+    /// No answer: refused, reset, timed out. The peer is marked down.
+    Unreachable(String),
+    /// The peer answered with an error status and the OCI code of its body.
+    Status { status: StatusCode, code: String, retry_after: Option<String> },
+}
+
+impl std::fmt::Display for PeerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PeerError::Unreachable(e) => write!(f, "peer unreachable: {e}"),
+            PeerError::Status { status, code, .. } => write!(f, "peer answered {status} {code}"),
+        }
+    }
+}
+
+/// One request to a peer.
+pub struct Ask<'a> {
+    pub method: Method,
+    /// `/v2/<repo>/{blobs,manifests}/<ref>?ns=<upstream>`.
+    pub path_and_query: &'a str,
+    pub accept: Option<&'static str>,
+    /// Resume a blob from this byte (`Range`).
+    pub from: Option<u64>,
+    /// Only what the peer already holds ([`LOOKUP_HEADER`]).
+    pub lookup: bool,
+    /// How long to wait for response headers.
+    pub timeout: Duration,
+}
+
+pub struct PeerClient {
+    http: Client<HttpsConnector<HttpConnector>, Empty<Bytes>>,
+    secret: HeaderValue,
+}
+
+impl PeerClient {
+    /// A client sending `secret`; https peers are verified against the web
+    /// PKI roots plus the PEM certificates in `ca_file`.
+    pub fn new(secret: &Secret, ca_file: Option<&Path>) -> Result<Arc<PeerClient>, String> {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+        if let Some(path) = ca_file {
+            let pem = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+            for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
+                let cert = cert.map_err(|e| format!("{}: {e}", path.display()))?;
+                roots.add(cert).map_err(|e| format!("{}: {e}", path.display()))?;
+            }
+        }
+        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        http.set_nodelay(true);
+        http.set_connect_timeout(Some(PEER_CONNECT_TIMEOUT));
+        let https = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .enable_http2()
+            .wrap_connector(http);
+        let http = Client::builder(TokioExecutor::new()).pool_idle_timeout(POOL_IDLE_TIMEOUT).build(https);
+        let mut secret =
+            HeaderValue::from_str(secret.expose()).map_err(|_| "the cluster secret is not a valid header value")?;
+        secret.set_sensitive(true);
+        Ok(Arc::new(PeerClient { http, secret }))
+    }
+
+    /// Sends one request to `peer` and returns a successful response (its
+    /// body still open), or why there is none. `from`: a `Range` from that
+    /// byte to the end.
+    pub async fn send(&self, peer: &PeerUrl, ask: Ask<'_>) -> Result<Response<Incoming>, PeerError> {
+        let kind = if ask.path_and_query.contains("/blobs/") { "blob" } else { "manifest" };
+        let answer = self.exchange(peer, ask).await;
+        let result = match &answer {
+            Ok(_) => "ok",
+            Err(PeerError::Unreachable(_)) => "unreachable",
+            Err(PeerError::Status { status, .. }) if *status == StatusCode::NOT_FOUND => "not_found",
+            Err(PeerError::Status { .. }) => "error",
+        };
+        metrics().peer_requests.with_label_values(&["out", kind, result]).inc();
+        answer
+    }
+
+    async fn exchange(&self, peer: &PeerUrl, ask: Ask<'_>) -> Result<Response<Incoming>, PeerError> {
+        let mut req = Request::builder()
+            .method(ask.method)
+            .uri(format!("{}{}", peer.as_str(), ask.path_and_query))
+            .header(USER_AGENT, crate::USER_AGENT)
+            .header(SECRET_HEADER, self.secret.clone());
+        if let Some(accept) = ask.accept {
+            req = req.header(ACCEPT, accept);
+        }
+        if let Some(from) = ask.from.filter(|f| *f > 0) {
+            req = req.header(RANGE, format!("bytes={from}-"));
+        }
+        if ask.lookup {
+            req = req.header(LOOKUP_HEADER, "1");
+        }
+        let req = req.body(Empty::new()).map_err(|e| PeerError::Unreachable(format!("building request: {e}")))?;
+        let resp = match tokio::time::timeout(ask.timeout, self.http.request(req)).await {
+            Err(_) => return Err(PeerError::Unreachable("no response headers in time".into())),
+            Ok(Err(e)) => return Err(PeerError::Unreachable(crate::upstream::error_chain(&e))),
+            Ok(Ok(resp)) => resp,
+        };
+        let status = resp.status();
+        if status.is_success() {
+            return Ok(resp);
+        }
+        let retry_after = resp.headers().get("retry-after").and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let body = Limited::new(resp.into_body(), MAX_ERROR_BODY).collect().await.map(|b| b.to_bytes());
+        let code = body
+            .ok()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            .and_then(|v| v["errors"][0]["code"].as_str().map(str::to_owned))
+            .unwrap_or_default();
+        Err(PeerError::Status { status, code, retry_after })
+    }
+}

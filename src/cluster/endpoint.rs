@@ -1,0 +1,171 @@
+//! The peer listener: what this replica answers the others. It is its own
+//! listener (`[cluster] listen`, outside the client-facing Service), with
+//! the registry listener's limits, and it serves only what an owner is
+//! asked for: manifests and blobs by `GET`/`HEAD` on the registry paths,
+//! for an upstream named by its configured name in `?ns=`.
+//!
+//! Every request must carry the cluster secret (compared in constant
+//! time); without it the answer is 401 and nothing is looked up or
+//! fetched. A request is served as [`Via::Peer`]: from this replica's
+//! cache, the shared tier or upstream, never forwarded to another peer,
+//! and under the same membership rule as a client's, so the peer path is
+//! neither an open proxy nor a way around repository membership.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use http::{Method, Request, Response};
+use hyper::body::Incoming;
+use sha2::{Digest as _, Sha256};
+use subtle::ConstantTimeEq;
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+
+use super::client::{LOOKUP_HEADER, SECRET_HEADER};
+use crate::body::Body;
+use crate::cache::Via;
+use crate::error::Error;
+use crate::metrics::metrics;
+use crate::oci::Reference;
+use crate::server::routes::{self, Endpoint, Parsed, Route};
+use crate::server::{TLS_HANDSHAKE_TIMEOUT, handlers, listener};
+use crate::shutdown::Shutdown;
+use crate::state::App;
+
+/// Open peer connections at most; more wait in the kernel's accept queue.
+/// Peers keep a pooled connection or a few each, so this is generous.
+pub const MAX_PEER_CONNECTIONS: usize = 1024;
+
+/// Accepts peer connections until `shutdown` fires. With `tls`, peers are
+/// served over TLS with the registry listener's certificate.
+pub async fn serve(listener: TcpListener, app: Arc<App>, tls: Option<TlsAcceptor>, mut shutdown: Shutdown) {
+    let Some(cluster) = &app.config.cluster else { return };
+    let secret: [u8; 32] = Sha256::digest(cluster.secret.expose().as_bytes()).into();
+    let builder = Arc::new(listener::http_builder());
+    listener::accept_loop(&listener, MAX_PEER_CONNECTIONS, &mut shutdown, "peer", |stream, peer| {
+        let (app, builder, tls) = (Arc::clone(&app), Arc::clone(&builder), tls.clone());
+        async move {
+            let handler = move |req| handle(Arc::clone(&app), secret, req);
+            let served = match tls {
+                None => listener::serve_watched(&builder, stream, None, handler).await,
+                Some(acceptor) => match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                    Ok(Ok(stream)) => listener::serve_watched(&builder, stream, None, handler).await,
+                    Ok(Err(e)) => Err(e.into()),
+                    Err(_) => Err("TLS handshake timed out".into()),
+                },
+            };
+            if let Err(e) = served {
+                tracing::debug!(%peer, error = %e, "peer connection ended with an error");
+            }
+        }
+    })
+    .await;
+}
+
+/// Whether `headers` carry the cluster secret whose sha256 is `secret`.
+fn has_secret(headers: &http::HeaderMap, secret: &[u8; 32]) -> bool {
+    let Some(sent) = headers.get(SECRET_HEADER) else { return false };
+    let sent: [u8; 32] = Sha256::digest(sent.as_bytes()).into();
+    sent.ct_eq(secret).into()
+}
+
+/// `?ns=` exactly as sent: a peer names an upstream by its configured
+/// name, never an alias, a path prefix or the default.
+fn named_upstream(query: Option<&str>) -> Option<String> {
+    form_urlencoded::parse(query?.as_bytes()).find(|(k, _)| k == "ns").map(|(_, v)| v.into_owned())
+}
+
+/// Why a peer request was not served.
+enum Refused {
+    /// No secret or a wrong one, or a request no peer makes: nothing was
+    /// looked up or fetched.
+    Refused(Error),
+    /// Served, and failed like a client's request would have.
+    Failed(Error),
+}
+
+async fn handle(app: Arc<App>, secret: [u8; 32], req: Request<Incoming>) -> Response<Body> {
+    let started = Instant::now();
+    let (parts, _body) = req.into_parts();
+    let head = parts.method == Method::HEAD;
+    let kind = if parts.uri.path().contains("/blobs/") { "blob" } else { "manifest" };
+    let (resp, result) = match serve_peer(&app, &secret, &parts).await {
+        Ok(resp) => (resp, "ok"),
+        Err(Refused::Refused(e)) => (e.into_response(head), "refused"),
+        Err(Refused::Failed(e)) => {
+            let result = if e.status() == http::StatusCode::NOT_FOUND { "not_found" } else { "error" };
+            (e.into_response(head), result)
+        }
+    };
+    metrics().peer_requests.with_label_values(&["in", kind, result]).inc();
+    if result == "refused" {
+        tracing::warn!(method = %parts.method, path = parts.uri.path(), status = resp.status().as_u16(), "peer request refused");
+    } else {
+        tracing::debug!(
+            method = %parts.method,
+            path = parts.uri.path(),
+            status = resp.status().as_u16(),
+            result,
+            ms = started.elapsed().as_millis() as u64,
+            "peer request"
+        );
+    }
+    resp
+}
+
+async fn serve_peer(
+    app: &Arc<App>,
+    secret: &[u8; 32],
+    parts: &http::request::Parts,
+) -> Result<Response<Body>, Refused> {
+    if !has_secret(&parts.headers, secret) {
+        return Err(Refused::Refused(Error::Unauthorized { realm: "larder-cluster".into() }));
+    }
+    // Peers ask for manifests and blobs, by their upstream's own name.
+    let Some(ns) = named_upstream(parts.uri.query()) else {
+        return Err(Refused::Refused(Error::UnknownUpstream(String::new())));
+    };
+    let mut route = match routes::parse(&parts.method, &parts.uri, &app.upstreams) {
+        Ok(Parsed::Repo(route)) if matches!(route.endpoint, Endpoint::Manifest(_) | Endpoint::Blob(_)) => route,
+        Ok(_) => return Err(Refused::Refused(Error::NotFound)),
+        Err(e) => return Err(Refused::Refused(e)),
+    };
+    if route.upstream.name() != ns {
+        return Err(Refused::Refused(Error::UnknownUpstream(ns.chars().take(255).collect())));
+    }
+    if parts.headers.contains_key(LOOKUP_HEADER) {
+        return lookup(app, &route, &parts.method).await.map_err(Refused::Failed);
+    }
+    route.via = Via::Peer;
+    handlers::route(app, route, &parts.method, &parts.headers, &parts.uri)
+        .await
+        .map(|(resp, _)| resp)
+        .map_err(Refused::Failed)
+}
+
+/// A lookup: what this replica already holds, never fetched or forwarded.
+/// A miss is a 404, which the asker takes as "not here", nothing more.
+async fn lookup(app: &App, route: &Route, method: &Method) -> Result<Response<Body>, Error> {
+    let head = method == Method::HEAD;
+    let (upstream, repo) = (&route.upstream, &route.repo);
+    match &route.endpoint {
+        Endpoint::Manifest(Reference::Digest(digest)) => {
+            let m = app.cache.local_manifest(upstream.name(), repo, digest).await?.ok_or(Error::ManifestUnknown)?;
+            handlers::manifest_response(&m, head, None)
+        }
+        Endpoint::Manifest(Reference::Tag(tag)) => {
+            let (m, confirmed) = app.cache.local_tag(upstream, repo, tag).await?.ok_or(Error::ManifestUnknown)?;
+            handlers::manifest_response(&m, head, Some(confirmed))
+        }
+        Endpoint::Blob(digest) if head => {
+            if !app.cache.local_member(upstream.name(), repo, digest).await? {
+                return Err(Error::BlobUnknown(*digest));
+            }
+            Response::builder()
+                .status(http::StatusCode::OK)
+                .body(crate::body::empty())
+                .map_err(|e| Error::Internal(format!("building response: {e}")))
+        }
+        _ => Err(Error::NotFound),
+    }
+}

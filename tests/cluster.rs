@@ -1,0 +1,228 @@
+//! Cluster mode with real components: replicas of larder that are each
+//! other's peers, a real 3-node Garage cluster as the shared tier, the real
+//! distribution registry as the origin, and skopeo as the client; a fault
+//! injecting fake upstream where a fill must be stalled or counted.
+//!
+//! What it shows: one origin GET per blob and per manifest for a herd over
+//! three replicas; a replica with an empty disk served by the cluster and
+//! Garage with no origin request at all; an owner killed mid-fill costs its
+//! asker a pause, not an error; Garage losing a node, or going away, does
+//! not stop pulls; a corrupt shared object is caught, counted and replaced;
+//! the peer listener answers nobody without the secret and names no host a
+//! peer sends; a node mirror through a hub costs the origin one GET per blob.
+
+mod common;
+mod fake;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::metrics::metric;
+use common::{Cluster, Garage, ImageBuilder, KIB, Larder, MIB, Origin, Upstream, skopeo};
+use fake::client::{self, End};
+use fake::{FakeUpstream, UPSTREAM_NAME, blob_path, digest, random_bytes, wait_until};
+
+fn address(larder: &Larder) -> SocketAddr {
+    larder.host_port().parse().expect("larder's address")
+}
+
+/// Waits until every replica has uploaded what it queued for the shared tier.
+async fn uploads_settled(replicas: &[&Larder]) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut pending = 0.0;
+        for r in replicas {
+            pending += metric(r, "larder_pending_uploads").await;
+        }
+        if pending == 0.0 {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{pending} uploads still pending after 60 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_herd_over_three_replicas_costs_the_origin_one_get_per_blob_and_a_new_replica_none() {
+    let origin = Origin::start().await;
+    let layers = [512 * KIB, MIB, 2 * MIB, 256 * KIB, 3 * MIB, 64 * KIB];
+    let image = ImageBuilder::oci().layers(&layers).push(&origin, "team/app", "v1").await;
+    let garage = Garage::builder().start().await;
+    let cluster = Cluster::builder(&origin).replicas(3).shared(&garage, "herd").start().await;
+
+    // 30 cold pulls at once, spread over the replicas.
+    let mark = origin.log_mark().await;
+    let pulls = (0..30).map(|i| {
+        let source = cluster.replicas[i % 3].image_ref("team/app:v1");
+        async move { skopeo::pull(&source, false).await }
+    });
+    for pulled in futures_util::future::join_all(pulls).await {
+        let pulled = pulled.expect("every pull succeeds");
+        assert_eq!(pulled.manifest_digest, image.digest, "the image as the origin has it");
+    }
+    let asked = origin.requests_since(&mark).await;
+    assert_eq!(asked.blob_gets(), image.blobs().len(), "one origin GET per blob for the whole cluster:\n{asked}");
+    let manifest_gets = asked.manifest_requests().iter().filter(|e| e.method == "GET").count();
+    assert_eq!(manifest_gets, 1, "one origin GET of the manifest:\n{asked}");
+
+    // Everything verified was uploaded; a replica with an empty disk that
+    // joins is served by the cluster and Garage alone.
+    uploads_settled(&cluster.replicas.iter().collect::<Vec<_>>()).await;
+    let late = cluster.joining().await;
+    let mark = origin.log_mark().await;
+    let pulled = skopeo::pull(&late.image_ref("team/app:v1"), false).await.expect("the new replica pulls");
+    assert_eq!(pulled.manifest_digest, image.digest);
+    let asked = origin.requests_since(&mark).await;
+    assert!(asked.is_empty(), "no origin request at all:\n{asked}");
+    assert!(metric(&late, "larder_shared_bytes_total{direction=\"download\"}").await > 0.0, "read from Garage");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_owner_killed_mid_fill_costs_its_asker_a_pause_not_an_error() {
+    let layer = random_bytes(64 * MIB, 7);
+    let d = digest(&layer);
+    // The origin stops after 16 MiB until released.
+    let up = FakeUpstream::builder().blob(layer.clone()).stall_after(16 * MIB).start().await;
+    let mut cluster = Cluster::builder(Upstream::new(UPSTREAM_NAME, &up.url()).default(true)).replicas(2).start().await;
+    let owner = cluster.owner_of(&d);
+    let asker = cluster.other_than(owner);
+
+    let mut reader = client::open(address(&cluster.replicas[asker]), &blob_path(&d)).await;
+    assert_eq!(reader.status(), 200);
+    let first = reader.read_exact(8 * MIB).await;
+    assert!(first == layer[..8 * MIB], "the first bytes, through the owner");
+    assert_eq!(up.blob_gets(&d), 1, "only the owner asked the origin");
+
+    cluster.replicas[owner].stop();
+    up.release(&d);
+    let (len, end, first_difference) = reader.compare_to_end(&layer[8 * MIB..]).await;
+    assert_eq!((len, end, first_difference), ((56 * MIB) as u64, End::Complete, None), "the rest, exact");
+    let resumed: Vec<_> = up.log().into_iter().filter(|l| l.method == "GET" && l.range.is_some()).collect();
+    assert_eq!(resumed.len(), 1, "the asker resumed from the origin with a Range: {resumed:?}");
+    let asker = &cluster.replicas[asker];
+    let hex = d.trim_start_matches("sha256:");
+    wait_until("the asker commits the blob", || {
+        asker.cache_dir().join("blobs/sha256").join(&hex[..2]).join(hex).exists()
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pulls_go_on_when_garage_loses_a_node_and_when_it_is_gone() {
+    let origin = Origin::start().await;
+    let one = ImageBuilder::oci().layers(&[MIB, 256 * KIB]).push(&origin, "team/one", "v1").await;
+    let two = ImageBuilder::oci().layers(&[MIB, 512 * KIB]).push(&origin, "team/two", "v1").await;
+    let mut garage = Garage::builder().start().await;
+    let cluster = Cluster::builder(&origin).replicas(2).shared(&garage, "outage").start().await;
+
+    // One storage node down: reads and writes of the other two go on.
+    garage.kill(1);
+    let pulled = skopeo::pull(&cluster.replicas[0].image_ref("team/one:v1"), false).await.expect("pull");
+    assert_eq!(pulled.manifest_digest, one.digest);
+    uploads_settled(&[&cluster.replicas[0], &cluster.replicas[1]]).await;
+
+    // The whole store gone: served from peers and the origin, still ready,
+    // and the failures are in the metrics.
+    garage.kill_all();
+    let pulled = skopeo::pull(&cluster.replicas[1].image_ref("team/two:v1"), false).await.expect("pull");
+    assert_eq!(pulled.manifest_digest, two.digest);
+    let pulled = skopeo::pull(&cluster.replicas[1].image_ref("team/one:v1"), false).await.expect("pull");
+    assert_eq!(pulled.manifest_digest, one.digest);
+    for replica in &cluster.replicas {
+        let ready = reqwest::get(format!("http://{}/readyz", common::metrics::admin_address(replica)))
+            .await
+            .expect("readyz answers");
+        assert_eq!(ready.status(), 200, "ready without the shared tier");
+    }
+    let errors = metric(&cluster.replicas[1], "larder_shared_requests_total{op=\"get\",result=\"error\"}").await;
+    assert!(errors > 0.0, "the shared tier's failures are counted");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_corrupt_shared_object_is_caught_counted_and_replaced() {
+    let blob = random_bytes(2 * MIB, 9);
+    let d = digest(&blob);
+    let up = FakeUpstream::builder().blob(blob.clone()).start().await;
+    let garage = Garage::builder().start().await;
+    let cluster = Cluster::builder(Upstream::new(UPSTREAM_NAME, &up.url()).default(true))
+        .replicas(2)
+        .shared(&garage, "corrupt")
+        .start()
+        .await;
+    let (owner, other) = {
+        let owner = cluster.owner_of(&d);
+        (&cluster.replicas[owner], &cluster.replicas[cluster.other_than(owner)])
+    };
+    let (len, end, _) = client::open(address(owner), &blob_path(&d)).await.compare_to_end(&blob).await;
+    assert_eq!((len, end), (blob.len() as u64, End::Complete));
+    uploads_settled(&[owner, other]).await;
+
+    // Same length, one byte flipped, written straight into the bucket.
+    let mut bad = blob.to_vec();
+    bad[MIB] ^= 0xff;
+    common::garage::put_object(&garage, &format!("corrupt/blobs/sha256/{}", d.trim_start_matches("sha256:")), bad)
+        .await;
+
+    // The other replica reads the shared copy first: the digest check
+    // fails, the client's body is aborted, nothing is kept, it is counted.
+    let (_, end, _) = client::open(address(other), &blob_path(&d)).await.compare_to_end(&blob).await;
+    assert!(matches!(end, End::Aborted(_)), "never a clean end with wrong bytes: {end:?}");
+    assert_eq!(metric(other, "larder_shared_corrupt_total").await, 1.0);
+    // Fetched again, from the owner: exact, and the bad object is gone.
+    let (len, end, first_difference) = client::open(address(other), &blob_path(&d)).await.compare_to_end(&blob).await;
+    assert_eq!((len, end, first_difference), (blob.len() as u64, End::Complete, None));
+    assert_eq!(up.blob_gets(&d), 1, "the origin was asked once, by the owner");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_peer_listener_answers_nobody_without_the_secret_and_dials_nothing_a_peer_names() {
+    let blob = random_bytes(64 * KIB, 11);
+    let d = digest(&blob);
+    let up = FakeUpstream::builder().blob(blob.clone()).start().await;
+    let cluster = Cluster::builder(Upstream::new(UPSTREAM_NAME, &up.url()).default(true).alias("fake-alias.test"))
+        .replicas(2)
+        .start()
+        .await;
+    let peer = &cluster.peer_urls[0];
+    let http = reqwest::Client::new();
+    let get = |ns: &str, secret: Option<&str>| {
+        let mut req = http.get(format!("{peer}/v2/test/app/blobs/{d}?ns={ns}"));
+        if let Some(secret) = secret {
+            req = req.header("larder-cluster-secret", secret);
+        }
+        async move { req.send().await.expect("the peer listener answers").status().as_u16() }
+    };
+    assert_eq!(get(UPSTREAM_NAME, None).await, 401, "no secret");
+    assert_eq!(get(UPSTREAM_NAME, Some("not-the-secret")).await, 401, "a wrong secret");
+    assert_eq!(get("evil.example", Some(common::cluster::SECRET)).await, 404, "an upstream that is not configured");
+    assert_eq!(get("127.0.0.1:1", Some(common::cluster::SECRET)).await, 404, "an address");
+    assert_eq!(get("fake-alias.test", Some(common::cluster::SECRET)).await, 404, "an alias, not the name");
+    assert_eq!(up.total_requests(), 0, "nothing was fetched or dialed");
+    let refused =
+        metric(&cluster.replicas[0], "larder_peer_requests_total{direction=\"in\",kind=\"blob\",result=\"refused\"}");
+    assert_eq!(refused.await, 5.0);
+
+    // With the secret and the upstream's name: served, as to a peer.
+    assert_eq!(get(UPSTREAM_NAME, Some(common::cluster::SECRET)).await, 200);
+    assert_eq!(up.blob_gets(&d), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn node_mirrors_through_a_hub_cost_the_origin_one_get_per_blob() {
+    let origin = Origin::start().await;
+    let image = ImageBuilder::oci().layers(&[MIB, 256 * KIB, 64 * KIB]).push(&origin, "team/app", "v1").await;
+    let hub = Larder::builder().upstream(&origin).start().await;
+    let via = format!("via = {:?}", hub.url());
+    let nodes = [
+        Larder::builder().upstream(Upstream::from(&origin).line(&via)).start().await,
+        Larder::builder().upstream(Upstream::from(&origin).line(&via)).start().await,
+    ];
+    let mark = origin.log_mark().await;
+    for node in &nodes {
+        let pulled = skopeo::pull(&node.image_ref("team/app:v1"), false).await.expect("pull through the node");
+        assert_eq!(pulled.manifest_digest, image.digest);
+    }
+    let asked = origin.requests_since(&mark).await;
+    // Had a node dialed the origin itself, each blob would have cost two.
+    assert_eq!(asked.blob_gets(), image.blobs().len(), "one GET per blob for both nodes:\n{asked}");
+}

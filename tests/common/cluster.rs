@@ -1,0 +1,131 @@
+//! A larder cluster for tests: replicas that are each other's peers
+//! (`[cluster]` with a static peer list on free loopback ports and one
+//! secret), optionally sharing a Garage bucket (`[shared]`), in front of
+//! one upstream.
+//!
+//! ```ignore
+//! let garage = Garage::builder().start().await;
+//! let cluster = Cluster::builder(&origin).replicas(3).shared(&garage, "herd").start().await;
+//! let owner = cluster.owner_of(&digest);            // the replica that fills it
+//! let late = cluster.joining().await;               // a 4th, empty, that knows the 3
+//! ```
+
+use std::fmt::Write as _;
+
+use larder::cluster::ring::Ring;
+use tempfile::TempDir;
+
+use super::garage::Garage;
+use super::larder::{Larder, LarderBuilder, Upstream};
+use super::metrics::ADMIN_LISTEN;
+use super::tools::free_port;
+
+/// The cluster secret every replica of a test cluster shares.
+pub const SECRET: &str = "larder-test-cluster-secret";
+
+/// Builds a [`Cluster`]; see the module docs.
+pub struct ClusterBuilder {
+    upstream: Upstream,
+    replicas: usize,
+    /// The `[shared]` table, and the folder of the key files it names.
+    shared: Option<(String, TempDir)>,
+    customize: Vec<fn(LarderBuilder) -> LarderBuilder>,
+}
+
+/// Running replicas, each a [`Larder`] with an admin listener for `/metrics`.
+pub struct Cluster {
+    pub replicas: Vec<Larder>,
+    /// `http://127.0.0.1:<peer port>` of each replica, in order.
+    pub peer_urls: Vec<String>,
+    upstream: Upstream,
+    shared: Option<(String, TempDir)>,
+    customize: Vec<fn(LarderBuilder) -> LarderBuilder>,
+    dir: TempDir,
+}
+
+impl Cluster {
+    pub fn builder(upstream: impl Into<Upstream>) -> ClusterBuilder {
+        ClusterBuilder { upstream: upstream.into(), replicas: 3, shared: None, customize: Vec::new() }
+    }
+
+    /// The index of the replica that owns `key` (a digest, or
+    /// `upstream/repo:tag`) when every replica is up.
+    pub fn owner_of(&self, key: &str) -> usize {
+        let ring = Ring::new(self.peer_urls.iter().map(String::as_str));
+        let owner = ring.owner(key).expect("a cluster has replicas");
+        self.peer_urls.iter().position(|u| u == owner).expect("the owner is a replica")
+    }
+
+    /// An index other than `owner`.
+    pub fn other_than(&self, owner: usize) -> usize {
+        (owner + 1) % self.replicas.len()
+    }
+
+    /// Starts one more replica, with an empty disk, that knows every
+    /// replica and itself as peers (the others are not told about it).
+    pub async fn joining(&self) -> Larder {
+        let port = free_port();
+        let me = format!("http://127.0.0.1:{port}");
+        let mut peers = self.peer_urls.clone();
+        peers.push(me.clone());
+        replica(&self.upstream, &self.dir, port, &me, &peers, self.shared.as_ref(), &self.customize).start().await
+    }
+}
+
+impl ClusterBuilder {
+    /// How many replicas (default 3).
+    pub fn replicas(mut self, n: usize) -> Self {
+        self.replicas = n;
+        self
+    }
+
+    /// Share `garage`'s bucket, under key prefix `prefix`.
+    pub fn shared(mut self, garage: &Garage, prefix: &str) -> Self {
+        let dir = tempfile::Builder::new().prefix("larder-s3-keys-").tempdir().expect("a temp dir for S3 keys");
+        let toml = garage.shared_toml(dir.path(), prefix);
+        self.shared = Some((toml, dir));
+        self
+    }
+
+    /// A change every replica's builder gets (extra config lines).
+    pub fn each(mut self, f: fn(LarderBuilder) -> LarderBuilder) -> Self {
+        self.customize.push(f);
+        self
+    }
+
+    pub async fn start(self) -> Cluster {
+        let dir = tempfile::Builder::new().prefix("larder-cluster-").tempdir().expect("a temp dir");
+        std::fs::write(dir.path().join("secret"), SECRET).expect("write the cluster secret");
+        let ports: Vec<u16> = (0..self.replicas).map(|_| free_port()).collect();
+        let peer_urls: Vec<String> = ports.iter().map(|p| format!("http://127.0.0.1:{p}")).collect();
+        let mut replicas = Vec::new();
+        for (port, me) in ports.iter().zip(&peer_urls) {
+            let builder = replica(&self.upstream, &dir, *port, me, &peer_urls, self.shared.as_ref(), &self.customize);
+            replicas.push(builder.start().await);
+        }
+        Cluster { replicas, peer_urls, upstream: self.upstream, shared: self.shared, customize: self.customize, dir }
+    }
+}
+
+/// The builder of one replica listening for peers on `port` as `me`.
+fn replica(
+    upstream: &Upstream,
+    dir: &TempDir,
+    port: u16,
+    me: &str,
+    peers: &[String],
+    shared: Option<&(String, TempDir)>,
+    customize: &[fn(LarderBuilder) -> LarderBuilder],
+) -> LarderBuilder {
+    let mut table = String::from("[cluster]\n");
+    let _ = writeln!(table, "listen = \"127.0.0.1:{port}\"");
+    let _ = writeln!(table, "self = {me:?}");
+    let list: Vec<String> = peers.iter().map(|p| format!("{p:?}")).collect();
+    let _ = writeln!(table, "peers = [{}]", list.join(", "));
+    let _ = writeln!(table, "secret_file = {:?}", dir.path().join("secret").display().to_string());
+    let mut builder = Larder::builder().upstream(upstream.clone()).server_line(ADMIN_LISTEN).append_toml(&table);
+    if let Some((toml, _)) = shared {
+        builder = builder.append_toml(toml);
+    }
+    customize.iter().fold(builder, |b, f| f(b))
+}
