@@ -175,6 +175,37 @@ async fn a_corrupt_shared_object_is_caught_counted_and_replaced() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn the_shared_tier_unlocks_nothing_a_repository_cannot_see_upstream() {
+    let private = random_bytes(256 * KIB, 13);
+    let d = digest(&private);
+    let up = FakeUpstream::builder().blob(private.clone()).only_in("private/app").start().await;
+    let garage = Garage::builder().start().await;
+    // Two replicas sharing Garage, without peers: nothing but upstream can
+    // tell them what a repository holds.
+    let upstream = || Upstream::new(UPSTREAM_NAME, &up.url()).default(true);
+    let shared = |builder: common::LarderBuilder| builder.server_line(common::metrics::ADMIN_LISTEN);
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let table = garage.shared_toml(dir.path(), "membership");
+    let first = shared(Larder::builder().upstream(upstream()).append_toml(&table)).start().await;
+    let second = shared(Larder::builder().upstream(upstream()).append_toml(&table)).start().await;
+
+    let url = |larder: &Larder, repo: &str| format!("{}/v2/{repo}/blobs/{d}", larder.url());
+    let fetched = reqwest::get(url(&first, "private/app")).await.expect("GET").bytes().await.expect("body");
+    assert!(fetched == private, "cached for private/app, and uploaded");
+    uploads_settled(&[&first]).await;
+
+    let refused = reqwest::get(url(&second, "public/app")).await.expect("GET");
+    assert_eq!(refused.status(), 404, "public/app does not have it upstream: not served from the shared tier");
+    assert_eq!(up.requests("HEAD", &format!("/v2/public/app/blobs/{d}")), 1, "upstream was asked first");
+    assert_eq!(metric(&second, "larder_shared_bytes_total{direction=\"download\"}").await, 0.0, "not a byte read");
+
+    // For the repository that has it, the second replica reads Garage.
+    let served = reqwest::get(url(&second, "private/app")).await.expect("GET").bytes().await.expect("body");
+    assert!(served == private);
+    assert_eq!(up.blob_gets(&d), 1, "still the one origin GET");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn the_peer_listener_answers_nobody_without_the_secret_and_dials_nothing_a_peer_names() {
     let blob = random_bytes(64 * KIB, 11);
     let d = digest(&blob);

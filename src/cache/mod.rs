@@ -664,14 +664,29 @@ impl Cache {
         content: Content,
         via: Via,
     ) -> Result<(), Error> {
-        let key = member_key(upstream.name(), repo, digest);
-        if self.memory.is_member(&key) {
-            return Ok(());
-        }
         // A fill in flight for this very repository settles it: its
-        // upstream GET is the check, and its failure is this request's too.
+        // upstream (or owner) request is the check, and its failure is this
+        // request's too.
         let repo_owner = format!("{}\0{repo}", upstream.name());
         if matches!(content, Content::Blob) && self.fills.get(digest).is_some_and(|f| f.owner == repo_owner) {
+            return Ok(());
+        }
+        self.confirm_member(upstream, repo, digest, content, via).await
+    }
+
+    /// [`Cache::ensure_member`] without taking a fill in flight as proof:
+    /// what a fill reading the shared tier must ask before it serves a byte
+    /// (the shared tier holds every repository's content).
+    async fn confirm_member(
+        &self,
+        upstream: &Upstream,
+        repo: &RepoName,
+        digest: &Digest,
+        content: Content,
+        via: Via,
+    ) -> Result<(), Error> {
+        let key = member_key(upstream.name(), repo, digest);
+        if self.memory.is_member(&key) {
             return Ok(());
         }
         let (index, k) = (Arc::clone(&self.index), key.clone());

@@ -114,7 +114,7 @@ impl Cache {
             Ok(None) => return Err(Unavailable::Next(Error::BlobUnknown(*digest))),
             Err(e) => return Err(Unavailable::Next(Error::Storage(format!("shared tier: {e}")))),
         };
-        match self.ensure_member(upstream, repo, digest, Content::Blob, via).await {
+        match self.confirm_member(upstream, repo, digest, Content::Blob, via).await {
             Ok(()) => {}
             Err(e) if e.is_repository_specific() => return Err(Unavailable::Final(e)),
             Err(e) => return Err(Unavailable::Next(e)),
