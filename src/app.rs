@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
 
 use crate::cache::shared::SharedStore;
 use crate::cache::{Cache, Tiers};
@@ -13,6 +14,7 @@ use crate::cluster::{PeerClient, PeerLink, Peers};
 use crate::config::Config;
 use crate::server::admin::AdminAuth;
 use crate::server::client_auth::ClientAuth;
+use crate::server::tls::ReloadingCert;
 use crate::state::App;
 use crate::upstream::Upstreams;
 
@@ -101,22 +103,16 @@ pub async fn start(config: Config, shutdown: crate::shutdown::Shutdown) -> Resul
     };
     let (upstreams, tls, auth, admin_auth, peer_tls) =
         setup.await.map_err(|e| StartError::Upstream(format!("start-up task failed: {e}")))??;
-    let peer_tls = match (peer_tls, &config.server.tls) {
-        (Some((acceptor, cert)), Some(t)) => {
-            let paths = vec![t.cert.clone(), t.key.clone()];
-            crate::server::reload::watch("peer TLS certificate", paths, shutdown.clone(), move || cert.reload());
-            Some(acceptor)
-        }
-        _ => None,
+    // Each acceptor's certificate is re-read when its files change.
+    let reloading = |what: &'static str, tls: Option<(TlsAcceptor, Arc<ReloadingCert>)>| {
+        let (acceptor, cert) = tls?;
+        let t = config.server.tls.as_ref()?;
+        let paths = vec![t.cert.clone(), t.key.clone()];
+        crate::server::reload::watch(what, paths, shutdown.clone(), move || cert.reload());
+        Some(acceptor)
     };
-    let tls = match (tls, &config.server.tls) {
-        (Some((acceptor, cert)), Some(t)) => {
-            let paths = vec![t.cert.clone(), t.key.clone()];
-            crate::server::reload::watch("TLS certificate", paths, shutdown.clone(), move || cert.reload());
-            Some(acceptor)
-        }
-        _ => None,
-    };
+    let tls = reloading("TLS certificate", tls);
+    let peer_tls = reloading("peer TLS certificate", peer_tls);
     if let Some(auth) = &auth {
         let watched = Arc::clone(auth);
         crate::server::reload::watch("htpasswd", vec![auth.path()], shutdown.clone(), move || watched.reload());

@@ -469,6 +469,13 @@ impl Cache {
         }))
     }
 
+    /// Upstream says the tag is gone: forget it, in memory and the index.
+    async fn forget_tag(&self, key: String) -> Result<(), Error> {
+        self.memory.remove_tag(&key);
+        let index = Arc::clone(&self.index);
+        blocking(move || Ok(index.remove_tag(&key)?)).await
+    }
+
     async fn set_tag(&self, key: String, digest: Digest) -> Result<(), Error> {
         let now = SystemTime::now();
         self.memory.insert_tag(key.clone(), TagEntry { digest, confirmed: now });
@@ -511,9 +518,7 @@ impl Cache {
                     Ok((m, result))
                 }
                 Err(Error::ManifestUnknown) => {
-                    self.memory.remove_tag(&key);
-                    let index = Arc::clone(&self.index);
-                    blocking(move || Ok(index.remove_tag(&key)?)).await?;
+                    self.forget_tag(key).await?;
                     Err(Error::ManifestUnknown)
                 }
                 Err(Error::Upstream(e)) if may_serve_stale => {
@@ -555,9 +560,7 @@ impl Cache {
                 Err(e) => Err(e),
             },
             Ok(None) => {
-                self.memory.remove_tag(&key);
-                let index = Arc::clone(&self.index);
-                blocking(move || Ok(index.remove_tag(&key)?)).await?;
+                self.forget_tag(key).await?;
                 Err(Error::ManifestUnknown)
             }
             Err(Error::Upstream(e)) if may_serve_stale => {
@@ -685,12 +688,7 @@ impl Cache {
         content: Content,
         via: Via,
     ) -> Result<(), Error> {
-        let key = member_key(upstream.name(), repo, digest);
-        if self.memory.is_member(&key) {
-            return Ok(());
-        }
-        let (index, k) = (Arc::clone(&self.index), key.clone());
-        if !blocking(move || Ok(index.is_member(&k)?)).await? {
+        if !self.local_member(upstream.name(), repo, digest).await? {
             // The digest's owner may know already (it fetched it for this
             // repository); otherwise it, or this replica, asks upstream.
             let confirmed = match self.member_from_owner(upstream, repo, digest, content, via).await {
@@ -706,10 +704,11 @@ impl Cache {
                     Content::Manifest => Error::ManifestUnknown,
                 });
             }
+            let key = member_key(upstream.name(), repo, digest);
             let (index, k) = (Arc::clone(&self.index), key.clone());
             blocking(move || Ok(index.add_members(&[k], unix_ms(SystemTime::now()))?)).await?;
+            self.memory.insert_member(key);
         }
-        self.memory.insert_member(key);
         Ok(())
     }
 

@@ -314,14 +314,19 @@ impl Cache {
         Ok(self.stored_manifest(&entry.digest).await?.map(|m| (m, entry.confirmed)))
     }
 
-    /// For a peer's lookup: whether this replica knows `repo` has `digest`.
+    /// Whether this replica knows `repo` has `digest` (a membership row,
+    /// kept in memory once read).
     pub async fn local_member(&self, upstream: &str, repo: &RepoName, digest: &Digest) -> Result<bool, Error> {
         let key = super::member_key(upstream, repo, digest);
         if self.memory.is_member(&key) {
             return Ok(true);
         }
-        let index = Arc::clone(&self.index);
-        crate::blocking::blocking(move || Ok(index.is_member(&key)?)).await
+        let (index, k) = (Arc::clone(&self.index), key.clone());
+        let member = crate::blocking::blocking(move || Ok(index.is_member(&k)?)).await?;
+        if member {
+            self.memory.insert_member(key);
+        }
+        Ok(member)
     }
 
     /// A manifest from the shared tier (its digest checked by the store),

@@ -87,20 +87,7 @@ impl PeerClient {
     /// A client sending `secret`; https peers are verified against the web
     /// PKI roots plus the PEM certificates in `ca_file`.
     pub fn new(secret: &Secret, ca_file: Option<&Path>) -> Result<Arc<PeerClient>, String> {
-        let mut roots = rustls::RootCertStore::empty();
-        roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
-        if let Some(path) = ca_file {
-            let pem = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
-            for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
-                let cert = cert.map_err(|e| format!("{}: {e}", path.display()))?;
-                roots.add(cert).map_err(|e| format!("{}: {e}", path.display()))?;
-            }
-        }
-        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .with_safe_default_protocol_versions()
-            .map_err(|e| e.to_string())?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
+        let tls = crate::upstream::client_tls(ca_file)?;
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_nodelay(true);

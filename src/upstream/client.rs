@@ -38,26 +38,7 @@ pub struct HttpClient {
 
 impl HttpClient {
     pub fn new(config: &UpstreamConfig) -> Result<HttpClient, String> {
-        let mut roots = rustls::RootCertStore::empty();
-        roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
-        if let Some(path) = &config.ca_file {
-            let pem = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
-            let mut added = 0;
-            for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
-                let cert = cert.map_err(|e| format!("{}: {e}", path.display()))?;
-                roots.add(cert).map_err(|e| format!("{}: {e}", path.display()))?;
-                added += 1;
-            }
-            if added == 0 {
-                return Err(format!("{}: no PEM certificates found", path.display()));
-            }
-        }
-        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .with_safe_default_protocol_versions()
-            .map_err(|e| e.to_string())?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-
+        let tls = client_tls(config.ca_file.as_deref())?;
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_nodelay(true);
@@ -111,6 +92,31 @@ impl HttpClient {
             }
         }
     }
+}
+
+/// The TLS settings larder dials with (upstreams, peers): the web PKI
+/// roots, plus the PEM certificates in `ca_file` (reads it: call it off the
+/// async threads).
+pub fn client_tls(ca_file: Option<&std::path::Path>) -> Result<rustls::ClientConfig, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    if let Some(path) = ca_file {
+        let pem = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let mut added = 0;
+        for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
+            let cert = cert.map_err(|e| format!("{}: {e}", path.display()))?;
+            roots.add(cert).map_err(|e| format!("{}: {e}", path.display()))?;
+            added += 1;
+        }
+        if added == 0 {
+            return Err(format!("{}: no PEM certificates found", path.display()));
+        }
+    }
+    Ok(rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
 }
 
 /// An error and its sources on one line ("client error (Connect): tcp

@@ -32,7 +32,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 pub use backoff::Backoff;
 pub use challenge::Challenge;
-pub use client::error_chain;
+pub use client::{client_tls, error_chain};
 pub use upstreams::Upstreams;
 
 use crate::config::UpstreamConfig;
