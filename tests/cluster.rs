@@ -239,6 +239,36 @@ async fn the_peer_listener_answers_nobody_without_the_secret_and_dials_nothing_a
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn peers_talk_tls_when_the_registry_listener_does() {
+    let origin = Origin::start().await;
+    let image = ImageBuilder::oci().layers(&[MIB, 256 * KIB, 64 * KIB, 32 * KIB]).push(&origin, "team/tls", "v1").await;
+    let ca = common::TestCa::new();
+    let certs = tempfile::tempdir().expect("a cert dir");
+    std::fs::write(certs.path().join("ca.crt"), &ca.ca_pem).expect("write ca.crt");
+    let cluster = Cluster::builder(&origin).replicas(2).https(ca).start().await;
+
+    // Pull through the replica that owns fewer of the blobs: most come
+    // from its peer, over TLS. skopeo verifies the replica's certificate,
+    // the replica its peer's.
+    let owned_by = |i: usize| image.blobs().iter().filter(|b| cluster.owner_of(&b.digest) == i).count();
+    let (asker, peer) = if owned_by(0) <= owned_by(1) { (0, 1) } else { (1, 0) };
+    let out = tempfile::tempdir().expect("an output dir");
+    let args = [
+        "copy".to_owned(),
+        "--src-cert-dir".to_owned(),
+        certs.path().display().to_string(),
+        cluster.replicas[asker].image_ref("team/tls:v1"),
+        format!("dir:{}", out.path().display()),
+    ];
+    skopeo::run(&args).await.expect("a pull over https");
+    let asked = origin.access_log();
+    assert_eq!(asked.blob_gets(), image.blobs().len(), "one origin GET per blob:\n{asked}");
+    let from_peer =
+        metric(&cluster.replicas[asker], "larder_peer_requests_total{direction=\"out\",kind=\"blob\",result=\"ok\"}");
+    assert_eq!(from_peer.await, owned_by(peer) as f64, "each blob its peer owns came from the peer, over TLS");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn node_mirrors_through_a_hub_cost_the_origin_one_get_per_blob() {
     let origin = Origin::start().await;
     let image = ImageBuilder::oci().layers(&[MIB, 256 * KIB, 64 * KIB]).push(&origin, "team/app", "v1").await;

@@ -18,6 +18,7 @@ use tempfile::TempDir;
 use super::garage::Garage;
 use super::larder::{Larder, LarderBuilder, Upstream};
 use super::metrics::ADMIN_LISTEN;
+use super::tls_front::TestCa;
 use super::tools::free_port;
 
 /// The cluster secret every replica of a test cluster shares.
@@ -27,6 +28,8 @@ pub const SECRET: &str = "larder-test-cluster-secret";
 pub struct ClusterBuilder {
     upstream: Upstream,
     replicas: usize,
+    /// Serve the registry and peer listeners over TLS with this CA's leaf.
+    tls: Option<TestCa>,
     /// The `[shared]` table, and the folder of the key files it names.
     shared: Option<(String, TempDir)>,
     customize: Vec<fn(LarderBuilder) -> LarderBuilder>,
@@ -38,6 +41,7 @@ pub struct Cluster {
     /// `http://127.0.0.1:<peer port>` of each replica, in order.
     pub peer_urls: Vec<String>,
     upstream: Upstream,
+    tls: Option<TestCa>,
     shared: Option<(String, TempDir)>,
     customize: Vec<fn(LarderBuilder) -> LarderBuilder>,
     dir: TempDir,
@@ -45,7 +49,7 @@ pub struct Cluster {
 
 impl Cluster {
     pub fn builder(upstream: impl Into<Upstream>) -> ClusterBuilder {
-        ClusterBuilder { upstream: upstream.into(), replicas: 3, shared: None, customize: Vec::new() }
+        ClusterBuilder { upstream: upstream.into(), replicas: 3, tls: None, shared: None, customize: Vec::new() }
     }
 
     /// The index of the replica that owns `key` (a digest, or
@@ -68,7 +72,7 @@ impl Cluster {
         let me = format!("http://127.0.0.1:{port}");
         let mut peers = self.peer_urls.clone();
         peers.push(me.clone());
-        replica(&self.upstream, &self.dir, port, &me, &peers, self.shared.as_ref(), &self.customize).start().await
+        self.replica(port, &me, &peers).start().await
     }
 }
 
@@ -87,6 +91,13 @@ impl ClusterBuilder {
         self
     }
 
+    /// `https://` peers: every replica serves `[server.tls]` with `ca`'s
+    /// leaf certificate (on 127.0.0.1) and verifies its peers with `ca`.
+    pub fn https(mut self, ca: TestCa) -> Self {
+        self.tls = Some(ca);
+        self
+    }
+
     /// A change every replica's builder gets (extra config lines).
     pub fn each(mut self, f: fn(LarderBuilder) -> LarderBuilder) -> Self {
         self.customize.push(f);
@@ -96,36 +107,50 @@ impl ClusterBuilder {
     pub async fn start(self) -> Cluster {
         let dir = tempfile::Builder::new().prefix("larder-cluster-").tempdir().expect("a temp dir");
         std::fs::write(dir.path().join("secret"), SECRET).expect("write the cluster secret");
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
         let ports: Vec<u16> = (0..self.replicas).map(|_| free_port()).collect();
-        let peer_urls: Vec<String> = ports.iter().map(|p| format!("http://127.0.0.1:{p}")).collect();
-        let mut replicas = Vec::new();
-        for (port, me) in ports.iter().zip(&peer_urls) {
-            let builder = replica(&self.upstream, &dir, *port, me, &peer_urls, self.shared.as_ref(), &self.customize);
-            replicas.push(builder.start().await);
+        let peer_urls: Vec<String> = ports.iter().map(|p| format!("{scheme}://127.0.0.1:{p}")).collect();
+        let mut cluster = Cluster {
+            replicas: Vec::new(),
+            peer_urls,
+            upstream: self.upstream,
+            tls: self.tls,
+            shared: self.shared,
+            customize: self.customize,
+            dir,
+        };
+        for (port, me) in ports.iter().zip(cluster.peer_urls.clone()) {
+            let replica = cluster.replica(*port, &me, &cluster.peer_urls).start().await;
+            cluster.replicas.push(replica);
         }
-        Cluster { replicas, peer_urls, upstream: self.upstream, shared: self.shared, customize: self.customize, dir }
+        cluster
     }
 }
 
-/// The builder of one replica listening for peers on `port` as `me`.
-fn replica(
-    upstream: &Upstream,
-    dir: &TempDir,
-    port: u16,
-    me: &str,
-    peers: &[String],
-    shared: Option<&(String, TempDir)>,
-    customize: &[fn(LarderBuilder) -> LarderBuilder],
-) -> LarderBuilder {
-    let mut table = String::from("[cluster]\n");
-    let _ = writeln!(table, "listen = \"127.0.0.1:{port}\"");
-    let _ = writeln!(table, "self = {me:?}");
-    let list: Vec<String> = peers.iter().map(|p| format!("{p:?}")).collect();
-    let _ = writeln!(table, "peers = [{}]", list.join(", "));
-    let _ = writeln!(table, "secret_file = {:?}", dir.path().join("secret").display().to_string());
-    let mut builder = Larder::builder().upstream(upstream.clone()).server_line(ADMIN_LISTEN).append_toml(&table);
-    if let Some((toml, _)) = shared {
-        builder = builder.append_toml(toml);
+impl Cluster {
+    /// The builder of one replica listening for peers on `port` as `me`.
+    fn replica(&self, port: u16, me: &str, peers: &[String]) -> LarderBuilder {
+        let dir = self.dir.path();
+        let mut table = String::from("[cluster]\n");
+        let _ = writeln!(table, "listen = \"127.0.0.1:{port}\"");
+        let _ = writeln!(table, "self = {me:?}");
+        let list: Vec<String> = peers.iter().map(|p| format!("{p:?}")).collect();
+        let _ = writeln!(table, "peers = [{}]", list.join(", "));
+        let _ = writeln!(table, "secret_file = {:?}", dir.join("secret").display().to_string());
+        let mut builder = Larder::builder().upstream(self.upstream.clone()).server_line(ADMIN_LISTEN);
+        if let Some(ca) = &self.tls {
+            // The registry listener's certificate serves the peer listener
+            // too; peers are verified with the test CA.
+            let (cert, key) = ca.write_leaf(dir);
+            let ca_file = ca.write_ca(dir);
+            let (cert, key) = (cert.display().to_string(), key.display().to_string());
+            builder = builder.server_line(&format!("tls = {{ cert = {cert:?}, key = {key:?} }}")).ready_on_tcp();
+            let _ = writeln!(table, "ca_file = {:?}", ca_file.display().to_string());
+        }
+        builder = builder.append_toml(&table);
+        if let Some((toml, _)) = &self.shared {
+            builder = builder.append_toml(toml);
+        }
+        self.customize.iter().fold(builder, |b, f| f(b))
     }
-    customize.iter().fold(builder, |b, f| f(b))
 }
