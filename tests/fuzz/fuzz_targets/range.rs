@@ -30,9 +30,11 @@ fuzz_target!(|data: &[u8]| {
     let Ok(value) = HeaderValue::from_bytes(data) else { return };
     let Ok(range) = ByteRange::parse(&value) else { return };
 
-    // Only a single `bytes=` range is accepted.
+    // Only a single `bytes=` range is accepted; the unit is
+    // case-insensitive (RFC 9110 §14.1).
     let text = value.to_str().expect("a parsed range is text");
-    assert!(text.trim().starts_with("bytes=") && !text.contains(','), "accepted {text:?}");
+    let unit_ok = text.trim().get(..6).is_some_and(|u| u.eq_ignore_ascii_case("bytes="));
+    assert!(unit_ok && !text.contains(','), "accepted {text:?}");
     // Its canonical spelling parses to the same range.
     let canonical = match range {
         ByteRange::FromTo(a, b) => format!("bytes={a}-{b}"),
