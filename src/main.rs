@@ -92,10 +92,20 @@ fn load(path: Option<&PathBuf>) -> Result<Config, larder::config::ConfigError> {
     }
 }
 
+/// Log lines that may wait for the writer thread before new ones are
+/// dropped (and counted in `log_lines_dropped_total`).
+const LOG_QUEUE_LINES: usize = 128 * 1024;
+
 /// Logs to stderr: `RUST_LOG` if set, else the config's filter. Text logs
 /// are coloured only when stderr is a terminal (and `NO_COLOR` is unset),
 /// so files and pipes get plain text; JSON never has colour.
-fn init_logs(config: &LogConfig, cli: Option<CliLogFormat>) {
+///
+/// Lines are formatted on the request's thread but written by a thread of
+/// their own (tracing-appender), so a slow or stalled stderr (a full pipe
+/// to the container runtime) never blocks serving: past
+/// [`LOG_QUEUE_LINES`] waiting lines, new ones are dropped and counted.
+/// The returned guard flushes what is queued when `main` returns.
+fn init_logs(config: &LogConfig, cli: Option<CliLogFormat>) -> tracing_appender::non_blocking::WorkerGuard {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&config.level));
     let format = match cli {
@@ -105,11 +115,18 @@ fn init_logs(config: &LogConfig, cli: Option<CliLogFormat>) {
     };
     let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
     let ansi = std::io::stderr().is_terminal() && !no_color;
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .buffered_lines_limit(LOG_QUEUE_LINES)
+        .lossy(true)
+        .thread_name("larder-log")
+        .finish(std::io::stderr());
+    larder::metrics::count_dropped_log_lines(writer.error_counter());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer);
     match format {
         LogFormat::Text => builder.with_ansi(ansi).init(),
         LogFormat::Json => builder.json().with_ansi(false).init(),
     }
+    guard
 }
 
 /// Runs an operator command against the admin listener: exit status 0
@@ -184,7 +201,7 @@ fn main() -> ExitCode {
     if let Some(Command::Verify { repair }) = cli.command {
         return verify(&config, repair);
     }
-    init_logs(&config.log, cli.log_format);
+    let _logs = init_logs(&config.log, cli.log_format);
     // Each client connection and each blob being read holds a descriptor;
     // the usual soft limit of 1024 is far below the connection limit.
     match rlimit::increase_nofile_limit(u64::MAX) {

@@ -2,7 +2,7 @@
 //! values are bounded: routes, methods, status codes, upstream names from
 //! the config, and fixed result words; never repository names or digests.
 
-use std::sync::LazyLock;
+use std::sync::{LazyLock, OnceLock};
 
 use prometheus::{
     Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
@@ -51,6 +51,12 @@ pub struct Metrics {
     /// `blob|manifest`, result `uploaded|present|failed|dropped` (`failed`
     /// is retried later; `dropped` had nothing valid left to upload).
     pub shared_uploads: IntCounterVec,
+    /// `log_lines_dropped_total`: log lines dropped because the log writer
+    /// fell behind (stderr slow or stalled).
+    pub log_lines_dropped: IntCounter,
+    /// `cache_reconcile_running`: 1 while the start-up check of blob files
+    /// against the index runs in the background (larder serves meanwhile).
+    pub cache_reconcile_running: IntGauge,
     /// `pending_uploads`: verified content waiting for upload to the shared tier.
     pub pending_uploads: IntGauge,
     /// `peers_up` / `peers_down`: cluster members answering or being
@@ -118,6 +124,13 @@ fn build() -> Result<Metrics, prometheus::Error> {
     let cache_max_size = gauge("cache_max_size_bytes", "The configured cache.max_size")?;
     let cache_high_watermark =
         gauge("cache_high_watermark_bytes", "Cache usage above which least recently used content is evicted")?;
+    let log_lines_dropped =
+        IntCounter::new("log_lines_dropped_total", "Log lines dropped because stderr could not keep up")?;
+    registry.register(Box::new(log_lines_dropped.clone()))?;
+    let cache_reconcile_running = gauge(
+        "cache_reconcile_running",
+        "1 while the start-up check of blob files against the index runs in the background",
+    )?;
     let pending_uploads =
         gauge("pending_uploads", "Verified blobs and manifests waiting for upload to the shared tier")?;
     let peers_up = gauge("peers_up", "Cluster members currently answering (this replica included)")?;
@@ -153,6 +166,8 @@ fn build() -> Result<Metrics, prometheus::Error> {
         upstream_bytes: counter_vec("upstream_bytes_total", "Blob bytes received from upstream", &["upstream"])?,
         fills_in_flight,
         cache_size,
+        cache_reconcile_running,
+        log_lines_dropped,
         cache_evictions: counter_vec("cache_evictions_total", "Items evicted from the disk cache", &["kind"])?,
         digest_mismatch,
         tokens_fetched,
@@ -246,8 +261,20 @@ pub fn init_known_series() {
     }
 }
 
+/// The log writer's count of lines it had to drop (see `main`'s
+/// `init_logs`), read when metrics are rendered.
+static DROPPED_LOG_LINES: OnceLock<tracing_appender::non_blocking::ErrorCounter> = OnceLock::new();
+
+pub fn count_dropped_log_lines(counter: tracing_appender::non_blocking::ErrorCounter) {
+    let _ = DROPPED_LOG_LINES.set(counter);
+}
+
 /// The registry in Prometheus text format.
 pub fn render() -> Vec<u8> {
+    if let Some(dropped) = DROPPED_LOG_LINES.get() {
+        let counted = metrics().log_lines_dropped.get();
+        metrics().log_lines_dropped.inc_by((dropped.dropped_lines() as u64).saturating_sub(counted));
+    }
     let mut out = Vec::new();
     // Encoding into a Vec only fails on an inconsistent metric family, which
     // static registration rules out; an empty page is the fallback.

@@ -2,7 +2,8 @@
 //! one committed, starts again with nothing in `tmp/`, serves the exact
 //! bytes, and `larder verify` finds nothing wrong. Damage done by hand to a
 //! stopped cache (files deleted, truncated, corrupted, or planted without
-//! an index row) is found by start-up reconciliation or `larder verify`,
+//! an index row) is found by the check larder runs in the background once
+//! it is serving, when a file is first opened, or by `larder verify`;
 //! repaired, and the blob fetched again.
 //!
 //! The kill lands mid-fill deterministically: the fake upstream stalls the
@@ -183,6 +184,9 @@ async fn files_without_an_index_row_are_adopted_when_they_match_their_name_and_r
 
     larder.restart().await;
     assert_eq!(files_in(&larder.cache_dir().join("tmp")), Vec::<PathBuf>::new(), "tmp/ is emptied");
+    // Serving already; the files are checked against the index meanwhile.
+    wait_until("the background check reports", || larder.log().contains("reconciled the index with the blob files"))
+        .await;
     assert!(blob_file(&larder, &orphan).exists(), "the correct file is kept");
     assert!(!blob_file(&larder, &impostor).exists(), "the wrong file is removed");
 

@@ -66,21 +66,40 @@ impl Store {
         File::open(parent)?.sync_all()
     }
 
-    /// Every file under `blobs/sha256/`, whatever its name.
-    /// Calls `visit` with every file under `blobs/`, one folder at a time
-    /// (a cache of a million blobs is not listed into memory at once).
-    pub fn visit_blob_files(&self, mut visit: impl FnMut(PathBuf) -> io::Result<()>) -> io::Result<()> {
-        for shard in std::fs::read_dir(self.root.join("blobs/sha256"))? {
-            let shard = shard?.path();
-            if shard.is_dir() {
-                for file in std::fs::read_dir(&shard)? {
-                    visit(file?.path())?;
+    /// The names of the shard folders blobs go to (`00` … `ff`): the first
+    /// two hex digits of the digest.
+    pub fn shards() -> impl Iterator<Item = String> {
+        (0..=255u8).map(|b| format!("{b:02x}"))
+    }
+
+    /// Every file in one shard folder, whatever its name; none if the
+    /// folder was never created.
+    pub fn shard_files(&self, shard: &str) -> io::Result<Vec<PathBuf>> {
+        let dir = self.root.join("blobs/sha256").join(shard);
+        let entries = match std::fs::read_dir(&dir) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            other => other?,
+        };
+        entries.map(|e| e.map(|e| e.path())).collect()
+    }
+
+    /// Files under `blobs/sha256/` that are in no shard folder: nothing
+    /// larder writes, so every one of them is out of place.
+    pub fn stray_files(&self) -> io::Result<Vec<PathBuf>> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(self.root.join("blobs/sha256"))? {
+            let path = entry?.path();
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            let is_shard = name.len() == 2 && name.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+            if !path.is_dir() {
+                out.push(path);
+            } else if !is_shard {
+                for file in std::fs::read_dir(&path)? {
+                    out.push(file?.path());
                 }
-            } else {
-                visit(shard)?;
             }
         }
-        Ok(())
+        Ok(out)
     }
 
     /// Removes a blob file; one that is already gone is not an error.

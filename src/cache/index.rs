@@ -8,7 +8,9 @@
 //!   recently used entries in order instead of sorting the whole cache;
 //! - `members_by_digest`: membership rows keyed by digest first, so a purge
 //!   can tell whether anything still references a digest without scanning
-//!   every repository's rows.
+//!   every repository's rows;
+//! - `meta["bytes"]`: the sizes of every blob and manifest row added up, so
+//!   start-up knows the cache's usage without reading every row.
 
 use std::path::Path;
 
@@ -34,12 +36,16 @@ const TAGS: TableDefinition<&str, (&str, u64)> = TableDefinition::new("tags");
 const MEMBERS: TableDefinition<&str, u64> = TableDefinition::new("members");
 /// The same rows keyed "digest hex\0upstream\0repo" → ().
 const MEMBERS_BY_DIGEST: TableDefinition<&str, ()> = TableDefinition::new("members_by_digest");
-/// Index-wide facts: "schema" → version of the tables above.
+/// Index-wide facts: "schema" → version of the tables above; "bytes" →
+/// the running total of content sizes.
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+const SCHEMA_KEY: &str = "schema";
+const BYTES_KEY: &str = "bytes";
 
-/// Version 2 added `access` and `members_by_digest`; an index written by an
-/// older larder gets them built once, when it is opened.
-const SCHEMA_VERSION: u64 = 2;
+/// Version 2 added `access` and `members_by_digest`, version 3 the running
+/// byte total; an index written by an older larder gets them built once,
+/// when it is opened.
+const SCHEMA_VERSION: u64 = 3;
 
 /// The two kinds of content the store keeps and evicts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -110,6 +116,17 @@ fn by_digest_key(member: &str) -> Option<String> {
     Some(format!("{hex}\0{owner}"))
 }
 
+/// Moves the running byte total by `added - removed`.
+fn count_bytes(txn: &WriteTransaction, added: u64, removed: u64) -> Result<(), redb::Error> {
+    if added == removed {
+        return Ok(());
+    }
+    let mut meta = txn.open_table(META)?;
+    let total = meta.get(BYTES_KEY)?.map_or(0, |v| v.value());
+    meta.insert(BYTES_KEY, (total + added).saturating_sub(removed))?;
+    Ok(())
+}
+
 /// Inserts (or refreshes) a content row and its access-order twin.
 fn put_content(txn: &WriteTransaction, kind: Kind, hex: &str, size: u64, now_ms: u64) -> Result<bool, redb::Error> {
     let mut rows = txn.open_table(kind.meta())?;
@@ -119,6 +136,7 @@ fn put_content(txn: &WriteTransaction, kind: Kind, hex: &str, size: u64, now_ms:
         access.remove((before, kind.code(), hex))?;
     }
     access.insert((now_ms, kind.code(), hex), ())?;
+    count_bytes(txn, size, previous.map_or(0, |(size, _)| size))?;
     Ok(previous.is_none())
 }
 
@@ -132,6 +150,7 @@ fn take_content(txn: &WriteTransaction, kind: Kind, digest: &Digest) -> Result<O
     if kind == Kind::Manifest {
         txn.open_table(MANIFESTS)?.remove(hex.as_str())?;
     }
+    count_bytes(txn, 0, size)?;
     Ok(Some(Entry { kind, digest: *digest, size, accessed_ms }))
 }
 
@@ -183,10 +202,10 @@ impl Index {
         txn.open_table(TAGS)?;
         txn.open_table(MEMBERS)?;
         txn.open_table(MEMBERS_BY_DIGEST)?;
-        let version = txn.open_table(META)?.get("schema")?.map_or(1, |v| v.value());
+        let version = txn.open_table(META)?.get(SCHEMA_KEY)?.map_or(1, |v| v.value());
         if version < SCHEMA_VERSION {
-            migrate(&txn)?;
-            txn.open_table(META)?.insert("schema", SCHEMA_VERSION)?;
+            migrate(&txn, version)?;
+            txn.open_table(META)?.insert(SCHEMA_KEY, SCHEMA_VERSION)?;
         }
         txn.commit()?;
         Ok(Index { db })
@@ -253,14 +272,41 @@ impl Index {
 
     /// Indexes blob files found without their rows (see `reconcile`), in
     /// one transaction. No membership is recorded: a repository gets it
-    /// after an upstream check.
-    pub fn adopt_blobs(&self, blobs: &[(Digest, u64)], now_ms: u64) -> Result<(), redb::Error> {
+    /// after an upstream check. Returns the bytes of the blobs that were
+    /// new to the index (a row committed meanwhile is only refreshed).
+    pub fn adopt_blobs(&self, blobs: &[(Digest, u64)], now_ms: u64) -> Result<u64, redb::Error> {
         let txn = self.db.begin_write()?;
+        let mut added = 0;
         for (digest, size) in blobs {
-            put_content(&txn, Kind::Blob, digest.hex().as_str(), *size, now_ms)?;
+            if put_content(&txn, Kind::Blob, digest.hex().as_str(), *size, now_ms)? {
+                added += size;
+            }
         }
         txn.commit()?;
-        Ok(())
+        Ok(added)
+    }
+
+    /// Bytes of every blob and manifest row: the running total, read
+    /// without visiting the rows.
+    pub fn usage(&self) -> Result<u64, redb::Error> {
+        let txn = self.db.begin_read()?;
+        Ok(txn.open_table(META)?.get(BYTES_KEY)?.map_or(0, |v| v.value()))
+    }
+
+    /// The blob rows whose digest hex starts with `prefix`, in order.
+    pub fn blobs_under(&self, prefix: &str) -> Result<Vec<(Digest, u64)>, redb::Error> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(BLOBS)?;
+        let mut out = Vec::new();
+        for row in table.range(prefix..)? {
+            let (key, value) = row?;
+            let hex = key.value();
+            if !hex.starts_with(prefix) {
+                break;
+            }
+            out.extend(parse_hex(hex).map(|d| (d, value.value().0)));
+        }
+        Ok(out)
     }
 
     /// Every stored item of `kind`, for reconciliation and accounting.
@@ -276,11 +322,6 @@ impl Index {
             }
         }
         Ok(out)
-    }
-
-    /// Bytes of every manifest row (blob bytes come from reconciliation).
-    pub fn manifest_bytes(&self) -> Result<u64, redb::Error> {
-        Ok(self.entries(Kind::Manifest)?.iter().map(|e| e.size).sum())
     }
 
     /// The least recently used entries whose sizes add up to at least
@@ -427,7 +468,22 @@ impl Index {
 }
 
 /// Builds the version-2 secondary tables from the rows of an older index.
-fn migrate(txn: &WriteTransaction) -> Result<(), redb::Error> {
+fn migrate(txn: &WriteTransaction, from: u64) -> Result<(), redb::Error> {
+    if from < 2 {
+        migrate_to_2(txn)?;
+    }
+    // Version 3: the running byte total.
+    let mut total = 0;
+    for kind in [Kind::Blob, Kind::Manifest] {
+        for row in txn.open_table(kind.meta())?.iter()? {
+            total += row?.1.value().0;
+        }
+    }
+    txn.open_table(META)?.insert(BYTES_KEY, total)?;
+    Ok(())
+}
+
+fn migrate_to_2(txn: &WriteTransaction) -> Result<(), redb::Error> {
     let mut access = txn.open_table(ACCESS)?;
     for kind in [Kind::Blob, Kind::Manifest] {
         let rows = txn.open_table(kind.meta())?;
@@ -537,8 +593,54 @@ mod tests {
             txn.commit().unwrap();
         }
         let index = Index::open(&path).unwrap();
+        assert_eq!(index.usage().unwrap(), 3, "the byte total was summed from the old rows");
         assert_eq!(index.least_recently_used(1).unwrap().first().map(|e| e.digest), Some(d));
         let purged = index.purge("u\0r\0").unwrap();
         assert_eq!(purged.content.len(), 1, "the reverse membership was built from the old rows");
+        assert_eq!(index.usage().unwrap(), 0);
+    }
+
+    #[test]
+    fn the_byte_total_follows_every_change_and_survives_reopening() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("index.redb");
+        let (a, b, m) = (Digest::of(b"a"), Digest::of(b"b"), Digest::of(b"{}"));
+        let member = |d: &Digest| format!("u\0r\0{}", d.hex().as_str());
+        {
+            let index = Index::open(&path).unwrap();
+            index.insert_blob(&a, 100, &member(&a), 1).unwrap();
+            index.insert_blob(&b, 20, &member(&b), 1).unwrap();
+            index.insert_manifest(&m, MediaType::OciManifest, b"{}", None, &[member(&m)], 1).unwrap();
+            assert_eq!(index.usage().unwrap(), 122);
+
+            // Committed again, touched, adopted again: counted once.
+            index.insert_blob(&a, 100, &member(&a), 2).unwrap();
+            index.touch(&[(Kind::Blob, b, 9), (Kind::Manifest, m, 9)]).unwrap();
+            assert_eq!(index.adopt_blobs(&[(b, 20)], 10).unwrap(), 0, "b was indexed already");
+            assert_eq!(index.usage().unwrap(), 122);
+
+            // Removed twice: subtracted once.
+            index.remove_content(&[(Kind::Blob, a)]).unwrap();
+            index.remove_content(&[(Kind::Blob, a)]).unwrap();
+            assert_eq!(index.usage().unwrap(), 22);
+        }
+        let index = Index::open(&path).unwrap();
+        assert_eq!(index.usage().unwrap(), 22, "read back without visiting rows");
+        index.purge("u\0").unwrap();
+        assert_eq!(index.usage().unwrap(), 0);
+    }
+
+    #[test]
+    fn blobs_under_a_prefix_are_exactly_that_shard() {
+        let (_dir, index) = index();
+        let digests: Vec<Digest> = (0..200u32).map(|i| Digest::of(&i.to_le_bytes())).collect();
+        for d in &digests {
+            index.insert_blob(d, 1, &format!("u\0r\0{}", d.hex().as_str()), 1).unwrap();
+        }
+        let shard = &digests[0].hex()[..2];
+        let mut expected: Vec<Digest> = digests.iter().filter(|d| d.hex().starts_with(shard)).copied().collect();
+        expected.sort();
+        let found: Vec<Digest> = index.blobs_under(shard).unwrap().into_iter().map(|(d, _)| d).collect();
+        assert_eq!(found, expected);
     }
 }

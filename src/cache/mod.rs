@@ -10,6 +10,7 @@ mod memory;
 mod pread;
 pub mod prefetch;
 mod reconcile;
+mod reconcile_live;
 pub mod shared;
 pub mod source;
 pub mod stats;
@@ -204,14 +205,12 @@ impl Cache {
     /// from an earlier run are queued again.
     pub async fn open_with(config: CacheConfig, tiers: Tiers) -> Result<Arc<Cache>, Error> {
         let dir = config.dir.clone();
+        // Nothing per blob before serving: the usage is the index's running
+        // total, and the files are checked against the rows in the
+        // background (`reconcile_live`, started by `spawn_maintenance`).
         let (store, index, usage) = blocking(move || {
             let (store, index) = open_locked(&dir)?;
-            let report = reconcile::reconcile(&store, &index, false, true, unix_ms(SystemTime::now()))?;
-            if report.adopted > 0 || report.bad() > 0 {
-                tracing::warn!(?report, "reconciled the index with the blob files");
-            }
-            let manifest_bytes = index.entries(Kind::Manifest)?.iter().map(|e| e.size).sum::<u64>();
-            let usage = report.blob_bytes + manifest_bytes;
+            let usage = index.usage()?;
             Ok((store, index, usage))
         })
         .await?;
@@ -257,12 +256,15 @@ impl Cache {
     /// evicts when usage crosses the high watermark or a write hit ENOSPC.
     /// Access times are flushed once more on the way out. With a shared
     /// tier, its upload queue runs beside, in its own task, so an upload
-    /// never delays access times or eviction.
+    /// never delays access times or eviction; so does the start-up check
+    /// of the blob files against the index.
     pub fn spawn_maintenance(self: &Arc<Self>, mut shutdown: crate::shutdown::Shutdown) -> tokio::task::JoinHandle<()> {
         let cache = Arc::clone(self);
         if let Some((_, uploads)) = &self.shared {
             uploads.spawn(shutdown.clone());
         }
+        let (checker, stop) = (Arc::clone(self), shutdown.clone());
+        tokio::spawn(async move { checker.reconcile_live(&stop).await });
         tokio::spawn(async move {
             loop {
                 let stopping = tokio::select! {

@@ -4,15 +4,22 @@
 //! without its file or a file with the wrong content. Temp files are swept
 //! by [`Store::prepare`](super::disk::Store::prepare).
 //!
+//! The work goes one shard folder (`blobs/sha256/<xx>/`) at a time, against
+//! the index rows of the same prefix, so memory stays at one folder's worth
+//! at 10^6 blobs. [`reconcile`] is the offline pass (`larder verify`, the
+//! cache folder to itself); a running larder does the same shard by shard
+//! in the background after it is already serving (`Cache::reconcile_live`),
+//! with the checks that make it safe beside fills and evictions.
+//!
 //! Synchronous, like the index: run it inside `spawn_blocking`.
 
 use std::collections::HashSet;
 use std::fs::File;
 use std::io::Read;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::disk::Store;
-use super::index::{Entry, Index, Kind};
+use super::index::{Index, Kind};
 use crate::error::Error;
 use crate::oci::{Digest, Hasher};
 
@@ -40,104 +47,159 @@ impl Report {
     pub fn bad(&self) -> u64 {
         self.bad_rows + self.bad_files
     }
+
+    fn bad_file(&mut self, path: &Path, problem: &str) {
+        self.bad_files += 1;
+        self.problems.push(format!("{}: {problem}", path.display()));
+    }
+
+    pub(super) fn bad_row(&mut self, digest: &Digest, problem: &str) {
+        self.bad_rows += 1;
+        self.problems.push(format!("{digest}: {problem}"));
+    }
 }
 
-/// Compares the index with the files. `rehash` re-reads every indexed file
-/// and checks its size and digest (slow: `larder verify`). Without it
-/// (start-up) a row only needs its file to exist: one walk of the blob
-/// folders instead of a `stat` per row, which was most of the start-up
-/// time at 10^6 blobs (benches/startup.rs). A file of the wrong size is
-/// then caught when it is first opened, which drops its row. `repair`
-/// removes bad rows and files and indexes adopted ones; without it,
-/// nothing is changed.
-pub fn reconcile(store: &Store, index: &Index, rehash: bool, repair: bool, now_ms: u64) -> Result<Report, Error> {
-    let mut report = Report::default();
+/// How one shard folder and the index rows of its prefix disagree.
+#[derive(Debug, Default)]
+pub struct ShardDiff {
+    /// Rows whose file is there (and, rehashing, right): count and bytes.
+    pub ok: u64,
+    pub ok_bytes: u64,
+    /// Rows whose file is missing (or, rehashing, wrong), with the problem.
+    pub bad_rows: Vec<(Digest, String)>,
+    /// Files named like a blob of this shard that have no row.
+    pub orphans: Vec<Digest>,
+    /// Files in the folder that are not named like one of its blobs.
+    pub junk: Vec<PathBuf>,
+}
 
-    // Every file named like a blob, in its right folder; others are bad.
+/// Compares shard `shard` (two hex digits) with its rows. The folder is
+/// listed before the rows are read, so beside a running larder a blob
+/// committed in between shows up as a bad row: the caller checks again.
+/// `rehash` re-reads every indexed file and checks size and digest (slow:
+/// `larder verify`); without it a row only needs its file to exist (a file
+/// of the wrong size is caught when it is first opened, which drops its row).
+pub fn compare_shard(store: &Store, index: &Index, shard: &str, rehash: bool) -> Result<ShardDiff, Error> {
+    let mut diff = ShardDiff::default();
     let mut files: HashSet<Digest> = HashSet::new();
-    store.visit_blob_files(|path| {
+    for path in store.shard_files(shard)? {
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
         match format!("sha256:{name}").parse::<Digest>().ok().filter(|d| store.blob_path(d) == path) {
             Some(d) => {
                 files.insert(d);
             }
-            None => {
-                report.bad_files += 1;
-                report.problems.push(format!("{}: not a blob file name", path.display()));
-                if repair {
-                    std::fs::remove_file(&path)?;
-                }
-            }
+            None => diff.junk.push(path),
         }
-        Ok(())
-    })?;
-
-    // Every row against its file; what is left in `files` has no row.
-    let mut bad_entries: Vec<Entry> = Vec::new();
-    for row in index.entries(Kind::Blob)? {
-        let problem = if !files.remove(&row.digest) {
+    }
+    for (digest, size) in index.blobs_under(shard)? {
+        let problem = if !files.remove(&digest) {
             Some("file is missing".to_owned())
         } else if rehash {
-            let path = store.blob_path(&row.digest);
-            match std::fs::metadata(&path) {
-                Err(e) => Some(format!("cannot stat: {e}")),
-                Ok(m) if m.len() != row.size => Some(format!("file has {} bytes, index says {}", m.len(), row.size)),
-                Ok(_) => match hash_file(&path) {
-                    Ok(d) if d == row.digest => None,
-                    Ok(d) => Some(format!("content hashes to {d}")),
-                    Err(e) => Some(format!("cannot read: {e}")),
-                },
-            }
+            check_file(&store.blob_path(&digest), &digest, size)
         } else {
             None
         };
         match problem {
             None => {
-                report.ok += 1;
-                report.blob_bytes += row.size;
+                diff.ok += 1;
+                diff.ok_bytes += size;
             }
-            Some(p) => {
-                report.bad_rows += 1;
-                report.problems.push(format!("{}: {p}", row.digest));
-                bad_entries.push(row);
-            }
+            Some(p) => diff.bad_rows.push((digest, p)),
         }
     }
-    if repair && !bad_entries.is_empty() {
-        let keys: Vec<(Kind, Digest)> = bad_entries.iter().map(|e| (e.kind, e.digest)).collect();
-        index.remove_content(&keys)?;
-        for e in &bad_entries {
-            let _ = std::fs::remove_file(store.blob_path(&e.digest));
-        }
-    }
+    diff.orphans = files.into_iter().collect();
+    diff.orphans.sort();
+    Ok(diff)
+}
 
-    // Files without a row: a crash between rename and index commit leaves
-    // a correct one; anything else is bad.
+/// Why the file at `path` is not the blob `digest` of `size` bytes, if it is not.
+fn check_file(path: &Path, digest: &Digest, size: u64) -> Option<String> {
+    match std::fs::metadata(path) {
+        Err(e) => Some(format!("cannot stat: {e}")),
+        Ok(m) if m.len() != size => Some(format!("file has {} bytes, index says {size}", m.len())),
+        Ok(_) => match hash_file(path) {
+            Ok(d) if d == *digest => None,
+            Ok(d) => Some(format!("content hashes to {d}")),
+            Err(e) => Some(format!("cannot read: {e}")),
+        },
+    }
+}
+
+/// Files without a row: a crash between rename and index commit leaves a
+/// correct one, which is indexed (`repair`); anything else is bad and
+/// removed (`repair`). A digest that has a row by now (committed meanwhile)
+/// is left alone. Returns the bytes newly indexed.
+pub fn settle_orphans(
+    store: &Store,
+    index: &Index,
+    orphans: &[Digest],
+    repair: bool,
+    now_ms: u64,
+    report: &mut Report,
+) -> Result<u64, Error> {
     let mut adopted = Vec::new();
-    for d in files {
-        let path = store.blob_path(&d);
+    for d in orphans {
+        if index.blob_size(d)?.is_some() {
+            continue;
+        }
+        let path = store.blob_path(d);
         match hash_file(&path) {
-            Ok(actual) if actual == d => {
+            Ok(actual) if actual == *d => {
                 let size = std::fs::metadata(&path)?.len();
                 report.adopted += 1;
                 report.blob_bytes += size;
-                adopted.push((d, size));
+                adopted.push((*d, size));
             }
             Ok(actual) => {
-                report.bad_files += 1;
-                report.problems.push(format!("{}: unindexed file hashes to {actual}", path.display()));
+                report.bad_file(&path, &format!("unindexed file hashes to {actual}"));
                 if repair {
-                    std::fs::remove_file(&path)?;
+                    store.remove_blob(d)?;
                 }
             }
-            Err(e) => {
-                report.bad_files += 1;
-                report.problems.push(format!("{}: cannot read: {e}", path.display()));
-            }
+            // Gone meanwhile (evicted): nothing to settle.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => report.bad_file(&path, &format!("cannot read: {e}")),
         }
     }
     if repair && !adopted.is_empty() {
-        index.adopt_blobs(&adopted, now_ms)?;
+        return Ok(index.adopt_blobs(&adopted, now_ms)?);
+    }
+    Ok(0)
+}
+
+/// Removes files that are no blob at all (when repairing), reporting each.
+pub fn settle_junk(paths: &[PathBuf], problem: &str, repair: bool, report: &mut Report) -> Result<(), Error> {
+    for path in paths {
+        report.bad_file(path, problem);
+        if repair {
+            std::fs::remove_file(path)?;
+        }
+    }
+    Ok(())
+}
+
+/// The offline pass over the whole store, shard by shard: `repair` removes
+/// bad rows and files and indexes adopted ones; without it, nothing is
+/// changed. Needs the cache folder to itself.
+pub fn reconcile(store: &Store, index: &Index, rehash: bool, repair: bool, now_ms: u64) -> Result<Report, Error> {
+    let mut report = Report::default();
+    settle_junk(&store.stray_files()?, "not in a shard folder", repair, &mut report)?;
+    for shard in Store::shards() {
+        let diff = compare_shard(store, index, &shard, rehash)?;
+        report.ok += diff.ok;
+        report.blob_bytes += diff.ok_bytes;
+        settle_junk(&diff.junk, "not a blob file name", repair, &mut report)?;
+        for (digest, problem) in &diff.bad_rows {
+            report.bad_row(digest, problem);
+        }
+        if repair && !diff.bad_rows.is_empty() {
+            let keys: Vec<(Kind, Digest)> = diff.bad_rows.iter().map(|(d, _)| (Kind::Blob, *d)).collect();
+            index.remove_content(&keys)?;
+            for (d, _) in &diff.bad_rows {
+                store.remove_blob(d)?;
+            }
+        }
+        settle_orphans(store, index, &diff.orphans, repair, now_ms, &mut report)?;
     }
     Ok(report)
 }
