@@ -1943,18 +1943,26 @@ def check_dashboard() -> None:
         return
     check("[dashboard] larder.json parses", True)
     exprs = []
+    ids = []
 
     def walk(p: dict) -> None:
+        ids.append(p["id"])
         exprs.extend(t["expr"] for t in p.get("targets", []) if "expr" in t)
         for sub in p.get("panels", []):
             walk(sub)
 
     for p in dash["panels"]:
         walk(p)
-    used = {re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"\blarder_[a-z_]+", e)}
-    # The metric table in the project README is the reference.
+
+    def metrics_in(exprs: list[str]) -> set[str]:
+        return {re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"\blarder_[a-z_]+", e)}
+
+    used = metrics_in(exprs)
+    # The metric table in the project README is the reference; a row may
+    # name several metrics in its first cell (`larder_peers_up`, `larder_peers_down`).
     readme = (ROOT / "README.md").read_text() if (ROOT / "README.md").is_file() else ""
-    documented = set(re.findall(r"^\| `(larder_[a-z_]+)`", readme, re.M))
+    first_cells = re.findall(r"^\| (`larder_[^|]*)\|", readme, re.M)
+    documented = {m for cell in first_cells for m in re.findall(r"`(larder_[a-z_]+)`", cell)}
     check("[dashboard] README lists metrics", documented, "no metric table in README.md")
     check(
         "[dashboard] every metric the dashboard uses is documented",
@@ -1973,8 +1981,42 @@ def check_dashboard() -> None:
         "larder_upstream_request_duration_seconds",
     ):
         check(f"[dashboard] uses {needed}", needed in used)
-    ids = [p["id"] for p in dash["panels"]]
-    check("[dashboard] panel ids unique", len(ids) == len(set(ids)))
+    check("[dashboard] panel ids unique, row panels included", len(ids) == len(set(ids)), ids)
+
+    # The Cluster row: collapsed (empty without cluster mode), with a panel
+    # for each part of the cluster tier.
+    rows = {p["title"]: p for p in dash["panels"] if p["type"] == "row"}
+    row = rows.get("Cluster")
+    if not check("[dashboard] a Cluster row", row is not None, sorted(rows)):
+        return
+    check("[dashboard] the Cluster row is collapsed", row.get("collapsed") is True)
+    in_row = metrics_in([t["expr"] for p in row["panels"] for t in p.get("targets", [])])
+    for needed in (
+        "larder_peer_requests_total",
+        "larder_peers_up",
+        "larder_peers_down",
+        "larder_peers_marked_down_total",
+        "larder_peer_bytes_total",
+        "larder_shared_requests_total",
+        "larder_shared_bytes_total",
+        "larder_shared_uploads_total",
+        "larder_pending_uploads",
+        "larder_shared_corrupt_total",
+    ):
+        check(f"[dashboard] Cluster row uses {needed}", needed in in_row, sorted(in_row))
+    by_title = {p["title"]: p["targets"][0]["expr"] for p in row["panels"]}
+    check(
+        "[dashboard] peer requests by direction and result",
+        "sum by (direction, result)" in by_title.get("Peer requests by direction and result", ""),
+        by_title,
+    )
+    check(
+        "[dashboard] shared-tier requests by operation and result",
+        "sum by (op, result)" in by_title.get("Shared tier requests by operation and result", ""),
+        by_title,
+    )
+    bottom = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in dash["panels"] if p is not row)
+    check("[dashboard] the Cluster row comes last", row["gridPos"]["y"] == bottom, row["gridPos"])
 
 
 def check_docs() -> None:
