@@ -33,6 +33,15 @@ What it does:
     logs are JSON, SIGTERM ends it with status 0;
   * runs the rendered node setup script against temporary folders and reads
     back the hosts.toml files it writes;
+  * cluster mode (issue 11): cluster.enabled renders `[cluster]` with the
+    peers' headless Service (the peer port in no client-facing Service),
+    a generated cluster Secret (kept across upgrades: rendered again with
+    `lookup` answering the Secret) or an existing one, `[shared]` with its
+    keys from a Secret or the environment, the peer NetworkPolicy (who may
+    reach which port, evaluated from the rendered policies), and node
+    mirrors going through a hub (`via`); larder accepts every such
+    larder.toml, and runs the cluster one: its peer port refuses a request
+    without the secret and takes the mounted one;
   * checks that invalid values are refused at render time;
   * checks dashboards/larder.json parses and uses only metrics listed in the
     project README's metric table, and that every value in values.yaml is
@@ -46,11 +55,13 @@ is 1 when anything failed.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -206,14 +217,19 @@ def larder_bin() -> Path | None:
 LARDER: Path | None = None
 
 
-def check_config(label: str, toml_text: str, expect_ok: bool = True) -> None:
-    """Runs `larder check-config` on toml_text.
+# The pod's environment for `${POD_IP}` in `[cluster] self`.
+POD_ENV = {"POD_IP": "10.0.0.7"}
 
-    The in-pod paths of password_file and ca_file are recreated under a
-    temporary folder (dummy contents) and the TOML is rewritten to point
-    there, because check-config reads the password file and requires the CA
-    file to exist. With expect_ok=False the TOML is checked as rendered and
-    must be refused.
+
+def check_config(label: str, toml_text: str, expect_ok: bool = True, env: dict[str, str] | None = None) -> None:
+    """Runs `larder check-config` on toml_text, with the pod's environment
+    (POD_ENV, or `env`) added to this process's.
+
+    The in-pod paths of password_file, ca_file and the other secret files
+    are recreated under a temporary folder (dummy contents) and the TOML is
+    rewritten to point there, because check-config reads the secret files
+    and requires the CA file to exist. With expect_ok=False the TOML is
+    checked as rendered and must be refused.
     """
     if LARDER is None:
         check(f"[{label}] larder check-config", False, "no larder binary")
@@ -236,17 +252,17 @@ def check_config(label: str, toml_text: str, expect_ok: bool = True) -> None:
             for u in tables:
                 for key, content in files:
                     if key in u:
-                        inside = Path(tmp) / u[key].lstrip("/")
-                        inside.parent.mkdir(parents=True, exist_ok=True)
-                        inside.write_text(content)
-                        quoted = json.dumps(u[key])
-                        assert quoted in text, quoted
-                        text = text.replace(quoted, json.dumps(str(inside)))
+                        text = _recreate_file(text, u[key], content, Path(tmp))
             text = _rewrite_admin_token(parsed, text, Path(tmp))
+            text = _rewrite_cluster_files(parsed, text, Path(tmp))
         cfg = Path(tmp) / "larder.toml"
         cfg.write_text(text)
         p = subprocess.run(
-            [str(LARDER), "check-config", "--config", str(cfg)], capture_output=True, text=True, timeout=30
+            [str(LARDER), "check-config", "--config", str(cfg)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, **(POD_ENV if env is None else env)},
         )
         out = (p.stdout + p.stderr).strip()
         if expect_ok:
@@ -267,6 +283,30 @@ def _rewrite_admin_token(parsed: dict, text: str, tmp: Path) -> str:
     return text.replace(json.dumps(in_pod), json.dumps(str(outside)))
 
 
+def _recreate_file(text: str, in_pod: str, content: str, tmp: Path) -> str:
+    """Writes `content` at the in-pod path `in_pod` under tmp and points the
+    TOML (every place it names that path) there."""
+    outside = tmp / in_pod.lstrip("/")
+    outside.parent.mkdir(parents=True, exist_ok=True)
+    outside.write_text(content)
+    quoted = json.dumps(in_pod)
+    assert quoted in text, quoted
+    return text.replace(quoted, json.dumps(str(outside)))
+
+
+def _rewrite_cluster_files(parsed: dict, text: str, tmp: Path) -> str:
+    """Recreates the Secret mounts `[cluster] secret_file` and `[shared]`'s
+    key files name (a Kubernetes Secret's file ends in no newline) under
+    tmp, and points the TOML there."""
+    if "cluster" in parsed:
+        text = _recreate_file(text, parsed["cluster"]["secret_file"], "chart-test-cluster-secret-0123456789", tmp)
+    shared = parsed.get("shared", {})
+    for key, content in (("access_key_id_file", "GKchart0test0key"), ("secret_access_key_file", "chart-test-s3")):
+        if key in shared:
+            text = _recreate_file(text, shared[key], content, tmp)
+    return text
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -277,9 +317,9 @@ def free_port() -> int:
 _direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def http_status(url: str) -> int | str:
+def http_status(url: str, headers: dict[str, str] | None = None) -> int | str:
     try:
-        with _direct.open(url, timeout=5) as resp:
+        with _direct.open(urllib.request.Request(url, headers=headers or {}), timeout=5) as resp:
             return resp.status
     except urllib.error.HTTPError as e:
         return e.code
@@ -292,23 +332,28 @@ def run_larder(label: str, toml_text: str, args: list[str]) -> None:
     larder.toml with the listeners moved to free 127.0.0.1 ports and the
     cache to a temporary folder; checks the probe endpoints, /metrics and
     the registry API answer and the logs are JSON, then that SIGTERM ends
-    it with status 0 within shutdown_grace."""
+    it with status 0 within shutdown_grace. With `[cluster]`, the peer
+    listener moves too (POD_IP is 127.0.0.1), and it must refuse a request
+    without the cluster secret and take one with the secret file's content."""
     if LARDER is None:
         check(f"[{label}] larder runs", False, "no larder binary")
         return
     with tempfile.TemporaryDirectory(prefix="larder-chart-run-") as tmp:
         conf = tomllib.loads(toml_text)
-        addr, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        addr, admin, peer = (f"127.0.0.1:{free_port()}" for _ in range(3))
         text = toml_text
         for key, value in (("listen", addr), ("admin_listen", admin)):
             text = text.replace(f"{key} = {json.dumps(conf['server'][key])}", f"{key} = {json.dumps(value)}")
+        if "cluster" in conf:
+            text = text.replace(f"listen = {json.dumps(conf['cluster']['listen'])}", f"listen = {json.dumps(peer)}")
         text = text.replace('dir = "/var/lib/larder"', f"dir = {json.dumps(str(Path(tmp) / 'cache'))}")
         text = _rewrite_admin_token(conf, text, Path(tmp))
+        text = _rewrite_cluster_files(conf, text, Path(tmp))
         cfg, log = Path(tmp) / "larder.toml", Path(tmp) / "larder.log"
         cfg.write_text(text)
         argv = [str(LARDER)] + [str(cfg) if a == "/etc/larder/larder.toml" else a for a in args]
         with open(log, "w") as log_file:
-            proc = subprocess.Popen(argv, stdout=log_file, stderr=log_file)
+            proc = subprocess.Popen(argv, stdout=log_file, stderr=log_file, env={**os.environ, "POD_IP": "127.0.0.1"})
         try:
             deadline = time.monotonic() + 20
             status: int | str = "not started"
@@ -325,6 +370,18 @@ def run_larder(label: str, toml_text: str, args: list[str]) -> None:
                 status = http_status(url)
                 port = "admin" if admin in url else "registry"
                 check(f"[{label}] GET /{url.split('/', 3)[3]} on the {port} port: 200", status == 200, status)
+            if "cluster" in conf:
+                secret = {"larder-cluster-secret": "chart-test-cluster-secret-0123456789"}
+                status = http_status(f"http://{peer}/v2/docker.io/library/alpine/manifests/3?ns=docker.io")
+                check(
+                    f"[{label}] the peer port refuses a request without the cluster secret: 401", status == 401, status
+                )
+                status = http_status(f"http://{peer}/v2/?ns=docker.io", secret)
+                check(
+                    f"[{label}] ... and takes the secret file's content (404: /v2/ is no peer path)",
+                    status == 404,
+                    status,
+                )
             proc.send_signal(signal.SIGTERM)
             grace = duration_seconds(conf["server"]["shutdown_grace"])
             try:
@@ -1241,6 +1298,343 @@ def check_credentials() -> None:
     check_config("credentials", r.toml_text(), expect_ok=False)
 
 
+SHARED = {
+    "enabled": True,
+    "bucket": "larder-cache",
+    "prefix": "mirror",
+    "endpoint": "http://garage.storage.svc:3900",
+    "region": "garage",
+    "maxAge": "90d",
+    "credentials": {"existingSecret": "garage-key", "accessKeyIdKey": "id", "secretAccessKeyKey": "secret"},
+}
+
+
+def admitted(r: Rendered, port: str, source: dict, namespace: str = NAMESPACE) -> bool:
+    """Whether the rendered NetworkPolicies let a pod labelled `source` in
+    `namespace` reach the larder pods' named `port`. Pods no policy selects
+    are open; otherwise the selecting policies' ingress rules add up (only
+    matchLabels selectors, which is all the chart writes)."""
+    pod = workload(r)["spec"]["template"]["metadata"]["labels"]
+    policies = [p for p in r.of_kind("NetworkPolicy") if subset(p["spec"]["podSelector"]["matchLabels"], pod)]
+    if not policies:
+        return True
+    namespace_labels = {"kubernetes.io/metadata.name": namespace}
+    for policy in policies:
+        for rule in policy["spec"].get("ingress", []):
+            if not any(p["port"] == port for p in rule.get("ports", [])):
+                continue
+            if "from" not in rule:
+                return True
+            for peer in rule["from"]:
+                ns_sel, pod_sel = peer.get("namespaceSelector"), peer.get("podSelector")
+                in_namespace = (
+                    subset(ns_sel.get("matchLabels", {}), namespace_labels)
+                    if ns_sel is not None
+                    else namespace == NAMESPACE
+                )
+                if in_namespace and (pod_sel is None or subset(pod_sel.get("matchLabels", {}), source)):
+                    return True
+    return False
+
+
+def generated_secret(r: Rendered, name: str, key: str) -> str:
+    return base64.b64decode(r.get("Secret", name)["data"][key]).decode()
+
+
+def render_with_existing_secret(label: str, values: dict, template: str, data: dict[str, str]) -> Rendered | None:
+    """Renders a copy of the chart whose `lookup` of a Secret in `template`
+    answers a Secret holding `data` (base64 values), as a cluster with that
+    Secret would on `helm upgrade`: Helm's offline engine has no cluster to
+    look up."""
+    with tempfile.TemporaryDirectory(prefix="larder-chart-lookup-") as tmp:
+        copy = Path(tmp) / "larder"
+        shutil.copytree(CHART, copy)
+        path = copy / "templates" / template
+        text = path.read_text()
+        call = 'lookup "v1" "Secret" .Release.Namespace $name'
+        if not check(f"[{label}] {template} looks the Secret up", call in text):
+            return None
+        entries = " ".join(f'"{k}" "{v}"' for k, v in data.items())
+        path.write_text(text.replace(call, f'dict "data" (dict {entries})'))
+        try:
+            manifests = helm_python.Chart.load(str(copy)).render(
+                values, name="larder", namespace=NAMESPACE, is_upgrade=True
+            )
+        except helm_python.HelmError as e:
+            check(f"[{label}] renders", False, e)
+            return None
+    return Rendered(label, manifests)
+
+
+def check_cluster() -> None:
+    """cluster.* and shared.*: three replicas as peers through a headless
+    Service, with a shared bucket; larder accepts and runs the config."""
+    L = "cluster"
+    r = render(L, {"replicaCount": 3, "cluster": {"enabled": True}, "shared": SHARED})
+    if not r:
+        return
+    check(
+        f"[{L}] objects: a generated cluster Secret and the peers' headless Service",
+        r.kinds()
+        == [
+            "ConfigMap/larder",
+            "Secret/larder-admin-token",
+            "Secret/larder-cluster-secret",
+            "Service/larder",
+            "Service/larder-admin",
+            "Service/larder-headless",
+            "Service/larder-peers",
+            "ServiceAccount/larder",
+            "StatefulSet/larder",
+        ],
+        r.kinds(),
+    )
+    check_mirror_pod(r, node=False)
+    conf = r.toml()
+    check(
+        f"[{L}] [cluster]: peer listener, self from POD_IP, peers from the headless Service, secret file",
+        conf.get("cluster")
+        == {
+            "listen": "[::]:5001",
+            "self": "http://${POD_IP}:5001",
+            "peers_dns": "larder-peers.cache.svc.cluster.local:5001",
+            "secret_file": "/run/secrets/larder-cluster/secret",
+        },
+        conf.get("cluster"),
+    )
+    check(
+        f"[{L}] [shared]: bucket and prefix as s3:// URL, endpoint, region, key files, max_age",
+        conf.get("shared")
+        == {
+            "url": "s3://larder-cache/mirror",
+            "endpoint": "http://garage.storage.svc:3900",
+            "region": "garage",
+            "access_key_id_file": "/run/secrets/larder-s3/id",
+            "secret_access_key_file": "/run/secrets/larder-s3/secret",
+            "max_age": "90d",
+        },
+        conf.get("shared"),
+    )
+    sts = r.get("StatefulSet", "larder")
+    pod = sts["spec"]["template"]
+    c = container(pod)
+    check(f"[{L}] 3 replicas", sts["spec"]["replicas"] == 3)
+    peer_port = next((p for p in c["ports"] if p["name"] == "peer"), None)
+    check(f"[{L}] container port 'peer' 5001", peer_port == {"name": "peer", "containerPort": 5001, "protocol": "TCP"})
+    pod_ip = next((e for e in c["env"] if e["name"] == "POD_IP"), None)
+    check(
+        f"[{L}] POD_IP is status.podIP",
+        pod_ip == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        pod_ip,
+    )
+
+    # The peer port: only in the peers' headless Service.
+    for name in ("larder", "larder-admin", "larder-headless"):
+        ports = r.get("Service", name)["spec"]["ports"]
+        check(
+            f"[{L}] Service {name} does not carry the peer port",
+            all(p.get("targetPort") != "peer" and p["port"] != 5001 for p in ports),
+            ports,
+        )
+    peers = r.get("Service", "larder-peers")["spec"]
+    check(
+        f"[{L}] larder-peers: headless, ready pods only, one family, port peer 5001",
+        peers.get("clusterIP") == "None"
+        and peers.get("publishNotReadyAddresses") is False
+        and peers.get("ipFamilyPolicy") == "SingleStack"
+        and peers.get("ipFamilies") == ["IPv4"]
+        and peers["ports"] == [{"name": "peer", "port": 5001, "targetPort": "peer", "protocol": "TCP"}],
+        peers,
+    )
+    check(f"[{L}] larder-peers selects the replicas", subset(peers["selector"], pod["metadata"]["labels"]))
+
+    # The generated secret, mounted where secret_file says.
+    secret = generated_secret(r, "larder-cluster-secret", "secret")
+    check(f"[{L}] generated cluster secret: 48 random characters", re.fullmatch(r"[A-Za-z0-9]{48}", secret), secret)
+    again = render(f"{L} again", {"replicaCount": 3, "cluster": {"enabled": True}, "shared": SHARED}, validate=False)
+    if again:
+        check(
+            f"[{L}] offline, each rendering draws a new one (kept on upgrade by lookup, below)",
+            generated_secret(again, "larder-cluster-secret", "secret") != secret,
+        )
+    vol = volume(pod, "cluster-secret")["secret"]
+    check(
+        f"[{L}] cluster secret volume: Secret larder-cluster-secret, key secret, fsGroup-readable",
+        vol
+        == {
+            "secretName": "larder-cluster-secret",
+            "defaultMode": 0o440,
+            "items": [{"key": "secret", "path": "secret"}],
+        },
+        vol,
+    )
+    check(
+        f"[{L}] mounted read-only at /run/secrets/larder-cluster",
+        mount(c, "/run/secrets/larder-cluster")
+        == {
+            "name": "cluster-secret",
+            "mountPath": "/run/secrets/larder-cluster",
+            "readOnly": True,
+        },
+    )
+    kept = render_with_existing_secret(
+        "cluster upgrade",
+        {"replicaCount": 3, "cluster": {"enabled": True}},
+        "cluster-secret.yaml",
+        {"secret": "a2VwdC1hY3Jvc3MtdXBncmFkZXMtMDEyMzQ1Njc4OQ=="},
+    )
+    if kept:
+        check(
+            "[cluster upgrade] the Secret already in the cluster keeps its value",
+            generated_secret(kept, "larder-cluster-secret", "secret") == "kept-across-upgrades-0123456789",
+        )
+
+    # The store's keys from the existing Secret.
+    vol = volume(pod, "shared-credentials")["secret"]
+    check(
+        f"[{L}] shared credentials: Secret garage-key, keys id and secret",
+        vol["secretName"] == "garage-key"
+        and vol["items"] == [{"key": "id", "path": "id"}, {"key": "secret", "path": "secret"}],
+        vol,
+    )
+    check(
+        f"[{L}] mounted read-only at /run/secrets/larder-s3",
+        (mount(c, "/run/secrets/larder-s3") or {}).get("readOnly") is True,
+    )
+    check(
+        f"[{L}] NOTES name the peers Service and the bucket",
+        "larder-peers" in r.notes and "s3://larder-cache/mirror" in r.notes,
+    )
+    check_config(L, r.toml_text())
+    check_config(L, r.toml_text(), expect_ok=False)
+    run_larder(L, r.toml_text(), c["args"])
+
+    L = "cluster, existing secret"
+    r = render(L, {"replicaCount": 2, "cluster": {"enabled": True, "existingSecret": "peers", "secretKey": "token"}})
+    if r:
+        pod = r.get("StatefulSet", "larder")["spec"]["template"]
+        check(f"[{L}] no Secret created", "Secret/larder-cluster-secret" not in r.kinds(), r.kinds())
+        check(
+            f"[{L}] Secret peers, key token, as secret_file",
+            volume(pod, "cluster-secret")["secret"]["secretName"] == "peers"
+            and volume(pod, "cluster-secret")["secret"]["items"] == [{"key": "token", "path": "token"}]
+            and r.toml()["cluster"]["secret_file"] == "/run/secrets/larder-cluster/token",
+        )
+        check(f"[{L}] no shared tier", "shared" not in r.toml())
+        check_config(L, r.toml_text())
+
+    L = "cluster IPv6"
+    r = render(L, {"cluster": {"enabled": True, "ipFamily": "IPv6", "port": 7001}})
+    if r:
+        conf = r.toml()["cluster"]
+        check(
+            f"[{L}] self in brackets, port 7001, the peers Service in IPv6",
+            conf["self"] == "http://[${POD_IP}]:7001"
+            and conf["listen"] == "[::]:7001"
+            and conf["peers_dns"].endswith(":7001")
+            and r.get("Service", "larder-peers")["spec"]["ipFamilies"] == ["IPv6"],
+            conf,
+        )
+        check_config(L, r.toml_text(), env={"POD_IP": "fd00:10:244::7"})
+
+    L = "shared, keys from extraEnv, node mode"
+    env = [
+        {"name": n, "valueFrom": {"secretKeyRef": {"name": "aws-key", "key": n}}}
+        for n in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    ]
+    r = render(
+        L,
+        {"mode": "node", "extraEnv": env, "shared": {"enabled": True, "bucket": "larder-cache", "region": "eu-west-1"}},
+    )
+    if r:
+        check_mirror_pod(r, node=True)
+        check(
+            f"[{L}] [shared] on AWS: no endpoint, no key files",
+            r.toml()["shared"] == {"url": "s3://larder-cache", "region": "eu-west-1"},
+            r.toml()["shared"],
+        )
+        pod = r.get("DaemonSet", "larder")["spec"]["template"]
+        check(f"[{L}] no credentials volume", all(v["name"] != "shared-credentials" for v in pod["spec"]["volumes"]))
+        keys = {"AWS_ACCESS_KEY_ID": "AKIACHARTTEST", "AWS_SECRET_ACCESS_KEY": "chart-test"}
+        check_config(L, r.toml_text(), env=keys)
+        check_config(L, r.toml_text(), expect_ok=False, env={})
+
+
+def check_cluster_network_policy() -> None:
+    """The peer port admits this release's replicas only; the other ports
+    stay as they were."""
+    replica = {
+        "app.kubernetes.io/name": "larder",
+        "app.kubernetes.io/instance": "larder",
+        "app.kubernetes.io/component": "mirror",
+    }
+    other_release = dict(replica, **{"app.kubernetes.io/instance": "other"})
+    client = {"app": "ci-runner"}
+    prometheus = {"app.kubernetes.io/name": "prometheus"}
+
+    L = "cluster NetworkPolicy"
+    r = render(L, {"replicaCount": 3, "cluster": {"enabled": True, "networkPolicy": {"enabled": True}}})
+    if r:
+        check(
+            f"[{L}] one NetworkPolicy: larder-peers",
+            [o["metadata"]["name"] for o in r.of_kind("NetworkPolicy")] == ["larder-peers"],
+        )
+        check(f"[{L}] a replica reaches the peer port", admitted(r, "peer", replica))
+        check(f"[{L}] another release's larder does not", not admitted(r, "peer", other_release))
+        check(f"[{L}] nor does a client pod", not admitted(r, "peer", client))
+        check(f"[{L}] the registry port stays open", admitted(r, "registry", client))
+        check(f"[{L}] the admin port stays open", admitted(r, "admin", client, namespace="elsewhere"))
+
+    L = "cluster + networkPolicy"
+    r = render(
+        L,
+        {
+            "replicaCount": 3,
+            "cluster": {"enabled": True, "networkPolicy": {"enabled": True}},
+            "networkPolicy": {"enabled": True},
+        },
+    )
+    if r:
+        check(f"[{L}] a replica reaches the peer port", admitted(r, "peer", replica))
+        check(f"[{L}] another release's larder does not", not admitted(r, "peer", other_release))
+        check(f"[{L}] the registry port open to clients", admitted(r, "registry", client))
+        check(
+            f"[{L}] the admin port still only for monitoring", not admitted(r, "admin", client, namespace="elsewhere")
+        )
+        check(f"[{L}] ... which reaches it", admitted(r, "admin", prometheus, namespace="monitoring"))
+
+    L = "networkPolicy alone, cluster on"
+    r = render(L, {"replicaCount": 2, "cluster": {"enabled": True}, "networkPolicy": {"enabled": True}})
+    if r:
+        check(f"[{L}] the release's policy admits the replicas to the peer port", admitted(r, "peer", replica))
+        check(f"[{L}] and nobody else", not admitted(r, "peer", other_release) and not admitted(r, "peer", client))
+
+
+def check_hub() -> None:
+    """hub.url: the node DaemonSet sends every upstream to the cluster's hub."""
+    hub = "http://larder.larder.svc.cluster.local:5000"
+    L = "node via hub"
+    r = render(L, {"mode": "node", "hub": {"url": hub}})
+    if not r:
+        return
+    check_mirror_pod(r, node=True)
+    ups = r.toml()["upstream"]
+    check(f"[{L}] via on every upstream", [u.get("via") for u in ups] == [hub] * 4, ups)
+    check(
+        f"[{L}] names and urls unchanged (the hub routes by ?ns=<name>)",
+        [(u["name"], u["url"]) for u in ups] == [(u["name"], u["url"]) for u in render_values()["upstreams"]],
+    )
+    check(f"[{L}] NOTES name the hub", f"all through the hub {hub}" in r.notes)
+    check_config(L, r.toml_text())
+    r = render("deployment without hub", {})
+    if r:
+        check("[deployment without hub] no via", all("via" not in u for u in r.toml()["upstream"]))
+
+
+def render_values() -> dict:
+    return yaml.safe_load((CHART / "values.yaml").read_text())
+
+
 def check_persistence() -> None:
     r = render("persistence disabled", {"persistence": {"enabled": False, "emptyDirSizeLimit": "10Gi"}})
     if r:
@@ -1465,6 +1859,55 @@ def check_refused() -> None:
             {"podDisruptionBudget": {"enabled": True, "maxUnavailable": 0}},
             "never allows an eviction",
         ),
+        # Cluster mode, the shared tier and the hub (issue 11).
+        (
+            "cluster in node mode",
+            {"mode": "node", "cluster": {"enabled": True}},
+            "cluster.enabled is for deployment mode",
+        ),
+        ("peer port = registry port", {"cluster": {"enabled": True, "port": 5000}}, "must differ from ports.registry"),
+        ("peer port = admin port", {"cluster": {"enabled": True, "port": 9090}}, "must differ from ports.registry"),
+        ("peer port out of range", {"cluster": {"enabled": True, "port": 70000}}, "/cluster/port"),
+        ("unknown IP family", {"cluster": {"enabled": True, "ipFamily": "IPv5"}}, "/cluster/ipFamily"),
+        ("a path as the secret key", {"cluster": {"enabled": True, "secretKey": "../token"}}, "/cluster/secretKey"),
+        ("a static peer list (not a chart value)", {"cluster": {"peers": ["http://10.0.0.1:5001"]}}, "peers"),
+        ("shared tier without a bucket", {"shared": dict(SHARED, bucket="")}, "shared.bucket is required"),
+        ("bucket name with capitals", {"shared": dict(SHARED, bucket="Larder_Cache")}, "/shared/bucket"),
+        ("shared tier without a region", {"shared": dict(SHARED, region="")}, "shared.region is required"),
+        ("shared tier without credentials", {"shared": dict(SHARED, credentials={})}, "needs credentials"),
+        (
+            "one key for both credentials",
+            {
+                "shared": dict(
+                    SHARED, credentials={"existingSecret": "k", "accessKeyIdKey": "k", "secretAccessKeyKey": "k"}
+                )
+            },
+            "name the same key",
+        ),
+        ("max_age under an hour", {"shared": dict(SHARED, maxAge="30m")}, "must be at least 1h"),
+        ("max_age in words", {"shared": dict(SHARED, maxAge="90 days")}, "/shared/maxAge"),
+        (
+            "endpoint with a bucket path",
+            {"shared": dict(SHARED, endpoint="http://garage:3900/larder-cache")},
+            "/shared/endpoint",
+        ),
+        ("prefix with '..'", {"shared": dict(SHARED, prefix="a/../b")}, "/shared/prefix"),
+        (
+            "allow_http is not a value (the endpoint's scheme says it)",
+            {"shared": dict(SHARED, allowHttp=True)},
+            "allowHttp",
+        ),
+        (
+            "upstream credentials behind a hub",
+            {
+                "mode": "node",
+                "hub": {"url": "http://hub:5000"},
+                "upstreams": [dict(hub, credentials={"username": "u", "existingSecret": "s"})],
+            },
+            "holds the credentials",
+        ),
+        ("hub URL with a path", {"mode": "node", "hub": {"url": "http://hub:5000/v2"}}, "/hub/url"),
+        ("the release as its own hub", {"hub": {"url": "http://larder.cache.svc:5000"}}, "loop"),
     ]
     for label, values, needle in cases:
         err = render_error(values)
@@ -1475,6 +1918,16 @@ def check_lint() -> None:
     for label, values in (
         ("default", None),
         ("node", {"mode": "node", "node": {"hostNetwork": True}, "nodeSetup": {"enabled": True}}),
+        (
+            "cluster",
+            {
+                "replicaCount": 3,
+                "cluster": {"enabled": True, "networkPolicy": {"enabled": True}},
+                "networkPolicy": {"enabled": True},
+                "shared": SHARED,
+            },
+        ),
+        ("node via hub", {"mode": "node", "hub": {"url": "http://larder.larder.svc:5000"}}),
     ):
         report = helm_python.lint(str(CHART), values, strict=True, kube_version=f"v{KUBE_VERSION}.0")
         bad = [m for m in report.get("messages", []) if m.get("severity", 0) >= 2]
@@ -1490,18 +1943,26 @@ def check_dashboard() -> None:
         return
     check("[dashboard] larder.json parses", True)
     exprs = []
+    ids = []
 
     def walk(p: dict) -> None:
+        ids.append(p["id"])
         exprs.extend(t["expr"] for t in p.get("targets", []) if "expr" in t)
         for sub in p.get("panels", []):
             walk(sub)
 
     for p in dash["panels"]:
         walk(p)
-    used = {re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"\blarder_[a-z_]+", e)}
-    # The metric table in the project README is the reference.
+
+    def metrics_in(exprs: list[str]) -> set[str]:
+        return {re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"\blarder_[a-z_]+", e)}
+
+    used = metrics_in(exprs)
+    # The metric table in the project README is the reference; a row may
+    # name several metrics in its first cell (`larder_peers_up`, `larder_peers_down`).
     readme = (ROOT / "README.md").read_text() if (ROOT / "README.md").is_file() else ""
-    documented = set(re.findall(r"^\| `(larder_[a-z_]+)`", readme, re.M))
+    first_cells = re.findall(r"^\| (`larder_[^|]*)\|", readme, re.M)
+    documented = {m for cell in first_cells for m in re.findall(r"`(larder_[a-z_]+)`", cell)}
     check("[dashboard] README lists metrics", documented, "no metric table in README.md")
     check(
         "[dashboard] every metric the dashboard uses is documented",
@@ -1520,8 +1981,42 @@ def check_dashboard() -> None:
         "larder_upstream_request_duration_seconds",
     ):
         check(f"[dashboard] uses {needed}", needed in used)
-    ids = [p["id"] for p in dash["panels"]]
-    check("[dashboard] panel ids unique", len(ids) == len(set(ids)))
+    check("[dashboard] panel ids unique, row panels included", len(ids) == len(set(ids)), ids)
+
+    # The Cluster row: collapsed (empty without cluster mode), with a panel
+    # for each part of the cluster tier.
+    rows = {p["title"]: p for p in dash["panels"] if p["type"] == "row"}
+    row = rows.get("Cluster")
+    if not check("[dashboard] a Cluster row", row is not None, sorted(rows)):
+        return
+    check("[dashboard] the Cluster row is collapsed", row.get("collapsed") is True)
+    in_row = metrics_in([t["expr"] for p in row["panels"] for t in p.get("targets", [])])
+    for needed in (
+        "larder_peer_requests_total",
+        "larder_peers_up",
+        "larder_peers_down",
+        "larder_peers_marked_down_total",
+        "larder_peer_bytes_total",
+        "larder_shared_requests_total",
+        "larder_shared_bytes_total",
+        "larder_shared_uploads_total",
+        "larder_pending_uploads",
+        "larder_shared_corrupt_total",
+    ):
+        check(f"[dashboard] Cluster row uses {needed}", needed in in_row, sorted(in_row))
+    by_title = {p["title"]: p["targets"][0]["expr"] for p in row["panels"]}
+    check(
+        "[dashboard] peer requests by direction and result",
+        "sum by (direction, result)" in by_title.get("Peer requests by direction and result", ""),
+        by_title,
+    )
+    check(
+        "[dashboard] shared-tier requests by operation and result",
+        "sum by (op, result)" in by_title.get("Shared tier requests by operation and result", ""),
+        by_title,
+    )
+    bottom = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in dash["panels"] if p is not row)
+    check("[dashboard] the Cluster row comes last", row["gridPos"]["y"] == bottom, row["gridPos"])
 
 
 def check_docs() -> None:
@@ -1590,6 +2085,9 @@ def main() -> int:
         check_extras,
         check_credentials,
         check_exposure,
+        check_cluster,
+        check_cluster_network_policy,
+        check_hub,
         check_persistence,
         check_pdb_and_bind,
         check_grace,

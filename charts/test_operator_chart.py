@@ -23,7 +23,8 @@ What it does:
     sidecar (init container, restartPolicy Always, startup probe on the
     admin port), the loopback registry port, the volumes, and dockerd's
     daemon.json pointing at the sidecar; `larder check-config` accepts the
-    sidecar's larder.toml.
+    sidecar's larder.toml, also with hub.url (`via` on every upstream);
+    cluster.enabled and shared.enabled are refused for a sidecar.
 
 `--emit DIR` renders the example with its default values and writes the
 sidecar's larder.toml and dockerd's daemon.json into DIR (used by
@@ -331,6 +332,21 @@ def check_sidecar() -> None:
     check("[sidecar, plain container, claim] mirror follows it", daemon["registry-mirrors"] == ["http://127.0.0.1:5055"])
     check("[sidecar, plain container, claim] daemonConfig merged", daemon.get("max-concurrent-downloads") == 6)
     check_config("sidecar, credentials", larder_toml, {"/run/secrets/larder/docker.io/password": "s3cret\n"})
+
+    # A runner's sidecar in front of the cluster's hub: every upstream goes there.
+    hub = "http://larder.larder.svc.cluster.local:5000"
+    larder_toml, _ = sidecar_files(example({"larder": {"hub": {"url": hub}}}))
+    upstreams = tomllib.loads(larder_toml)["upstream"]
+    check("[sidecar via hub] via on every upstream", [u.get("via") for u in upstreams] == [hub], upstreams)
+    check_config("sidecar via hub", larder_toml, {})
+    # No peers and no store keys in one pod's sidecar: refused, not ignored.
+    for key in ("cluster", "shared"):
+        try:
+            example({"larder": {key: {"enabled": True}}})
+            err = None
+        except helm_python.HelmError as e:
+            err = str(e)
+        check(f"[sidecar] {key}.enabled refused", err is not None and "not for the larder sidecar" in err, err)
 
 
 def emit(directory: Path) -> int:

@@ -1,7 +1,9 @@
 //! A real Prometheus (Debian's `prometheus`) scrapes a larder under real
 //! pulls, with larder's alert rules loaded: every expression of the
 //! Grafana dashboard returns data through Prometheus's HTTP API, and every
-//! alert rule evaluates without error against larder's real series.
+//! alert rule evaluates without error against larder's real series. The
+//! dashboard's Cluster row is checked the same way against a real cluster:
+//! two replicas that are peers, sharing a Garage bucket.
 
 mod common;
 
@@ -9,8 +11,9 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::metrics::admin_address;
 use common::process::LoggedChild;
-use common::{Admin, ImageBuilder, KIB, Larder, Origin, free_port, http, skopeo, which};
+use common::{Admin, Cluster, Garage, ImageBuilder, KIB, Larder, Origin, free_port, http, skopeo, which};
 
 /// Scrape and rule evaluation interval: short, so the test is quick.
 const SCRAPE_INTERVAL: &str = "1s";
@@ -24,15 +27,15 @@ struct Prometheus {
 }
 
 impl Prometheus {
-    /// Starts Prometheus scraping `target` (host:port of /metrics) as job
+    /// Starts Prometheus scraping `targets` (host:port of /metrics) as job
     /// "larder", with larder's alert rules.
-    async fn start(target: &str) -> Prometheus {
+    async fn start(targets: &[String]) -> Prometheus {
         let dir = tempfile::Builder::new().prefix("larder-prometheus-").tempdir().expect("temp dir");
         let rules = Path::new(env!("CARGO_MANIFEST_DIR")).join("charts/larder/alerts/larder.rules.yaml");
         let config = format!(
             "global:\n  scrape_interval: {SCRAPE_INTERVAL}\n  evaluation_interval: {SCRAPE_INTERVAL}\n\
              rule_files:\n  - {rules:?}\n\
-             scrape_configs:\n  - job_name: larder\n    static_configs:\n      - targets: [{target:?}]\n",
+             scrape_configs:\n  - job_name: larder\n    static_configs:\n      - targets: {targets:?}\n",
             rules = rules.display().to_string()
         );
         let config_path = dir.path().join("prometheus.yml");
@@ -72,8 +75,13 @@ impl Prometheus {
     }
 }
 
-/// Every `expr` of the dashboard's panels, with the Grafana variables filled in.
-fn dashboard_expressions() -> Vec<String> {
+/// The dashboard row whose panels only a cluster (peers and a shared tier) fills.
+const CLUSTER_ROW: &str = "Cluster";
+
+/// Every `expr` of the dashboard's panels in the row titled `row` (or, with
+/// `None`, in every other row), with the Grafana variables filled in. A
+/// panel belongs to the last row above it, or to its collapsed row.
+fn dashboard_expressions(row: Option<&str>) -> Vec<String> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("charts/larder/dashboards/larder.json");
     let dashboard: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&path).expect("read the dashboard")).expect("dashboard JSON");
@@ -88,8 +96,18 @@ fn dashboard_expressions() -> Vec<String> {
         }
     }
     let mut exprs = Vec::new();
+    let mut current_row = "";
     for panel in dashboard["panels"].as_array().expect("panels") {
-        walk(panel, &mut exprs);
+        if panel["type"] == "row" {
+            current_row = panel["title"].as_str().unwrap_or_default();
+        }
+        let wanted = match row {
+            Some(title) => current_row == title,
+            None => current_row != CLUSTER_ROW,
+        };
+        if wanted {
+            walk(panel, &mut exprs);
+        }
     }
     exprs
         .into_iter()
@@ -105,7 +123,7 @@ async fn prometheus_scrapes_larder_and_every_dashboard_query_and_alert_rule_work
     // A small cache, so that the big image evicts: the eviction panel has data.
     let (builder, admin) = Admin::open(Larder::builder().upstream(&origin).max_size("2MiB"));
     let larder = builder.start().await;
-    let prometheus = Prometheus::start(&format!("127.0.0.1:{}", admin.port)).await;
+    let prometheus = Prometheus::start(&[format!("127.0.0.1:{}", admin.port)]).await;
 
     // Scraping has begun (Prometheus applies new targets within ~5 s), so
     // every counter's history starts before the traffic.
@@ -119,7 +137,7 @@ async fn prometheus_scrapes_larder_and_every_dashboard_query_and_alert_rule_work
     skopeo::pull(&larder.image_ref("team/big:v1"), false).await.expect("pull past the cache size");
     prometheus.query_until_data("larder_cache_evictions_total > 0").await;
 
-    let expressions = dashboard_expressions();
+    let expressions = dashboard_expressions(None);
     assert!(expressions.len() >= 15, "the dashboard has its panels: {expressions:?}");
     for expr in &expressions {
         let result = prometheus.query_until_data(expr).await;
@@ -157,4 +175,35 @@ async fn prometheus_scrapes_larder_and_every_dashboard_query_and_alert_rule_work
         assert!(started.elapsed() < QUERY_TIMEOUT, "rules not all evaluated: {rules}");
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_cluster_panel_has_data_from_a_real_cluster() {
+    let origin = Origin::start().await;
+    let image = ImageBuilder::oci().layers(&[256 * KIB, 256 * KIB, 128 * KIB]).push(&origin, "team/app", "v1").await;
+    let garage = Garage::builder().start().await;
+    let cluster = Cluster::builder(&origin).replicas(2).shared(&garage, "dashboard").start().await;
+    let targets: Vec<String> = cluster.replicas.iter().map(admin_address).collect();
+    let prometheus = Prometheus::start(&targets).await;
+    prometheus.query_until_data("count(up{job=\"larder\"} == 1) == 2").await;
+
+    // A cold pull through the replica that does not own the first layer:
+    // it asks the owner for it (peer requests out and in), and each replica
+    // uploads what it verified to Garage.
+    let layer = &image.blobs()[0].digest;
+    let asker = cluster.other_than(cluster.owner_of(layer));
+    skopeo::pull(&cluster.replicas[asker].image_ref("team/app:v1"), false).await.expect("pull through the cluster");
+    prometheus.query_until_data("sum(larder_peer_requests_total{direction=\"out\"}) > 0").await;
+    prometheus.query_until_data("sum(larder_peer_requests_total{direction=\"in\"}) > 0").await;
+    prometheus.query_until_data("sum(larder_shared_uploads_total{result=\"uploaded\"}) > 0").await;
+
+    let expressions = dashboard_expressions(Some(CLUSTER_ROW));
+    assert!(expressions.len() >= 8, "the Cluster row has its panels: {expressions:?}");
+    for expr in &expressions {
+        let result = prometheus.query_until_data(expr).await;
+        assert!(!result.is_empty(), "{expr}");
+    }
+    // Each replica counts both as up.
+    let up = prometheus.query_until_data("larder_peers_up == 2").await;
+    assert_eq!(up.len(), 2, "{up:?}");
 }

@@ -59,6 +59,10 @@ stale_if_error = {{ include "larder.toml.string" .staleIfError }}
 [[upstream]]
 name = {{ include "larder.toml.string" .name }}
 url = {{ include "larder.toml.string" .url }}
+{{- with $.Values.hub.url }}
+# Through the hub: requests go there with ?ns={{ $u.name }}, never to url.
+via = {{ include "larder.toml.string" . }}
+{{- end }}
 {{- if .default }}
 default = true
 {{- end }}
@@ -105,5 +109,38 @@ password_file = {{ include "larder.toml.string" (printf "/run/secrets/larder/%s/
 [admin]
 # POST /prefetch and /purge need "Authorization: Bearer <this token>".
 token_file = {{ include "larder.toml.string" (include "larder.adminTokenPath" .) }}
+{{- end }}
+{{- with .Values.shared }}
+{{- if .enabled }}
+
+[shared]
+{{- $prefix := .prefix | trimAll "/" }}
+url = {{ include "larder.toml.string" (printf "s3://%s%s" .bucket (ternary (printf "/%s" $prefix) "" (ne $prefix ""))) }}
+{{- with .endpoint }}
+endpoint = {{ include "larder.toml.string" (trimSuffix "/" .) }}
+{{- end }}
+region = {{ include "larder.toml.string" .region }}
+{{- if .credentials.existingSecret }}
+# From Secret {{ .credentials.existingSecret }}.
+access_key_id_file = {{ include "larder.toml.string" (printf "%s/%s" (include "larder.sharedCredentialsDir" $) .credentials.accessKeyIdKey) }}
+secret_access_key_file = {{ include "larder.toml.string" (printf "%s/%s" (include "larder.sharedCredentialsDir" $) .credentials.secretAccessKeyKey) }}
+{{- else }}
+# Credentials: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY from extraEnv.
+{{- end }}
+{{- with .maxAge }}
+max_age = {{ include "larder.toml.string" . }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if .Values.cluster.enabled }}
+
+[cluster]
+# The peer listener: listed by {{ include "larder.peersService" . }} only, not by the client Service.
+listen = {{ include "larder.toml.string" (printf "%s:%d" .Values.config.bindAddress (.Values.cluster.port | int)) }}
+# POD_IP is status.podIP, from the pod's environment.
+self = {{ include "larder.toml.string" (include "larder.peerSelf" .) }}
+# Ready replicas, from the headless Service; resolved again every 5 s.
+peers_dns = {{ include "larder.toml.string" (printf "%s.%s.svc.%s:%d" (include "larder.peersService" .) .Release.Namespace .Values.clusterDomain (.Values.cluster.port | int)) }}
+secret_file = {{ include "larder.toml.string" (include "larder.clusterSecretPath" .) }}
 {{- end }}
 {{- end }}

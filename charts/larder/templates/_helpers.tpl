@@ -306,6 +306,7 @@ Folder name for an upstream's mounted files (secrets, CA): its name with
 {{/* Checks on values that a schema cannot express. Renders nothing. */}}
 {{- define "larder.validate" -}}
 {{- $_ := include "larder.nodeMode" . }}
+{{- include "larder.validateCluster" . }}
 {{- if not .Values.upstreams }}
 {{- fail "upstreams: larder needs at least one upstream" }}
 {{- end }}
@@ -416,4 +417,99 @@ Folder name for an upstream's mounted files (secrets, CA): its name with
 {{/* Where the admin token is mounted in the larder container. */}}
 {{- define "larder.adminTokenPath" -}}
 {{- printf "/run/secrets/larder-admin/%s" .Values.adminToken.key }}
+{{- end }}
+
+{{/* Name of the Secret holding the cluster secret (created or existing). */}}
+{{- define "larder.clusterSecret" -}}
+{{- default (printf "%s-cluster-secret" (include "larder.fullname" . | trunc 48 | trimSuffix "-")) .Values.cluster.existingSecret }}
+{{- end }}
+
+{{/* Where the cluster secret is mounted in the larder container. */}}
+{{- define "larder.clusterSecretPath" -}}
+{{- printf "/run/secrets/larder-cluster/%s" .Values.cluster.secretKey }}
+{{- end }}
+
+{{/*
+The headless Service the replicas find each other through: ready pods
+only (publishNotReadyAddresses off: a starting replica is not yet asked),
+one IP family.
+*/}}
+{{- define "larder.peersService" -}}
+{{- printf "%s-peers" (include "larder.fullname" . | trunc 57 | trimSuffix "-") }}
+{{- end }}
+
+{{/* `[cluster] self`: this pod's IP (expanded by larder from POD_IP) and the peer port. */}}
+{{- define "larder.peerSelf" -}}
+{{- if eq (toString .Values.cluster.ipFamily) "IPv6" }}
+{{- printf "http://[${POD_IP}]:%d" (.Values.cluster.port | int) }}
+{{- else }}
+{{- printf "http://${POD_IP}:%d" (.Values.cluster.port | int) }}
+{{- end }}
+{{- end }}
+
+{{/* Where the shared tier's access key files are mounted. */}}
+{{- define "larder.sharedCredentialsDir" -}}
+/run/secrets/larder-s3
+{{- end }}
+
+{{/*
+Checks of the cluster, shared and hub values that the schema cannot make
+(they depend on other values). Called by larder.validate.
+*/}}
+{{- define "larder.validateCluster" -}}
+{{- $v := .Values }}
+{{- if $v.cluster.enabled }}
+{{- if include "larder.nodeMode" . }}
+{{- fail "cluster.enabled is for deployment mode (a StatefulSet whose replicas find each other through a headless Service). Node mirrors use a cluster instead: install a deployment-mode release with cluster.enabled as the hub and set hub.url here" }}
+{{- end }}
+{{- $port := $v.cluster.port | int }}
+{{- if or (eq $port ($v.ports.registry | int)) (eq $port ($v.ports.admin | int)) }}
+{{- fail (printf "cluster.port (%d) must differ from ports.registry (%d) and ports.admin (%d): the peer listener is a listener of its own" $port ($v.ports.registry | int) ($v.ports.admin | int)) }}
+{{- end }}
+{{- if not (has (toString $v.cluster.ipFamily) (list "IPv4" "IPv6")) }}
+{{- fail (printf "cluster.ipFamily must be IPv4 or IPv6 (the family of the pods' status.podIP), not %q" (toString $v.cluster.ipFamily)) }}
+{{- end }}
+{{- end }}
+{{- with $v.shared }}
+{{- if .enabled }}
+{{- if not .bucket }}
+{{- fail "shared.bucket is required with shared.enabled" }}
+{{- end }}
+{{- if not .region }}
+{{- fail "shared.region is required with shared.enabled: the store's own region name (Garage: its s3_region, often \"garage\"; AWS: the bucket's region)" }}
+{{- end }}
+{{- with .maxAge }}
+{{- $n := regexFind "^[0-9]+" (toString .) | atoi }}
+{{- $unit := regexReplaceAll "^[0-9]+" (toString .) "" }}
+{{- $seconds := mul $n (get (dict "s" 1 "m" 60 "h" 3600 "d" 86400 "w" 604800) $unit | default 0) }}
+{{- if lt $seconds 3600 }}
+{{- fail (printf "shared.maxAge %q must be at least 1h (larder sweeps the bucket hourly, and a shorter age could delete what a replica is uploading)" (toString .)) }}
+{{- end }}
+{{- end }}
+{{- if .credentials.existingSecret }}
+{{- if eq .credentials.accessKeyIdKey .credentials.secretAccessKeyKey }}
+{{- fail "shared.credentials.accessKeyIdKey and secretAccessKeyKey name the same key" }}
+{{- end }}
+{{- else }}
+{{- $env := list }}
+{{- range $v.extraEnv }}{{ $env = append $env .name }}{{ end }}
+{{- if not (and (has "AWS_ACCESS_KEY_ID" $env) (has "AWS_SECRET_ACCESS_KEY" $env)) }}
+{{- fail "shared.enabled needs credentials: shared.credentials.existingSecret (a Secret with the access key id and secret access key), or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in extraEnv" }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- with $v.hub.url }}
+{{- range $v.upstreams }}
+{{- if .credentials }}
+{{- fail (printf "upstreams: %s has credentials, but with hub.url its requests go to the hub, which holds the credentials and fetches from the registry: leave them to the hub's release" .name) }}
+{{- end }}
+{{- end }}
+{{- $host := regexReplaceAll ":[0-9]+$" (regexReplaceAll "/.*$" (regexReplaceAll "^https?://" . "") "") "" }}
+{{- $self := include "larder.fullname" $ }}
+{{- $ns := $.Release.Namespace }}
+{{- if has $host (list $self (printf "%s.%s" $self $ns) (printf "%s.%s.svc" $self $ns) (printf "%s.%s.svc.%s" $self $ns $v.clusterDomain)) }}
+{{- fail (printf "hub.url (%s) is this release's own Service: every request would loop back to it. Point it at another release, the cluster's hub" .) }}
+{{- end }}
+{{- end }}
 {{- end }}

@@ -132,6 +132,13 @@ spec:
       env:
         - name: RUST_LOG
           value: {{ .Values.logLevel | quote }}
+        {{- if .Values.cluster.enabled }}
+        # `[cluster] self` is http://${POD_IP}:<peer port>.
+        - name: POD_IP
+          valueFrom:
+            fieldRef:
+              fieldPath: status.podIP
+        {{- end }}
         {{- with .Values.extraEnv }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -148,6 +155,12 @@ spec:
         - name: admin
           containerPort: {{ .Values.ports.admin }}
           protocol: TCP
+        {{- if .Values.cluster.enabled }}
+        # The peer listener: in the peers' headless Service only.
+        - name: peer
+          containerPort: {{ .Values.cluster.port }}
+          protocol: TCP
+        {{- end }}
       {{- range $probe := list "startupProbe" "livenessProbe" "readinessProbe" }}
       {{ $probe }}:
         httpGet:
@@ -207,6 +220,16 @@ spec:
         {{- if .Values.adminToken.enabled }}
         - name: admin-token
           mountPath: /run/secrets/larder-admin
+          readOnly: true
+        {{- end }}
+        {{- if .Values.cluster.enabled }}
+        - name: cluster-secret
+          mountPath: {{ dir (include "larder.clusterSecretPath" .) }}
+          readOnly: true
+        {{- end }}
+        {{- if and .Values.shared.enabled .Values.shared.credentials.existingSecret }}
+        - name: shared-credentials
+          mountPath: {{ include "larder.sharedCredentialsDir" . }}
           readOnly: true
         {{- end }}
         {{- with .Values.extraVolumeMounts }}
@@ -299,6 +322,29 @@ spec:
         items:
           - key: {{ .Values.adminToken.key }}
             path: {{ .Values.adminToken.key }}
+    {{- end }}
+    {{- if .Values.cluster.enabled }}
+    - name: cluster-secret
+      secret:
+        secretName: {{ include "larder.clusterSecret" . }}
+        # Group-readable through fsGroup; world-readable without one.
+        defaultMode: {{ if .Values.podSecurityContext.fsGroup }}0440{{ else }}0444{{ end }}
+        items:
+          - key: {{ .Values.cluster.secretKey }}
+            path: {{ .Values.cluster.secretKey }}
+    {{- end }}
+    {{- with .Values.shared }}
+    {{- if and .enabled .credentials.existingSecret }}
+    - name: shared-credentials
+      secret:
+        secretName: {{ .credentials.existingSecret }}
+        defaultMode: {{ if $.Values.podSecurityContext.fsGroup }}0440{{ else }}0444{{ end }}
+        items:
+          - key: {{ .credentials.accessKeyIdKey }}
+            path: {{ .credentials.accessKeyIdKey }}
+          - key: {{ .credentials.secretAccessKeyKey }}
+            path: {{ .credentials.secretAccessKeyKey }}
+    {{- end }}
     {{- end }}
     {{- with .Values.extraVolumes }}
     {{- toYaml . | nindent 4 }}

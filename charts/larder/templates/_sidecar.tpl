@@ -25,6 +25,11 @@ See charts/examples/dind-runner for a parent chart that uses all four.
 {{/* The context larder's own templates expect, with the sidecar's listeners. */}}
 {{- define "larder.sidecar.context" -}}
 {{- $v := deepCopy .values }}
+{{- /* A sidecar is one pod's own cache: no peers, and no shared-tier
+       credentials mounted (hub.url works: it is config only). */}}
+{{- if or ($v.cluster).enabled ($v.shared).enabled }}
+{{- fail "cluster.enabled and shared.enabled are not for the larder sidecar (one pod's own cache, with no peers and no mounted store credentials): point it at a cluster's larder with hub.url instead" }}
+{{- end }}
 {{- $_ := set $v "mode" "deployment" }}
 {{- $token := deepCopy $v.adminToken }}
 {{- $_ := set $token "enabled" false }}
