@@ -20,6 +20,12 @@ const EMBEDDED_NAME: &str = "<embedded default config>";
 /// Default time in-flight responses get after SIGTERM; below Kubernetes'
 /// default 30 s `terminationGracePeriodSeconds`, so larder exits on its own.
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(25);
+/// Default cap on open client connections of the registry listener: room
+/// for a hub serving thousands of kubelets, each keeping a connection open.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 16_384;
+/// Largest `server.max_connections` accepted (each connection holds a
+/// descriptor; Linux's default hard limit is 2^20).
+pub const MAX_MAX_CONNECTIONS: usize = 1 << 20;
 /// Default share of `max_size` above which eviction starts.
 pub const DEFAULT_HIGH_WATERMARK: f64 = 0.95;
 /// Default share of `max_size` eviction brings usage down to.
@@ -180,6 +186,9 @@ pub struct ServerConfig {
     pub admin_listen: Option<SocketAddr>,
     /// After SIGTERM, how long in-flight responses may take to finish.
     pub shutdown_grace: Duration,
+    /// Open client connections at most; further clients wait in the
+    /// kernel's accept queue until one closes.
+    pub max_connections: usize,
     /// Serve the registry API over TLS.
     pub tls: Option<TlsConfig>,
     /// Require HTTP Basic credentials from clients.
@@ -356,6 +365,7 @@ struct RawServer {
     listen: Option<String>,
     admin_listen: Option<String>,
     shutdown_grace: Option<String>,
+    max_connections: Option<usize>,
     tls: Option<RawTls>,
     auth: Option<RawAuth>,
 }
@@ -578,6 +588,14 @@ impl Validator<'_> {
                 rs.shutdown_grace.as_deref(),
                 DEFAULT_SHUTDOWN_GRACE,
             )?,
+            max_connections: match rs.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS) {
+                n @ 1..=MAX_MAX_CONNECTIONS => n,
+                _ => {
+                    return Err(
+                        self.err("server.max_connections", format!("must be between 1 and {MAX_MAX_CONNECTIONS}"))
+                    );
+                }
+            },
             tls: rs.tls.as_ref().map(|t| self.tls(t)).transpose()?,
             auth: rs.auth.as_ref().map(|a| self.auth(a)).transpose()?,
         };
@@ -1184,6 +1202,8 @@ mod tests {
             ("[cache]\nmax_size = \"0\"\n", "cache.max_size"),
             ("[cache]\nmax_size = \"1GiB\"\nmax_blob_size = \"2GiB\"\n", "cache.max_blob_size"),
             ("[cache]\nmax_blob_size = \"0\"\n", "cache.max_blob_size"),
+            ("[server]\nmax_connections = 0\n", "server.max_connections"),
+            ("[server]\nmax_connections = 1048577\n", "server.max_connections"),
         ];
         for (prefix, key) in cases {
             let e = parse(&format!("{prefix}{MINIMAL}")).unwrap_err().to_string();

@@ -95,6 +95,9 @@ fn load(path: Option<&PathBuf>) -> Result<Config, larder::config::ConfigError> {
 /// Log lines that may wait for the writer thread before new ones are
 /// dropped (and counted in `log_lines_dropped_total`).
 const LOG_QUEUE_LINES: usize = 128 * 1024;
+/// Descriptors kept for what is not a client connection: blob files being
+/// read or filled, the index, upstream and peer connections, the admin port.
+const DESCRIPTOR_RESERVE: u64 = 1024;
 
 /// Logs to stderr: `RUST_LOG` if set, else the config's filter. Text logs
 /// are coloured only when stderr is a terminal (and `NO_COLOR` is unset),
@@ -204,7 +207,14 @@ fn main() -> ExitCode {
     let _logs = init_logs(&config.log, cli.log_format);
     // Each client connection and each blob being read holds a descriptor;
     // the usual soft limit of 1024 is far below the connection limit.
+    let wanted = config.server.max_connections as u64 + DESCRIPTOR_RESERVE;
     match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(limit) if limit < wanted => tracing::warn!(
+            limit,
+            max_connections = config.server.max_connections,
+            "the open file limit is below server.max_connections plus {DESCRIPTOR_RESERVE} for files and upstreams: \
+             past it clients get errors instead of waiting; raise the limit or lower server.max_connections"
+        ),
         Ok(limit) => tracing::debug!(limit, "open file limit"),
         Err(e) => tracing::warn!(error = %e, "cannot raise the open file limit"),
     }

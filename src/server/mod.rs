@@ -27,9 +27,6 @@ use crate::shutdown::Shutdown;
 use crate::state::App;
 use routes::Parsed;
 
-/// Open client connections at most; further connections wait in the
-/// kernel's accept queue until one closes.
-pub const MAX_CONNECTIONS: usize = 8192;
 /// Time a client has to send a request's headers.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// Time a client has to complete the TLS handshake.
@@ -48,7 +45,8 @@ pub async fn serve(
 ) {
     let builder = Arc::new(listener::http_builder());
     let graceful = GracefulShutdown::new();
-    listener::accept_loop(&listener, MAX_CONNECTIONS, &mut shutdown, "registry", |stream, peer| {
+    let max_connections = app.config.server.max_connections;
+    listener::accept_loop(&listener, max_connections, &mut shutdown, "registry", |stream, peer| {
         let (app, builder, watcher, tls) = (Arc::clone(&app), Arc::clone(&builder), graceful.watcher(), tls.clone());
         async move {
             let handler = move |req| handle(Arc::clone(&app), req);
