@@ -226,6 +226,45 @@ mod tests {
         assert!(e.contains("docker-credential-test failed") && e.contains("no secret"), "{e}");
     }
 
+    /// How many times the helper of [`helper_store`] ran.
+    fn runs(counter: &std::path::Path) -> usize {
+        std::fs::read_to_string(counter).map_or(0, |s| s.lines().count())
+    }
+
+    #[tokio::test]
+    async fn a_helper_answer_grown_old_runs_the_helper_again_without_any_401() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, secret) = helper_store(dir.path());
+        let counter = dir.path().join("runs");
+        // The same helper, counting its runs.
+        let Source::Helper(program) = &store.source else { unreachable!("a helper store") };
+        let script = std::fs::read_to_string(program).unwrap();
+        let counting = script.replacen("#!/bin/sh\n", &format!("#!/bin/sh\necho run >> {counter:?}\n"), 1);
+        std::fs::write(program, counting).unwrap();
+        std::fs::write(&secret, "one").unwrap();
+
+        assert_eq!(store.current().await.unwrap().password.expose(), "one");
+        assert_eq!(runs(&counter), 1);
+        std::fs::write(&secret, "two").unwrap();
+
+        // The clock moves (tokio's, which the store reads): just short of
+        // the answer's lifetime, it is used as it is.
+        tokio::time::pause();
+        tokio::time::advance(HELPER_ANSWER_LIFETIME - Duration::from_secs(1)).await;
+        tokio::time::resume();
+        assert_eq!(store.current().await.unwrap().password.expose(), "one", "still fresh");
+        assert_eq!(runs(&counter), 1, "no run while the answer is fresh");
+
+        // Past it, the next use runs the helper once, though nothing refused the old answer.
+        tokio::time::pause();
+        tokio::time::advance(Duration::from_secs(2)).await;
+        tokio::time::resume();
+        assert_eq!(store.current().await.unwrap().password.expose(), "two", "the helper's new answer");
+        assert_eq!(runs(&counter), 2, "one run for the old answer");
+        assert_eq!(store.current().await.unwrap().password.expose(), "two");
+        assert_eq!(runs(&counter), 2, "the new answer is fresh again");
+    }
+
     #[tokio::test]
     async fn a_password_file_is_read_again_when_refused_and_kept_when_unreadable() {
         let dir = tempfile::tempdir().unwrap();
