@@ -1,8 +1,12 @@
 //! larder against the shapes in which real registries answer a pull
 //! (shared/REGISTRIES.md), each emulated by tests/shapes/ on made-up HTTPS
 //! hosts pinned to 127.0.0.1 that record every request and the
-//! credentials it carried. Each test is a pull (skopeo, or plain HTTP for
-//! counting), then an account of who was sent what:
+//! credentials it carried. (One address for all, not 127.0.0.x each: the
+//! realm and credential rules compare origins, scheme, host name and port,
+//! never resolved addresses, and every site has its own port; /etc/hosts
+//! already pins these names to 127.0.0.1 for the other tests.) Each test
+//! is a pull (skopeo, or plain HTTP for counting), then an account of who
+//! was sent what:
 //!
 //! - Docker Hub: tokens from the `auth.` sibling, blobs from a CDN that
 //!   refuses credentials, the pull limit as gauges, warm pulls without
@@ -36,7 +40,7 @@ use bytes::Bytes;
 use common::metrics::{ADMIN_LISTEN, metric};
 use common::{Credentials, KIB, Larder, Upstream, http, skopeo};
 use shapes::site::Tls;
-use shapes::{ecr, hub, k8s, nvcr, plain, scarf};
+use shapes::{ecr, foreign, hub, k8s, nvcr, plain, scarf};
 
 const MANIFEST_ACCEPT: &str = "application/vnd.oci.image.manifest.v1+json";
 
@@ -221,6 +225,32 @@ async fn registry_k8s_io_redirects_to_a_rewritten_name_that_gets_an_anonymous_to
     // ... and never reached the other host.
     assert!(!k8s.artifact.authorizations().contains(&basic));
     assert!(k8s.artifact.authorizations().iter().all(|a| a.starts_with("Bearer ")));
+
+    // Now the front's Basic challenge is remembered, and its credentials go
+    // up front with every request to it. Another tag and its blobs: the
+    // requests redirected to the other host still carry none of them.
+    let next = k8s.images.push(&rewritten, "3.10", &[4 * KIB]);
+    k8s.front.clear();
+    k8s.artifact.clear();
+    let a = get(&larder, "/v2/registry.k8s.io/pause/manifests/3.10").await;
+    assert_eq!((a.status, a.digest.as_deref()), (200, Some(next.digest.as_str())));
+    for blob in &next.blobs {
+        let a = get(&larder, &format!("/v2/registry.k8s.io/pause/blobs/{blob}")).await;
+        assert_eq!(a.status, 200, "{blob}: {:?}", String::from_utf8_lossy(&a.body));
+    }
+    let front = k8s.front.seen();
+    assert_eq!(front.len(), 1 + next.blobs.len(), "{front:#?}");
+    assert!(
+        front.iter().all(|r| r.authorization.as_deref() == Some(&basic)),
+        "the front gets them up front: {front:#?}"
+    );
+    let artifact = k8s.artifact.seen();
+    assert!(!artifact.is_empty());
+    let issued: Vec<String> = k8s.tokens.issued().into_iter().map(|g| format!("Bearer {}", g.token)).collect();
+    for r in &artifact {
+        let a = r.authorization.as_deref();
+        assert!(a.is_none_or(|a| issued.iter().any(|t| t == a)), "the other host was sent {a:?}: {r:?}");
+    }
     assert!(!larder.log().contains(&account.password));
 }
 
@@ -280,6 +310,36 @@ async fn a_scarf_front_redirecting_to_ghcr_gets_anonymous_tokens_there_and_keeps
     assert!(!larder.log().contains(&account.password));
 }
 
+// ---- a redirect target naming a foreign realm -------------------------------------
+
+#[tokio::test]
+async fn a_redirect_target_naming_a_realm_on_another_domain_is_refused_and_the_realm_never_contacted() {
+    let tls = shapes::setup();
+    let foreign = foreign::Foreign::start(&tls).await;
+    let image = foreign.images.push("team/app", "v1", &[4 * KIB]);
+    let account = Credentials::new("mirror-user", "mirror-secret");
+    // Even listed in trusted_realms, which is about the upstream's own
+    // challenges: a redirect target may name only its own site's realm.
+    let front = upstream("mirror.example", &foreign.front.url(), &tls)
+        .credentials(&account)
+        .line(&format!("trusted_realms = [{:?}]", foreign.realm_url));
+    let larder = larder().upstream(front).start().await;
+
+    let a = get(&larder, "/v2/mirror.example/team/app/manifests/v1").await;
+    assert_eq!(a.status, 502, "{:?}", String::from_utf8_lossy(&a.body));
+    let (code, message) = a.error();
+    assert_eq!(code, "UNAVAILABLE");
+    assert!(message.contains(&format!("token realm host {:?}", foreign::REALM)), "names the realm: {message}");
+    assert!(message.contains(&format!("redirect target {:?}", foreign::TARGET)), "{message}");
+    let blob = get(&larder, &format!("/v2/mirror.example/team/app/blobs/{}", image.blobs[0])).await;
+    assert_eq!(blob.status, 502);
+
+    assert!(foreign.realm.seen().is_empty(), "the foreign realm received: {:#?}", foreign.realm.seen());
+    assert_eq!(auth_failures(&larder, "mirror.example", "realm_refused").await, 2.0, "both refusals counted");
+    assert!(foreign.target.authorizations().is_empty(), "the target was sent {:?}", foreign.target.authorizations());
+    assert!(foreign.front.seen().iter().all(|r| r.status == 307), "{:#?}", foreign.front.seen());
+}
+
 // ---- nvcr.io ---------------------------------------------------------------------
 
 #[tokio::test]
@@ -325,6 +385,35 @@ async fn nvcr_without_service_short_tokens_reused_and_a_revoked_token_retried_on
     .await;
     assert!(answers.iter().all(|s| *s == 200), "{answers:?}");
     assert_eq!(nvcr.tokens.issued().len(), 4, "one token request for twelve refused requests");
+}
+
+#[tokio::test]
+async fn a_fresh_token_refused_again_is_retried_once_and_the_client_gets_denied() {
+    let tls = shapes::setup();
+    let tokens = shapes::registry::Tokens::new(Some(300));
+    let plain = plain::Plain::start(&tls, Some(tokens.clone())).await;
+    let first = plain.images.push("team/app", "v1", &[4 * KIB]);
+    plain.images.push("team/app", "v2", &[4 * KIB]);
+    let larder = larder().upstream(upstream("plain.test", &plain.registry.url(), &tls).default(true)).start().await;
+    assert_eq!(get(&larder, "/v2/team/app/manifests/v1").await.digest, Some(first.digest.clone()));
+    assert_eq!(tokens.issued().len(), 1, "one token, now cached");
+
+    // The registry refuses every token from now on, fresh ones too (the
+    // pull permission withdrawn): the cached token is refused, a fresh one
+    // fetched and refused too, and that is the end of it.
+    tokens.refuse_all();
+    plain.registry.clear();
+    let a = get(&larder, "/v2/team/app/manifests/v2").await;
+    assert_eq!(a.status, 403, "{:?}", String::from_utf8_lossy(&a.body));
+    assert_eq!(a.error().0, "DENIED");
+    let tries: Vec<_> = plain.registry.seen().into_iter().filter(|r| r.path == "/v2/team/app/manifests/v2").collect();
+    assert_eq!(tries.len(), 2, "the cached token, then one retry with a fresh one: {tries:#?}");
+    assert!(tries.iter().all(|r| r.status == 401 && r.authorization.is_some()), "{tries:#?}");
+    assert_ne!(tries[0].authorization, tries[1].authorization, "the retry carried the fresh token");
+    assert_eq!(plain.registry.seen_under("/token").len(), 1, "one fresh token fetched");
+    assert_eq!(tokens.issued().len(), 2, "the token service got exactly two requests in all");
+    assert_eq!(metric(&larder, r#"larder_upstream_auth_retries_total{upstream="plain.test"}"#).await, 1.0);
+    assert_eq!(auth_failures(&larder, "plain.test", "denied").await, 1.0);
 }
 
 // ---- ECR -------------------------------------------------------------------------
@@ -593,6 +682,36 @@ async fn urls_are_tried_in_order_on_connect_errors_and_5xx() {
     assert_eq!(a.status, 200);
     assert_eq!(primary.registry.seen().last().map(|r| r.status), Some(200));
     assert_eq!(fallback.registry.seen().len(), 1, "the fallback only when needed");
+}
+
+#[tokio::test]
+async fn a_url_that_failed_to_connect_goes_last_but_is_not_dropped() {
+    let tls = shapes::setup();
+    let fallback = plain::Plain::start(&tls, None).await;
+    let image = fallback.images.push("team/app", "v1", &[4 * KIB, 4 * KIB]);
+    // The primary accepts connections and hangs up: a connect error.
+    let primary = shapes::site::Hangup::start(&shapes::site::Addr::pick(plain::REGISTRY)).await;
+    let upstream = upstream("plain.test", "", &tls).urls(&[primary.url(), fallback.registry.url()]);
+    let larder = larder().upstream(upstream.default(true)).start().await;
+
+    let a = get(&larder, "/v2/team/app/manifests/v1").await;
+    assert_eq!((a.status, a.digest.as_deref()), (200, Some(image.digest.as_str())));
+    assert_eq!(primary.accepted(), 1, "tried first");
+
+    // Within the pause (FAILOVER_PAUSE, 30 s) the fallback goes first: the
+    // primary costs later requests nothing.
+    for blob in &image.blobs {
+        assert_eq!(get(&larder, &format!("/v2/team/app/blobs/{blob}")).await.status, 200);
+    }
+    assert_eq!(primary.accepted(), 1, "demoted after failing to connect");
+
+    // Demoted is last, not gone: with the fallback down, it is tried again.
+    fallback.set_down(true);
+    let a = get(&larder, "/v2/team/app/manifests/v2").await;
+    assert_eq!(a.status, 503, "{:?}", String::from_utf8_lossy(&a.body));
+    assert!(a.error().1.contains("cannot connect to upstream"), "the last url's answer: {:?}", a.error());
+    assert_eq!(fallback.registry.seen().last().map(|r| r.status), Some(503));
+    assert_eq!(primary.accepted(), 2, "tried after the fallback");
 }
 
 // ---- the README's snippets ---------------------------------------------------------

@@ -10,6 +10,7 @@
 //! | [`scarf::Scarf`] | lscr.test, cr.l5d.test → ghcr.test |
 //! | [`nvcr::Nvcr`] | nvcr.test, authn.nvidia.test |
 //! | [`ecr::Ecr`] | ecr.test |
+//! | [`foreign::Foreign`] | front.mirror.test → blobs.storage.test, realm on realm.collector.test |
 //! | [`plain::Plain`] | plain.test |
 //!
 //! `.test` is not on the public suffix list, so the `psl` crate treats it
@@ -19,6 +20,7 @@
 #![allow(dead_code)]
 
 pub mod ecr;
+pub mod foreign;
 pub mod hub;
 pub mod k8s;
 pub mod nvcr;
@@ -33,7 +35,7 @@ use std::path::{Path, PathBuf};
 use base64::Engine as _;
 
 /// Every made-up host name the shapes use.
-pub const HOSTS: [&str; 12] = [
+pub const HOSTS: [&str; 15] = [
     hub::REGISTRY,
     hub::AUTH,
     hub::CDN,
@@ -46,6 +48,9 @@ pub const HOSTS: [&str; 12] = [
     nvcr::AUTHN,
     ecr::REGISTRY,
     plain::REGISTRY,
+    foreign::FRONT,
+    foreign::TARGET,
+    foreign::REALM,
 ];
 
 /// Pins [`HOSTS`] to 127.0.0.1 and returns a TLS setup whose certificate

@@ -146,6 +146,9 @@ struct TokenState {
     expires_in: Option<u64>,
     /// Tokens are padded to this many bytes (a JWT is 1–2 KiB).
     size: usize,
+    /// Every token is refused, fresh ones too (the account lost its pull
+    /// permission after the token service granted it).
+    refuse_all: bool,
 }
 
 /// A token service: issues a fresh random token per request, and checks
@@ -157,7 +160,7 @@ pub struct Tokens(Arc<Mutex<TokenState>>);
 impl Tokens {
     /// Tokens valid for `expires_in` seconds (`None`: not said, 60 s).
     pub fn new(expires_in: Option<u64>) -> Tokens {
-        Tokens(Arc::new(Mutex::new(TokenState { issued: Vec::new(), expires_in, size: 48 })))
+        Tokens(Arc::new(Mutex::new(TokenState { issued: Vec::new(), expires_in, size: 48, refuse_all: false })))
     }
 
     /// Pads every token to `bytes` bytes.
@@ -194,10 +197,17 @@ impl Tokens {
     pub fn allows(&self, authorization: Option<&str>, repo: &str) -> bool {
         let Some(token) = authorization.and_then(|a| a.strip_prefix("Bearer ")) else { return false };
         let wanted = format!("repository:{repo}:pull");
-        lock(&self.0)
-            .issued
-            .iter()
-            .any(|g| g.token == token && !g.revoked && Instant::now() < g.expires && g.scopes.contains(&wanted))
+        let state = lock(&self.0);
+        !state.refuse_all
+            && state
+                .issued
+                .iter()
+                .any(|g| g.token == token && !g.revoked && Instant::now() < g.expires && g.scopes.contains(&wanted))
+    }
+
+    /// From now on every token is refused, those issued later too.
+    pub fn refuse_all(&self) {
+        lock(&self.0).refuse_all = true;
     }
 
     /// Revokes every token issued so far (before their `expires_in`).

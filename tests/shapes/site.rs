@@ -258,3 +258,48 @@ pub fn challenge(value: String) -> Reply {
 pub fn redirect(status: u16, location: String) -> Reply {
     reply(status, &[("location", location)], Bytes::new())
 }
+
+// ---- broken hosts -------------------------------------------------------------
+
+/// A made-up host whose port accepts TCP connections and closes them at
+/// once: the TLS handshake fails, which larder counts as a connect error.
+/// Counts the connections it was offered; stops when dropped.
+pub struct Hangup {
+    addr: Addr,
+    accepted: Arc<std::sync::atomic::AtomicUsize>,
+    task: JoinHandle<()>,
+}
+
+impl Hangup {
+    pub async fn start(addr: &Addr) -> Hangup {
+        let listener = TcpListener::bind(("127.0.0.1", addr.port))
+            .await
+            .unwrap_or_else(|e| panic!("bind {} on 127.0.0.1:{}: {e}", addr.host, addr.port));
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let task = tokio::spawn({
+            let accepted = Arc::clone(&accepted);
+            async move {
+                while let Ok((tcp, _)) = listener.accept().await {
+                    accepted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    drop(tcp);
+                }
+            }
+        });
+        Hangup { addr: addr.clone(), accepted, task }
+    }
+
+    pub fn url(&self) -> String {
+        self.addr.url()
+    }
+
+    /// Connections accepted (and hung up) so far.
+    pub fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for Hangup {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
