@@ -105,6 +105,85 @@ async fn an_owner_killed_mid_fill_costs_its_asker_a_pause_not_an_error() {
         asker.cache_dir().join("blobs/sha256").join(&hex[..2]).join(hex).exists()
     })
     .await;
+
+    // The broken body alone marks nothing down (the owner may have been
+    // relaying its own source's failure); the next request for a key the
+    // dead owner owns finds it unreachable, counts it and marks it down,
+    // and the one after skips it without dialing.
+    let unreachable = "larder_peer_requests_total{direction=\"out\",kind=\"blob\",result=\"unreachable\"}";
+    assert_eq!(metric(asker, "larder_peers_marked_down_total").await, 0.0);
+    let owned_by_dead: Vec<String> = (0..)
+        .map(|seed| digest(&random_bytes(KIB, 100 + seed)))
+        .filter(|other| cluster.owner_of(other) == owner)
+        .take(2)
+        .collect();
+    for other in &owned_by_dead {
+        let missing = reqwest::get(format!("{}{}", asker.url(), blob_path(other))).await.expect("GET");
+        assert_eq!(missing.status(), 404, "fetched from upstream itself, which lacks it");
+    }
+    assert_eq!(metric(asker, unreachable).await, 1.0, "one attempt at the dead owner");
+    assert_eq!(metric(asker, "larder_peers_marked_down_total").await, 1.0, "marked down once");
+    assert_eq!(metric(asker, "larder_peers_down").await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_owner_serves_a_peer_nothing_the_peer_repository_cannot_see_upstream() {
+    let private = random_bytes(256 * KIB, 17);
+    let d = digest(&private);
+    let up = FakeUpstream::builder().blob(private.clone()).only_in("private/app").start().await;
+    let cluster = Cluster::builder(Upstream::new(UPSTREAM_NAME, &up.url()).default(true)).replicas(2).start().await;
+    let owner = cluster.owner_of(&d);
+    let url = format!("{}/v2/private/app/blobs/{d}", cluster.replicas[owner].url());
+    let fetched = reqwest::get(url).await.expect("GET").bytes().await.expect("body");
+    assert!(fetched == private, "the owner holds it, for private/app");
+
+    // A peer asks the owner for it through another repository.
+    let peer = &cluster.peer_urls[owner];
+    let asked = reqwest::Client::new()
+        .get(format!("{peer}/v2/public/app/blobs/{d}?ns={UPSTREAM_NAME}"))
+        .header("larder-cluster-secret", common::cluster::SECRET)
+        .send()
+        .await
+        .expect("the peer listener answers");
+    assert_eq!(asked.status(), 404, "public/app does not have it upstream");
+    assert!(asked.bytes().await.expect("body").len() < 1024, "an error, not the blob");
+    assert_eq!(up.requests("HEAD", &format!("/v2/public/app/blobs/{d}")), 1, "the owner asked upstream");
+    assert_eq!(up.blob_gets(&d), 1, "still the one origin GET");
+    let not_found = metric(
+        &cluster.replicas[owner],
+        "larder_peer_requests_total{direction=\"in\",kind=\"blob\",result=\"not_found\"}",
+    );
+    assert_eq!(not_found.await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_without_peers_reads_a_manifest_by_digest_from_garage() {
+    let origin = Origin::start().await;
+    let image = ImageBuilder::oci().layers(&[256 * KIB, 64 * KIB]).push(&origin, "team/app", "v1").await;
+    let garage = Garage::builder().start().await;
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let table = garage.shared_toml(dir.path(), "manifests");
+    let replica = || Larder::builder().upstream(&origin).server_line(common::metrics::ADMIN_LISTEN).append_toml(&table);
+    let first = replica().start().await;
+    let pulled = skopeo::pull(&first.image_ref("team/app:v1"), false).await.expect("pull");
+    assert_eq!(pulled.manifest_digest, image.digest);
+    uploads_settled(&[&first]).await;
+
+    let second = replica().start().await;
+    let mark = origin.log_mark().await;
+    let got = reqwest::Client::new()
+        .get(format!("{}/v2/team/app/manifests/{}", second.url(), image.digest))
+        .header("accept", "application/vnd.oci.image.manifest.v1+json")
+        .send()
+        .await
+        .expect("GET");
+    assert_eq!(got.status(), 200);
+    assert_eq!(digest(&got.bytes().await.expect("body")), image.digest, "the manifest's bytes");
+    let asked = origin.requests_since(&mark).await;
+    let gets = asked.manifest_requests().iter().filter(|e| e.method == "GET").count();
+    assert_eq!(gets, 0, "no origin manifest GET: read from Garage\n{asked}");
+    let heads = asked.manifest_requests().iter().filter(|e| e.method == "HEAD").count();
+    assert_eq!(heads, 1, "one HEAD confirms the repository has it\n{asked}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
