@@ -1,6 +1,24 @@
-//! The cache facade: memory tier → disk tier → fill in flight → upstream.
-//! Handlers ask it for a manifest or a blob and get back something to
-//! serve plus how it was served (hit, miss, coalesced, stale).
+//! The cache facade, one chain where the first tier that has it answers:
+//!
+//! memory → disk → fill (or fetch) in flight → shared tier → the key's
+//! owner among the peers → upstream.
+//!
+//! - Blobs take it in that order (`fill_sources`: shared tier,
+//!   owner, upstream). A source that breaks off mid-body is resumed from
+//!   the byte reached by the next one, so after the owner only upstream
+//!   remains.
+//! - Manifests by digest ask the owner before the shared tier
+//!   (`fetch_manifest`): the owner answers with the membership rule
+//!   applied and reads the shared tier itself on its miss, so one peer
+//!   round trip stands in for a shared-tier GET plus a membership check.
+//!   When this replica is the owner, the runner-up (if there are peers) is
+//!   asked what it already holds, then the shared tier, then upstream.
+//! - Tags: the owner, then upstream (tags are never in the shared tier).
+//!
+//! A peer's request takes the same chain but is never forwarded for a fetch
+//! (one hop; at most a lookup of what another replica holds). Handlers ask
+//! the facade for a manifest or a blob and get back
+//! something to serve plus how it was served (hit, miss, coalesced, stale).
 
 mod disk;
 mod evict;

@@ -47,11 +47,25 @@ const MAX_ERROR_BODY: usize = 64 << 10;
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// Why a peer did not give what was asked.
+///
+/// Only [`PeerError::Unreachable`] marks a peer down. An owner that answers
+/// 5xx is alive: its 502, 503 and 504 are upstream's failures relayed (or
+/// its disk's, a 503 too), and the asker already goes on to the next
+/// source for that one request. Marking it down would send every asker to
+/// upstream for all of the owner's keys for [`super::peers::PEER_DOWN_FOR`],
+/// N upstream fetches per key exactly while upstream is struggling. Nor
+/// does a body that breaks off mark it down: the owner also aborts its
+/// answer when its own source broke off and nothing could resume, which
+/// the asker cannot tell from the owner dying; the fill resumes from its
+/// next source either way, and a dead owner is marked down by the next
+/// request it misses (a refused connection is immediate, a silent host
+/// costs [`PEER_CONNECT_TIMEOUT`]).
 #[derive(Debug)]
 pub enum PeerError {
     /// No answer: refused, reset, timed out. The peer is marked down.
     Unreachable(String),
     /// The peer answered with an error status and the OCI code of its body.
+    /// Not marked down (see above).
     Status { status: StatusCode, code: String, retry_after: Option<String> },
 }
 
