@@ -9,7 +9,9 @@
 //! asker a pause, not an error; Garage losing a node, or going away, does
 //! not stop pulls; a corrupt shared object is caught, counted and replaced;
 //! the peer listener answers nobody without the secret and names no host a
-//! peer sends; a node mirror through a hub costs the origin one GET per blob.
+//! peer sends; an owner serves a peer nothing its repository cannot see
+//! upstream; a replica without peers reads manifests by digest from Garage;
+//! a node mirror through a hub costs the origin one GET per blob.
 
 mod common;
 mod fake;
@@ -137,14 +139,18 @@ async fn an_owner_serves_a_peer_nothing_the_peer_repository_cannot_see_upstream(
     let fetched = reqwest::get(url).await.expect("GET").bytes().await.expect("body");
     assert!(fetched == private, "the owner holds it, for private/app");
 
-    // A peer asks the owner for it through another repository.
+    // A peer asks the owner for it through another repository, and, for
+    // contrast, through its own.
     let peer = &cluster.peer_urls[owner];
-    let asked = reqwest::Client::new()
-        .get(format!("{peer}/v2/public/app/blobs/{d}?ns={UPSTREAM_NAME}"))
-        .header("larder-cluster-secret", common::cluster::SECRET)
-        .send()
-        .await
-        .expect("the peer listener answers");
+    let ask = |repo: &str| {
+        reqwest::Client::new()
+            .get(format!("{peer}/v2/{repo}/blobs/{d}?ns={UPSTREAM_NAME}"))
+            .header("larder-cluster-secret", common::cluster::SECRET)
+            .send()
+    };
+    let own = ask("private/app").await.expect("the peer listener answers");
+    assert_eq!(own.status(), 200, "served to a peer for the repository that has it");
+    let asked = ask("public/app").await.expect("the peer listener answers");
     assert_eq!(asked.status(), 404, "public/app does not have it upstream");
     assert!(asked.bytes().await.expect("body").len() < 1024, "an error, not the blob");
     assert_eq!(up.requests("HEAD", &format!("/v2/public/app/blobs/{d}")), 1, "the owner asked upstream");
