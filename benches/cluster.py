@@ -19,7 +19,7 @@ received from upstream, from peers, from and to the shared tier.
     python3 benches/cluster.py [--reps 3] [--n 30] [--layers 6] [--layer-mib 4]
 
 Needs docker-registry, skopeo and Garage 2.x ($LARDER_TEST_GARAGE, else
-~/.cache/larder-tests/garage-2.5.0/bin/garage, as tests/run.sh installs it).
+~/.cache/larder-tests/garage-2.5.0-lmdb-o1/bin/garage, as tests/run.sh installs it).
 Builds larder with `cargo build --release --locked` unless --larder-bin is
 given. Everything listens on 127.0.0.1 only; every process it starts is
 stopped when it ends. See benches/README.md.
@@ -47,6 +47,7 @@ import herd  # noqa: E402  (the image, origin, process and pull helpers)
 from herd import CHILD_ENV, HOST, HTTP, IMAGE_REPO, TAG, Procs, free_port, log, tail  # noqa: E402
 
 GARAGE_VERSION = "2.5.0"
+GARAGE_FOLDER = "garage-2.5.0-lmdb-o1"  # as tests/run.sh installs it
 GARAGE_REGION = "garage"
 GARAGE_BUCKET = "larder-bench"
 GARAGE_READY_TIMEOUT = 60.0
@@ -68,7 +69,7 @@ def garage_binary() -> Path:
     if env:
         return Path(env)
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    installed = cache / f"larder-tests/garage-{GARAGE_VERSION}/bin/garage"
+    installed = cache / f"larder-tests/{GARAGE_FOLDER}/bin/garage"
     if installed.is_file():
         return installed
     found = shutil.which("garage")
