@@ -37,6 +37,9 @@ pub struct Report {
     pub bad_rows: u64,
     /// Files that are not a blob of their name (or not a blob name at all).
     pub bad_files: u64,
+    /// Rows whose file could not be looked at (EACCES, EIO): left as they
+    /// are, for the first open of the file or the next check to settle.
+    pub unreadable: u64,
     /// One line per problem, for the operator.
     pub problems: Vec<String>,
     /// Bytes of the blobs found good or adopted.
@@ -45,7 +48,12 @@ pub struct Report {
 
 impl Report {
     pub fn bad(&self) -> u64 {
-        self.bad_rows + self.bad_files
+        self.bad_rows + self.bad_files + self.unreadable
+    }
+
+    pub(super) fn unreadable_row(&mut self, digest: &Digest, error: &std::io::Error) {
+        self.unreadable += 1;
+        self.problems.push(format!("{digest}: cannot look at its file, row kept: {error}"));
     }
 
     fn bad_file(&mut self, path: &Path, problem: &str) {
