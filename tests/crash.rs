@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use bytes::Bytes;
+use common::metrics::{ADMIN_LISTEN, metric};
 use common::{Larder, Upstream};
 use fake::client::{self, End};
 use fake::{FakeUpstream, KIB, MIB, UPSTREAM_NAME, blob_path, digest, random_bytes, wait_until};
@@ -107,7 +108,11 @@ async fn blob_files_deleted_or_truncated_while_stopped_are_dropped_and_fetched_a
     let blobs = [random_bytes(256 * KIB, 1), random_bytes(256 * KIB, 2), random_bytes(256 * KIB, 3)];
     let [deleted, truncated, intact] = blobs.each_ref().map(|b| digest(b));
     let up = fake_serving(&blobs).await;
-    let mut larder = start_larder(&up).await;
+    let mut larder = Larder::builder()
+        .upstream(Upstream::new(UPSTREAM_NAME, &up.url()).default(true))
+        .server_line(ADMIN_LISTEN)
+        .start()
+        .await;
     for blob in &blobs {
         assert_served(&larder, blob).await;
     }
@@ -129,6 +134,15 @@ async fn blob_files_deleted_or_truncated_while_stopped_are_dropped_and_fetched_a
     assert_eq!(up.blob_gets(&deleted), 2, "the deleted blob was fetched again");
     assert_eq!(up.blob_gets(&truncated), 2, "the truncated blob was fetched again");
     assert_eq!(up.blob_gets(&intact), 1, "the intact blob came from the cache");
+    // Each dropped row gave back its bytes, and each refetch counted them
+    // once: usage is exactly the three files, once the check is done.
+    while metric(&larder, "larder_cache_reconcile_running").await != 0.0 {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let on_disk: u64 =
+        blobs.iter().map(|b| std::fs::metadata(blob_file(&larder, &digest(b))).expect("blob file").len()).sum();
+    assert_eq!(on_disk, 3 * 256 * KIB as u64);
+    assert_eq!(metric(&larder, "larder_cache_size_bytes").await, on_disk as f64, "usage is exact");
 
     larder.stop();
     let report = verify(&larder, false);
