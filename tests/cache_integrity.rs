@@ -207,6 +207,23 @@ async fn a_chunked_blob_longer_than_max_blob_size_is_cut_off_and_not_kept() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_blob_whose_declared_length_is_over_max_blob_size_is_refused_before_its_body() {
+    let blob = random_bytes(32 * MIB, 6);
+    let d = digest(&blob);
+    let up = FakeUpstream::builder().blob(blob.clone()).start().await;
+    let larder = Larder::builder()
+        .upstream(Upstream::new(UPSTREAM_NAME, &up.url()).default(true))
+        .cache_line(r#"max_blob_size = "1MiB""#)
+        .start()
+        .await;
+    let resp = client::get(address(&larder), &blob_path(&d)).await;
+    assert_eq!(resp.status(), 502, "refused on its Content-Length");
+    assert!(up.bytes_sent(&d) < blob.len() as u64, "larder did not read the body");
+    assert_eq!(files_in(&larder.cache_dir().join("tmp")), 0, "no temp file");
+    assert!(!blob_file(&larder, &d).exists(), "nothing committed");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_chunked_blob_longer_than_its_manifest_says_is_cut_off() {
     let config = random_bytes(KIB, 4);
     let layer = random_bytes(2 * MIB, 5);
@@ -226,5 +243,6 @@ async fn a_chunked_blob_longer_than_its_manifest_says_is_cut_off() {
     let (received, clean) = read_body(resp).await;
     assert!(!clean, "aborted, not ended, after {received} bytes");
     assert!(received <= MIB, "never more than the declared size reaches a client ({received} bytes)");
+    wait_until("the temp file is removed", || files_in(&larder.cache_dir().join("tmp")) == 0).await;
     assert!(!blob_file(&larder, &ld).exists(), "nothing committed");
 }

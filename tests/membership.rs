@@ -88,6 +88,23 @@ async fn a_request_that_joined_another_repositorys_failed_fill_gets_its_own() {
     assert_eq!(up.requests("GET", &format!("/v2/b/app/blobs/{sd}")), 1, "b/app fetched it for itself");
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn a_confirmed_membership_is_remembered() {
+    let layer = random_bytes(64 * KIB, 5);
+    let d = digest(&layer);
+    let up = FakeUpstream::builder().blob(layer.clone()).start().await;
+    let larder = Larder::builder().upstream(Upstream::new(UPSTREAM_NAME, &up.url()).default(true)).start().await;
+
+    let (status, body) = get(&format!("{}/v2/a/app/blobs/{d}", larder.url())).await;
+    assert_eq!((status, body), (200, layer.clone()), "fetched for a/app");
+    for _ in 0..2 {
+        let (status, body) = get(&format!("{}/v2/b/app/blobs/{d}", larder.url())).await;
+        assert_eq!((status, body), (200, layer.clone()), "served to b/app from the cache");
+    }
+    assert_eq!(up.requests("HEAD", &format!("/v2/b/app/blobs/{d}")), 1, "one upstream check for two requests");
+    assert_eq!(up.blob_gets(&d), 1);
+}
+
 async fn get_owned(url: String) -> (u16, bytes::Bytes) {
     get(&url).await
 }
