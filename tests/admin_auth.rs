@@ -2,14 +2,16 @@
 //! and prefetch need `Authorization: Bearer <token>`; a missing or wrong
 //! token is 401 with a Bearer challenge, counted in a metric, and changes
 //! nothing; read-only endpoints stay open; a rotated token file takes
-//! effect without a restart.
+//! effect without a restart. Without a token file, a loopback listener is
+//! open to local processes and any other refuses purge and prefetch (403).
 
 mod common;
 
+use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
 use common::metrics::metric;
-use common::{Admin, ImageBuilder, KIB, Larder, ORIGIN_NAME, Origin, http, skopeo};
+use common::{Admin, ImageBuilder, KIB, Larder, ORIGIN_NAME, Origin, free_port, http, skopeo};
 
 const TOKEN: &str = "test-admin-token-5f1c9a7e3b";
 
@@ -110,6 +112,66 @@ async fn without_a_token_file_a_loopback_admin_listener_is_open() {
     let _larder = builder.start().await;
     let resp = post(&format!("{}/purge?upstream={ORIGIN_NAME}", admin.url()), None).await;
     assert_eq!(resp.status(), 200, "loopback without a token file: local processes may operate");
+}
+
+/// larder decides "loopback" from the configured `admin_listen` address
+/// (`IpAddr::is_loopback`: 127.0.0.0/8 and `::1`), and these tests may only
+/// listen on loopback. The IPv4-mapped form of 127.0.0.1 is the one address
+/// that satisfies both: std does not call it loopback, so larder takes the
+/// "others can reach it" branch, yet the socket accepts only connections
+/// to 127.0.0.1 (an IPv6 socket bound to `::ffff:127.0.0.1`). A wildcard
+/// bind would reach the same branch but listen on every interface.
+const MAPPED_LOOPBACK: &str = "::ffff:127.0.0.1";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn without_a_token_file_a_listener_others_can_reach_refuses_purge_and_prefetch() {
+    let mapped: IpAddr = MAPPED_LOOPBACK.parse().expect("an IPv6 address");
+    assert!(!mapped.is_loopback(), "the premise: larder's loopback rule does not cover {mapped}");
+    assert_eq!(mapped.to_canonical(), IpAddr::V4(Ipv4Addr::LOCALHOST), "and it is 127.0.0.1 all the same");
+
+    let origin = Origin::start().await;
+    ImageBuilder::oci().layers(&[48 * KIB, 96 * KIB]).push(&origin, "team/app", "v1").await;
+    let port = free_port();
+    let larder = Larder::builder()
+        .upstream(&origin)
+        .server_line(&format!("admin_listen = \"[{MAPPED_LOOPBACK}]:{port}\""))
+        .start()
+        .await;
+    skopeo::pull(&larder.image_ref("team/app:v1"), false).await.expect("warm the cache");
+    let admin = format!("http://127.0.0.1:{port}");
+
+    // Even the right-looking request is refused: 403 DENIED in the OCI
+    // envelope, telling the operator what to change. No token helps.
+    let purge = format!("{admin}/purge?upstream={ORIGIN_NAME}&repo=team/app");
+    let prefetch = format!("{admin}/prefetch?image=team/app:v1");
+    for (url, token) in [(&purge, None), (&purge, Some(TOKEN)), (&prefetch, None)] {
+        let resp = post(url, token).await;
+        assert_eq!(resp.status(), 403, "POST {url} with token {token:?}");
+        let body: serde_json::Value = serde_json::from_slice(&resp.bytes().await.expect("body")).expect("OCI envelope");
+        assert_eq!(body["errors"][0]["code"], "DENIED", "{body}");
+        let message = body["errors"][0]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("token_file") && message.contains("loopback"), "{message}");
+    }
+
+    // Counted with its own reason; the read-only endpoints stay open.
+    let metrics = http::client().get(format!("{admin}/metrics")).send().await.expect("GET /metrics");
+    assert_eq!(metrics.status(), 200);
+    let metrics = metrics.text().await.expect("metrics text");
+    let series = |name: &str| -> f64 {
+        let line = metrics.lines().find(|l| l.rsplit_once(' ').is_some_and(|(n, _)| n == name));
+        line.and_then(|l| l.rsplit_once(' ')).map_or(0.0, |(_, v)| v.parse().expect("a number"))
+    };
+    assert_eq!(series("larder_admin_auth_failures_total{endpoint=\"purge\",reason=\"disabled\"}"), 2.0);
+    assert_eq!(series("larder_admin_auth_failures_total{endpoint=\"prefetch\",reason=\"disabled\"}"), 1.0);
+    for path in ["/healthz", "/readyz", "/", "/status"] {
+        let resp = http::client().get(format!("{admin}{path}")).send().await.expect("answer");
+        assert_eq!(resp.status(), 200, "GET {path}");
+    }
+
+    // Nothing was purged: the next pull is served from the cache.
+    let mark = origin.log_mark().await;
+    skopeo::pull(&larder.image_ref("team/app:v1"), false).await.expect("pull after refused purges");
+    assert_eq!(origin.requests_since(&mark).await.blob_gets(), 0, "a refused purge removed nothing");
 }
 
 fn base64_of(text: &str) -> String {

@@ -20,7 +20,13 @@
 //! digest is aborted and not cached (tests/coalesce.rs,
 //! `a_failed_fill_aborts_every_reader_and_the_next_request_fills_afresh`);
 //! manifests whose bytes or `Docker-Content-Digest` lie (tests/faults.rs);
-//! silent and trickling clients (tests/slow_clients.rs).
+//! silent and trickling clients (tests/slow_clients.rs); a purge or
+//! prefetch on the admin listener without the token, with a wrong one, or
+//! with none configured on a listener others can reach: refused, counted,
+//! nothing purged (tests/admin_auth.rs,
+//! `an_unauthenticated_purge_is_refused_and_changes_nothing` and
+//! `without_a_token_file_a_listener_others_can_reach_refuses_purge_and_prefetch`);
+//! idle and partial-header floods of the admin port (tests/admin_limits.rs).
 
 mod common;
 mod fake;
