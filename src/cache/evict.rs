@@ -125,4 +125,106 @@ mod tests {
         assert_eq!(e.bytes_to_free(), 70, "ENOSPC frees a share even under the watermarks");
         assert_eq!(e.bytes_to_free(), 0, "once");
     }
+
+    mod with_a_cache {
+        use std::sync::Arc;
+
+        use crate::cache::Cache;
+        use crate::cache::index::Kind;
+        use crate::config::CacheConfig;
+        use crate::oci::{Digest, RepoName};
+
+        const SIZE: u64 = 100;
+
+        async fn cache() -> (tempfile::TempDir, Arc<Cache>) {
+            let dir = tempfile::tempdir().unwrap();
+            let config = CacheConfig {
+                dir: dir.path().join("cache"),
+                max_size: 1 << 30,
+                max_blob_size: 1 << 28,
+                high_watermark: 0.9,
+                low_watermark: 0.8,
+                memory: 1 << 20,
+                tag_ttl: std::time::Duration::from_secs(60),
+                stale_if_error: std::time::Duration::from_secs(60),
+            };
+            let cache = Cache::open(config).await.unwrap();
+            (dir, cache)
+        }
+
+        /// A blob of `SIZE` bytes committed for `repo` of upstream `hub`,
+        /// file, row and usage, the way a fill leaves it.
+        fn commit(cache: &Cache, repo: &str, seed: u8, accessed_ms: u64) -> Digest {
+            let bytes = vec![seed; SIZE as usize];
+            let d = Digest::of(&bytes);
+            let path = cache.store.blob_path(&d);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(&path, &bytes).unwrap();
+            let member = format!("hub\0{repo}\0{}", d.hex().as_str());
+            if cache.index.insert_blob(&d, SIZE, &member, accessed_ms).unwrap() {
+                cache.evictor.added(SIZE);
+            }
+            d
+        }
+
+        fn repo(name: &str) -> RepoName {
+            name.parse().unwrap()
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn an_eviction_and_a_purge_of_the_same_blobs_count_them_once() {
+            for round in 0..20u8 {
+                let (_dir, cache) = cache().await;
+                let purged: Vec<_> =
+                    (0..3).map(|n| commit(&cache, "team/app", 3 * round + n, 1_000 + u64::from(n))).collect();
+                let kept = commit(&cache, "team/other", 200, 9_000);
+                // Both remove the three least recently used blobs at once.
+                let app = repo("team/app");
+                let (evicted, purge) = tokio::join!(cache.evict(3 * SIZE), cache.purge("hub", Some(&app)));
+                evicted.unwrap();
+                purge.unwrap();
+                assert_eq!(cache.usage(), SIZE, "round {round}: only the kept blob is counted");
+                assert_eq!(cache.index.usage().unwrap(), SIZE);
+                for d in &purged {
+                    assert!(!cache.store.blob_path(d).exists(), "round {round}: removed");
+                }
+                assert!(cache.store.blob_path(&kept).is_file());
+            }
+        }
+
+        #[tokio::test]
+        async fn a_blob_committed_again_while_it_was_being_removed_keeps_its_file_and_row() {
+            let (_dir, cache) = cache().await;
+            let d = commit(&cache, "team/app", 1, 1_000);
+            let removed = cache.index.remove_content(&[(Kind::Blob, d)]).unwrap();
+            // A fill commits it again before the file is unlinked.
+            commit(&cache, "team/app", 1, 2_000);
+            cache.forget_removed(&removed).await;
+            assert!(cache.store.blob_path(&d).is_file(), "the new file stays");
+            assert_eq!(cache.index.blob_size(&d).unwrap(), Some(SIZE), "and so does its row");
+            assert_eq!(cache.usage(), SIZE, "counted once: removed once, added once");
+        }
+
+        #[tokio::test]
+        async fn a_purge_goes_on_past_a_file_it_cannot_unlink_and_counts_exactly() {
+            let (_dir, cache) = cache().await;
+            let mut blobs: Vec<_> = (0..3).map(|n| commit(&cache, "team/app", n, 1_000)).collect();
+            blobs.sort_by(|a, b| a.hex().as_str().cmp(b.hex().as_str()));
+            // The first one a purge unlinks becomes a folder with a file
+            // in it, which unlink(2) refuses (even for root).
+            let stuck = cache.store.blob_path(&blobs[0]);
+            std::fs::remove_file(&stuck).unwrap();
+            std::fs::create_dir(&stuck).unwrap();
+            std::fs::write(stuck.join("pinned"), b"x").unwrap();
+
+            let purged = cache.purge("hub", Some(&repo("team/app"))).await.unwrap();
+            assert_eq!((purged.blobs, purged.bytes), (3, 3 * SIZE));
+            assert!(stuck.is_dir(), "could not be removed");
+            for d in &blobs[1..] {
+                assert!(!cache.store.blob_path(d).exists(), "the others are removed");
+            }
+            assert_eq!(cache.usage(), 0, "every removed row is given back");
+            assert_eq!(cache.index.usage().unwrap(), 0);
+        }
+    }
 }
