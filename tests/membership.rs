@@ -89,6 +89,45 @@ async fn a_request_that_joined_another_repositorys_failed_fill_gets_its_own() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_request_that_joined_a_fill_denied_to_another_repository_gets_its_own() {
+    // As above, with a 403 instead of a 404: a/app's upstream denies it,
+    // b/app's (another upstream, where b/app has it) does not.
+    let holder = random_bytes(4 * MIB, 6);
+    let shared = random_bytes(256 * KIB, 7);
+    let (hd, sd) = (digest(&holder), digest(&shared));
+    let denying =
+        FakeUpstream::builder().blob(holder.clone()).stall_after(MIB).blob(shared.clone()).status(403).start().await;
+    let having = FakeUpstream::builder().blob(shared.clone()).only_in("b/app").start().await;
+    let larder = Larder::builder()
+        .upstream(Upstream::new(UPSTREAM_NAME, &denying.url()).default(true).line("max_concurrency = 1"))
+        .upstream(Upstream::new("second.test", &having.url()))
+        .server_line(ADMIN_LISTEN)
+        .start()
+        .await;
+    let base = larder.url();
+
+    let holding = tokio::spawn(get_owned(format!("{base}/v2/c/app/blobs/{hd}")));
+    wait_until("the holder's body is stalled", || denying.bytes_sent(&hd) >= MIB as u64).await;
+    let from_a = tokio::spawn(get_owned(format!("{base}/v2/a/app/blobs/{sd}")));
+    let fills = || async { metric(&larder, "larder_fills_in_flight").await };
+    while fills().await < 2.0 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // b/app's membership HEAD passes at once and it joins a/app's fill.
+    let from_b = tokio::spawn(get_owned(format!("{base}/v2/second.test/b/app/blobs/{sd}")));
+    wait_until("b/app was confirmed", || having.requests("HEAD", &format!("/v2/b/app/blobs/{sd}")) == 1).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    denying.release(&hd);
+
+    assert_eq!(holding.await.expect("task").0, 200);
+    assert_eq!(from_a.await.expect("task").0, 403, "a/app gets its upstream's denial");
+    let (status, body) = from_b.await.expect("task");
+    assert_eq!(status, 200, "b/app does not inherit a/app's 403");
+    assert_eq!(body, shared);
+    assert_eq!(having.requests("GET", &format!("/v2/b/app/blobs/{sd}")), 1, "b/app fetched it for itself");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_confirmed_membership_is_remembered() {
     let layer = random_bytes(64 * KIB, 5);
     let d = digest(&layer);
