@@ -1,18 +1,24 @@
 //! The admin listener's status page, seen as a person sees it: headless
 //! Chromium (Debian's `chromium`) loads `GET /` of a larder that has served
-//! real pulls, one upstream announcing Docker Hub-style rate-limit headers
-//! and one that is down; the test checks the rendered text and keeps a
-//! screenshot as a test artifact (`target/tmp/status-page.png`). With
+//! real pulls (cold, then one warm), one upstream announcing Docker
+//! Hub-style rate-limit headers, one that is down, and one whose blob is
+//! stalled mid-download (a fill in flight); the test checks the rendered
+//! text, that the page loads no script and no asset from elsewhere, that
+//! `larder status` reports the same facts, and keeps a screenshot as a
+//! test artifact (`target/tmp/status-page.png`). With
 //! `LARDER_UPDATE_SCREENSHOT=1` it also refreshes the README's
 //! `docs/status-page.png`.
 
 mod common;
+mod fake;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use common::admin::{stderr, stdout};
 use common::{Admin, ImageBuilder, KIB, Larder, MIB, Origin, Upstream, http, skopeo, which};
+use fake::{FakeUpstream, REPO, blob_path, client, random_bytes};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
@@ -93,6 +99,22 @@ async fn rate_limited_registry() -> String {
     format!("http://{addr}")
 }
 
+/// References in `html` to anything on another host: `src=`, `href=`,
+/// `action=`, CSS `url(` and `@import` naming `http:`, `https:` or `//`.
+fn external_references(html: &str) -> Vec<String> {
+    let lower = html.to_ascii_lowercase();
+    let mut found = Vec::new();
+    for attribute in ["src=", "href=", "action=", "url(", "@import"] {
+        for (at, _) in lower.match_indices(attribute) {
+            let value = lower[at + attribute.len()..].trim_start_matches(['"', '\'', ' ']);
+            if ["http:", "https:", "//"].iter().any(|scheme| value.starts_with(scheme)) {
+                found.push(html[at..(at + 80).min(html.len())].to_owned());
+            }
+        }
+    }
+    found
+}
+
 fn artifact(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name)
 }
@@ -104,23 +126,43 @@ async fn the_status_page_shows_the_cache_upstreams_and_repositories_in_a_browser
     ImageBuilder::oci().layers(&[256 * KIB]).push(&origin, "team/tools", "v2").await;
     ImageBuilder::oci().layers(&[96 * KIB]).push(&origin, "library/base", "1.0").await;
     let hub = rate_limited_registry().await;
+    let stalled_blob = random_bytes(MIB, 7);
+    let stalling = FakeUpstream::builder().blob(stalled_blob.clone()).stall_after(64 * KIB).start().await;
     let (builder, admin) = Admin::open(
         Larder::builder()
             .upstream(&origin)
             .upstream(Upstream::new("hub.test", &hub))
-            .upstream(Upstream::new("down.test", "http://127.0.0.1:9")),
+            .upstream(Upstream::new("down.test", "http://127.0.0.1:9"))
+            .upstream(Upstream::new("stall.test", &stalling.url())),
     );
     let larder = builder.start().await;
     for image in ["library/base:1.0", "team/tools:v2", "team/app:v1"] {
         skopeo::pull(&larder.image_ref(image), false).await.expect("pull");
     }
+    // A warm pull: team/app's config and 3 layers are hits this time.
+    skopeo::pull(&larder.image_ref("team/app:v1"), false).await.expect("warm pull");
     for (prefix, want) in [("hub.test", 404), ("down.test", 503)] {
         let url = format!("{}/v2/{prefix}/team/app/manifests/v1", larder.url());
         assert_eq!(http::manifest_get(&http::client(), &url).send().await.expect("answer").status(), want);
     }
+    // A client reading a blob that upstream stalls on after 64 KiB: a fill
+    // in flight while the page and `larder status` are looked at.
+    let larder_addr = ([127, 0, 0, 1], larder.port()).into();
+    let stalled_path = blob_path(&fake::digest(&stalled_blob)).replacen("/v2/", "/v2/stall.test/", 1);
+    assert!(stalled_path.starts_with(&format!("/v2/stall.test/{REPO}/blobs/")), "{stalled_path}");
+    let mut stalled = client::open(larder_addr, &stalled_path).await;
+    assert_eq!(stalled.status(), 200);
+    assert_eq!(stalled.read_exact(64 * KIB).await.len(), 64 * KIB, "the fill is under way");
 
     let profile = tempfile::tempdir().expect("profile dir");
     let page = format!("{}/", admin.url());
+    // What the server sends: no script, nothing fetched from elsewhere.
+    let html = http::client().get(&page).send().await.expect("GET /").text().await.expect("the page");
+    assert!(!html.to_ascii_lowercase().contains("<script"), "the page carries no script:\n{html}");
+    let bad = "<link href='https://cdn.example/x.css'><img src=//cdn.example/a.png><i style=\"background:url( 'http://x/y')\">";
+    assert_eq!(external_references(bad).len(), 3, "the check finds what it looks for");
+    assert_eq!(external_references(&html), Vec::<String>::new(), "no external assets:\n{html}");
+
     let dom = chromium(profile.path(), &["--dump-dom", &page]);
     assert!(dom.status.success(), "chromium --dump-dom failed: {}", String::from_utf8_lossy(&dom.stderr));
     let text = rendered_text(&String::from_utf8_lossy(&dom.stdout));
@@ -130,7 +172,8 @@ async fn the_status_page_shows_the_cache_upstreams_and_repositories_in_a_browser
     assert!(text.contains("eviction starts at 9.5 GiB"), "{text}");
     assert!(text.contains("8 blobs"), "3 configs and 5 layers: {text}");
     assert!(text.contains("3 manifests"), "{text}");
-    assert!(text.contains("0.0% blobs (8 requests)"), "every blob was a miss: {text}");
+    assert!(text.contains("1 fills in flight"), "the stalled download: {text}");
+    assert!(text.contains("30.8% blobs (13 requests)"), "4 warm hits of 13 blob requests: {text}");
     assert!(text.contains("origin.test (default)"), "{text}");
     assert!(text.contains("hub.test") && text.contains("76 of 100 left"), "rate-limit headroom: {text}");
     assert!(text.contains("down.test") && text.contains("cannot connect to upstream"), "last error: {text}");
@@ -141,6 +184,21 @@ async fn the_status_page_shows_the_cache_upstreams_and_repositories_in_a_browser
     let recent = text.split("Most recently used").nth(1).expect("recent section");
     assert!(recent.contains("team/app") && recent.contains("s ago"), "{recent}");
 
+    // `larder status` tells the same story as text.
+    let out = admin.cli(&["status"]);
+    let status = stdout(&out);
+    assert!(out.status.success(), "{status}{}", stderr(&out));
+    assert!(status.contains("hit ratio    blobs 30.8% of 13 requests,"), "{status}");
+    assert!(status.contains("fills        1 in flight"), "{status}");
+    let upstream = |name: &str| {
+        let line = status.lines().find(|l| l.trim_start().starts_with(&format!("{name} ")));
+        line.unwrap_or_else(|| panic!("no line for {name}:\n{status}")).to_owned()
+    };
+    assert!(upstream("hub.test").ends_with("; rate limit 76 of 100 left"), "{status}");
+    let down = upstream("down.test");
+    assert!(down.contains("1 errors, last error ") && down.contains("(cannot connect to upstream"), "{down}");
+    assert!(upstream("origin.test").contains("0 errors, no errors; rate limit not announced"), "{status}");
+
     // The screenshot, kept for whoever looks at the test run.
     let shot = artifact("status-page.png");
     let _ = std::fs::remove_file(&shot);
@@ -149,6 +207,10 @@ async fn the_status_page_shows_the_cache_upstreams_and_repositories_in_a_browser
     let png = std::fs::read(&shot).expect("the screenshot was written");
     assert!(png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 20_000, "a real PNG, {} bytes", png.len());
     eprintln!("status page screenshot: {}", shot.display());
+    stalling.release(&fake::digest(&stalled_blob));
+    let (received, end, difference) = stalled.compare_to_end(&stalled_blob[64 * KIB..]).await;
+    assert!(matches!(end, client::End::Complete) && difference.is_none(), "{end:?} {difference:?}");
+    assert_eq!(received, (MIB - 64 * KIB) as u64, "the stalled fill completes once released");
     if std::env::var_os("LARDER_UPDATE_SCREENSHOT").is_some() {
         let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/status-page.png");
         std::fs::create_dir_all(docs.parent().expect("docs dir")).expect("create docs/");
