@@ -17,12 +17,19 @@ const TOKEN: &str = "cli-test-token-6b0f2d9c84";
 /// Runs `shell_command` with a pseudo-terminal as its stdout and stderr
 /// (util-linux `script`), 120 columns wide; returns what the terminal got.
 fn on_a_terminal(shell_command: &str) -> (bool, String) {
+    on_a_terminal_with(shell_command, None)
+}
+
+/// [`on_a_terminal`], with `NO_COLOR` set to `no_color` if given.
+fn on_a_terminal_with(shell_command: &str, no_color: Option<&str>) -> (bool, String) {
     which("script");
-    let output = Command::new("script")
-        .args(["-q", "-e", "-c", &format!("stty cols 120 rows 40; {shell_command}"), "/dev/null"])
-        .env_remove("NO_COLOR")
-        .output()
-        .expect("run script");
+    let mut command = Command::new("script");
+    command.args(["-q", "-e", "-c", &format!("stty cols 120 rows 40; {shell_command}"), "/dev/null"]);
+    match no_color {
+        Some(value) => command.env("NO_COLOR", value),
+        None => command.env_remove("NO_COLOR"),
+    };
+    let output = command.output().expect("run script");
     (output.status.success(), String::from_utf8_lossy(&output.stdout).into_owned())
 }
 
@@ -79,6 +86,11 @@ async fn prefetch_status_and_purge_from_the_command_line() {
     assert!(text.contains("of 10.0 GiB"), "{text}");
     assert!(text.contains(&format!("{} blobs, ", blobs + 2)), "{text}");
     assert!(text.contains("2 repositories"), "{text}");
+    // The warm pull after the prefetch was all hits: a non-zero blob hit ratio.
+    let ratio = text.lines().find_map(|l| l.strip_prefix("hit ratio    blobs ")).expect("a hit ratio line");
+    let percent: f64 = ratio.split('%').next().and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("{ratio}"));
+    assert!(percent > 0.0, "warm blobs count as hits: {ratio}");
+    assert!(text.contains("fills        0 in flight"), "{text}");
     assert!(text.contains("origin.test (default) http://127.0.0.1:"), "{text}");
     let largest = text.split("largest repositories").nth(1).expect("largest section");
     let first = largest.lines().nth(1).expect("a repository line");
@@ -162,6 +174,10 @@ fn text_logs_are_coloured_only_on_a_terminal() {
     let log = stderr(&piped);
     assert!(log.contains("larder listening"), "{log}");
     assert!(!log.contains('\x1b'), "text logs into a pipe carry no colour codes:\n{log:?}");
+
+    let (_, screen) = on_a_terminal_with(&run("text"), Some("1"));
+    assert!(screen.contains("larder listening"), "{screen}");
+    assert!(!screen.contains('\x1b'), "NO_COLOR turns colour off even on a terminal:\n{screen:?}");
 
     let (_, screen) = on_a_terminal(&run("json"));
     assert!(!screen.contains('\x1b'), "JSON logs never carry colour codes:\n{screen:?}");
