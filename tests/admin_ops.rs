@@ -3,8 +3,9 @@
 //! the next pull fetches again.
 
 mod common;
+mod fake;
 
-use common::{ImageBuilder, KIB, Larder, ORIGIN_NAME, Origin, free_port, http, skopeo};
+use common::{Admin, ImageBuilder, KIB, Larder, ORIGIN_NAME, Origin, Upstream, free_port, http, skopeo};
 
 async fn post(url: &str) -> (u16, serde_json::Value) {
     let resp = http::client().post(url).send().await.expect("admin listener answers");
@@ -57,4 +58,60 @@ async fn prefetch_warms_one_platform_and_purge_forgets_a_repository() {
     assert_eq!((status, body["errors"][0]["code"].as_str()), (404, Some("NAME_UNKNOWN")));
     let (status, _) = post(&format!("{admin}/prefetch")).await;
     assert_eq!(status, 400);
+}
+
+/// A prefetch over an origin that trickles its layer (64 KiB every 200 ms,
+/// so at least 3 s for 1 MiB) streams its progress: progress lines with
+/// part of the bytes done arrive well before the final `done` line. A
+/// response buffered until the end would bring them all at once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_streamed_prefetch_reports_progress_while_a_slow_origin_sends() {
+    use fake::{FakeUpstream, OCI_MANIFEST, REPO, digest, image_manifest, random_bytes};
+    use std::time::{Duration, Instant};
+
+    let config = random_bytes(512, 1);
+    let layer = random_bytes(fake::MIB, 2);
+    let manifest = image_manifest((&digest(&config), config.len()), &[(&digest(&layer), layer.len())]);
+    let slow = FakeUpstream::builder()
+        .manifest(REPO, "v1", OCI_MANIFEST, manifest)
+        .blob(config)
+        .blob(layer.clone())
+        .trickle(64 * KIB, Duration::from_millis(200))
+        .start()
+        .await;
+    let (builder, admin) =
+        Admin::open(Larder::builder().upstream(Upstream::new("slow.test", &slow.url()).default(true)));
+    let _larder = builder.start().await;
+
+    let mut resp = http::client()
+        .post(format!("{}/prefetch?image={REPO}:v1", admin.url()))
+        .header("Accept", "application/x-ndjson")
+        .send()
+        .await
+        .expect("the admin listener answers");
+    assert_eq!(resp.status(), 200);
+    let (mut lines, mut pending) = (Vec::<(Instant, serde_json::Value)>::new(), Vec::new());
+    while let Some(chunk) = resp.chunk().await.expect("the stream") {
+        pending.extend_from_slice(&chunk);
+        while let Some(end) = pending.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = pending.drain(..=end).collect();
+            lines.push((Instant::now(), serde_json::from_slice(&line).expect("a JSON line")));
+        }
+    }
+    let (done_at, done) = lines.last().expect("lines").clone();
+    assert_eq!(done["event"], "done", "{done}");
+    assert_eq!(done["fetched"], 2, "{done}");
+    let partial: Vec<_> = lines
+        .iter()
+        .filter(|(_, l)| {
+            l["event"] == "progress" && l["bytes_done"].as_u64().is_some_and(|b| b > 0 && b < layer.len() as u64)
+        })
+        .collect();
+    let (first_at, first) = partial.first().unwrap_or_else(|| panic!("no partial progress line: {lines:?}"));
+    assert_eq!(first["blobs_total"], 2, "{first}");
+    assert!(
+        done_at.duration_since(*first_at) >= Duration::from_secs(1),
+        "progress came {:?} before done",
+        done_at - *first_at
+    );
 }
