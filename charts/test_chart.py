@@ -1712,6 +1712,63 @@ def check_pdb_and_bind() -> None:
         check_config("PDB minAvailable 50% of 3, IPv4 bind", r.toml_text())
 
 
+def check_dual_stack() -> None:
+    """The default bindAddress "[::]" is one socket for both families: the
+    real larder, listening on [::]:<port> as the pod does (admin on
+    127.0.0.1), answers over 127.0.0.1 and over ::1. The IPv4 half holds
+    while net.ipv6.bindv6only is 0 (Linux's default; the README says so)."""
+    r = render("dual stack", {})
+    if not r:
+        return
+    server = r.toml()["server"]
+    check(
+        "[dual stack] default listeners on [::]",
+        server["listen"] == "[::]:5000" and server["admin_listen"] == "[::]:9090",
+        server,
+    )
+    if LARDER is None:
+        check("[dual stack] larder runs", False, "no larder binary")
+        return
+    try:
+        v6only = Path("/proc/sys/net/ipv6/bindv6only").read_text().strip()
+    except OSError as e:
+        v6only = f"unreadable ({e})"
+    print(f"     net.ipv6.bindv6only = {v6only}")
+    with tempfile.TemporaryDirectory(prefix="larder-chart-dual-") as tmp:
+        port, admin = free_port(), f"127.0.0.1:{free_port()}"
+        text = r.toml_text()
+        text = text.replace('listen = "[::]:5000"', f'listen = "[::]:{port}"', 1)
+        text = text.replace('admin_listen = "[::]:9090"', f'admin_listen = "{admin}"', 1)
+        text = text.replace('dir = "/var/lib/larder"', f"dir = {json.dumps(str(Path(tmp) / 'cache'))}")
+        text = _rewrite_admin_token(r.toml(), text, Path(tmp))
+        cfg, log = Path(tmp) / "larder.toml", Path(tmp) / "larder.log"
+        cfg.write_text(text)
+        with open(log, "w") as log_file:
+            proc = subprocess.Popen(
+                [str(LARDER), "--config", str(cfg), "--log-format", "json"], stdout=log_file, stderr=log_file
+            )
+        try:
+            deadline = time.monotonic() + 20
+            status: int | str = "not started"
+            while time.monotonic() < deadline and proc.poll() is None:
+                status = http_status(f"http://{admin}/healthz")
+                if status == 200:
+                    break
+                time.sleep(0.05)
+            if not check("[dual stack] larder starts on [::]", status == 200, (status, log.read_text()[-500:])):
+                return
+            for family, host in (("IPv4", "127.0.0.1"), ("IPv6", "[::1]")):
+                status = http_status(f"http://{host}:{port}/v2/")
+                check(f"[dual stack] GET /v2/ over {family} ({host}) to the [::] listener: 200", status == 200, status)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 def check_grace() -> None:
     r = render(
         "preStop sleep",
@@ -2090,6 +2147,7 @@ def main() -> int:
         check_hub,
         check_persistence,
         check_pdb_and_bind,
+        check_dual_stack,
         check_grace,
         check_refused,
         check_dashboard,

@@ -16,7 +16,8 @@ as in the busybox image the chart uses.
 
   * fake nodes: containerd 1.6 (its own `containerd config default`) and
     2.x configs with and without config_path, the deprecated mirrors, a
-    config_path list (the transfer service case), imports, a disabled CRI
+    config_path list in version 2 and 3 configs (the transfer service
+    case), imports, a disabled CRI
     plugin, k3s, rke2 and Talos layouts, an existing hosts.toml (prepend,
     keep, replace, fail), _default, pruning, IPv6, TLS + credentials, the
     uninstall cleanup hook, the host-network listen address; exit status,
@@ -384,10 +385,38 @@ def check_containerd_configs() -> None:
             False,
             ('config_path = "/etc/docker/certs.d"', "nodeSetup"),
         ).cleanup()
+        # A version 2 config with a list: containerd 1.x reads the list in
+        # order, but containerd 2.x migrates a version 2 config at start-up
+        # and from 2.1 pulls through the transfer service, which reads the
+        # list as one folder. The file does not say which containerd runs.
+        v2_list = with_config_path(d16, "/etc/containerd/certs.d:/etc/docker/certs.d")
         case(
-            "1.6 with a config_path list (read in order by containerd 1.x)",
-            {config: with_config_path(d16, "/etc/containerd/certs.d:/etc/docker/certs.d")},
+            "version 2 config (1.6 default) with a config_path list: refused (2.1+ would ignore the files)",
+            {config: v2_list},
+            False,
+            ("config version 2", "transfer service", "12415", "nodeSetup.allowConfigPathList=true"),
+        ).cleanup()
+        case(
+            "version 2 config with a list, discard_unpacked_layers = true (migrated: local pull)",
+            {config: v2_list.replace("discard_unpacked_layers = false", "discard_unpacked_layers = true", 1)},
             True,
+        ).cleanup()
+        case(
+            "version 2 config with a list, use_local_image_pull = true in the 2.x table",
+            {config: v2_list + "\n[plugins.'io.containerd.cri.v1.images']\n  use_local_image_pull = true\n"},
+            True,
+        ).cleanup()
+        # Without a containerd.runtimes table containerd 2.x migrates the
+        # registry but not discard_unpacked_layers: the transfer service.
+        case(
+            "version 2 config with a list and discard_unpacked_layers but no runtimes table: refused",
+            {
+                config: 'version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd]\n  discard_unpacked_layers = true\n'
+                '[plugins."io.containerd.grpc.v1.cri".registry]\n'
+                '  config_path = "/etc/containerd/certs.d:/etc/docker/certs.d"\n'
+            },
+            False,
+            ("config version 2", "transfer service"),
         ).cleanup()
         case(
             "1.6 with the CRI plugin disabled",
@@ -450,6 +479,25 @@ def check_containerd_configs() -> None:
     r_allow = render("nodeSetup allowConfigPathList", node_values(allowConfigPathList=True))
     if r_allow:
         case("2.x, config_path list, allowConfigPathList (containerd 2.0)", {config: eks}, True, rr=r_allow).cleanup()
+        if d16:
+            node = Node()
+            node.write(config, with_config_path(d16, "/etc/containerd/certs.d:/etc/docker/certs.d"))
+            run = setup_run(r_allow, node)
+            check(
+                "[containerd] version 2 config with a list, allowConfigPathList: accepted with a loud warning",
+                run.rc == 0 and "WARNING" in run.err and "would IGNORE the hosts files" in run.err,
+                run,
+            )
+            node.cleanup()
+        node = Node()
+        node.write(config, v3)
+        run = setup_run(r_allow, node)
+        check(
+            "[containerd] allowConfigPathList with a single config_path: no list warning",
+            run.rc == 0 and "would IGNORE" not in run.err,
+            run,
+        )
+        node.cleanup()
     case(
         "no containerd config on the node",
         {},
@@ -1353,7 +1401,7 @@ def check_real_containerd() -> None:
     try:
         origin = Origin(tmp)
         cleanup.append(origin.stop)
-        for i, repo in enumerate(("team/app-ctr", "team/app-cri", "team/app-down")):
+        for i, repo in enumerate(("team/app-ctr", "team/app-cri", "team/app-down", "team/app-fresh")):
             push_image(origin, tmp, repo, i)
 
         larder_port = tc.free_port()
@@ -1454,6 +1502,11 @@ def check_real_containerd() -> None:
                 took > 25,
                 f"{took:.1f}s",
             )
+            # A fresh one-layer image: every request (tag, manifest, config,
+            # layer) waits out the dead host first. Timed, not asserted.
+            rc, out, took = containerd.ctr_pull(f"{REGISTRY}/team/app-fresh:v1", hosts_dir)
+            print(f"     larder's address dropping packets: a fresh one-layer pull took {took:.1f}s ({version})")
+            check("[real] black hole: a fresh pull still succeeds through the registry", rc == 0, out[-2000:])
     finally:
         for stop in reversed(cleanup):
             try:

@@ -37,7 +37,8 @@
 #   LARDER_DIAL_TIMEOUT       dial_timeout per mirror ("" leaves it out)
 #   LARDER_EXISTING           for a hosts.toml this release did not write:
 #                             prepend | keep | replace | fail
-#   LARDER_ALLOW_PATH_LIST    "true": accept a config_path list on containerd 2.x
+#   LARDER_ALLOW_PATH_LIST    "true": accept a config_path list that containerd
+#                             2.1+ would ignore (with a warning)
 #   LARDER_MIRROR_CA          CA file (here) of larder's TLS certificate, or ""
 #   LARDER_MIRROR_USERNAME_FILE, LARDER_MIRROR_PASSWORD_FILE
 #                             larder client credentials (files here), or ""
@@ -272,6 +273,15 @@ check_containerd() {
 	fi
 	local_pull=$(flat_get "$flat" "plugins|io.containerd.cri.v1.images|use_local_image_pull")
 	discard=$(flat_get "$flat" "plugins|io.containerd.cri.v1.images|discard_unpacked_layers")
+	if [ "$version" = 2 ] && [ -z "$discard" ] &&
+		flat_has_prefix "$flat" "plugins|io.containerd.grpc.v1.cri|containerd|runtimes|"; then
+		# containerd 2.x migrates a version 2 config at start-up: the
+		# registry moves to io.containerd.cri.v1.images, and so does
+		# containerd.discard_unpacked_layers, but only from a config with a
+		# containerd.runtimes table (plugins/cri/images/plugin.go,
+		# migrateConfig).
+		discard=$(flat_get "$flat" "plugins|io.containerd.grpc.v1.cri|containerd|discard_unpacked_layers")
+	fi
 
 	if [ "$MODE" = dump ]; then
 		cat "$flat"
@@ -314,8 +324,25 @@ check_containerd() {
 
 	case "$config_path" in
 	*:*)
-		if [ "$version" = 3 ] && [ "$local_pull" != true ] && [ "$discard" != true ] && [ "${LARDER_ALLOW_PATH_LIST:-false}" != true ]; then
-			fail "containerd 2.x ($CONFIG) has config_path = \"$config_path\", a list: containerd 2.1 and later pull through the transfer service, which reads the whole list as ONE folder and ignores hosts files in $HOSTS_DIR (containerd issues 12415, 12808). Set config_path = \"$HOSTS_DIR\", or use_local_image_pull = true, or (containerd 2.0) nodeSetup.allowConfigPathList=true"
+		# containerd 2.1 and later pull through the transfer service unless
+		# use_local_image_pull is on (or discard_unpacked_layers turns it
+		# on), and the transfer service reads config_path as ONE folder
+		# (containerd issues 12415, 12808): hosts files in a list's folders
+		# are ignored, silently. containerd 2.x reads a version 2 config
+		# too (migrated at start-up, the same pull path), so only a
+		# version 1 config (containerd 1.x only) is known to be safe.
+		if [ "$version" != 1 ] && [ "$local_pull" != true ] && [ "$discard" != true ]; then
+			if [ "$version" = 3 ]; then
+				who="containerd 2.x ($CONFIG, config version 3)"
+				allow_when="containerd 2.0"
+			else
+				who="containerd ($CONFIG, config version 2: containerd 1.x, or 2.x, which migrates it at start-up)"
+				allow_when="containerd 1.x or 2.0 on every node"
+			fi
+			if [ "${LARDER_ALLOW_PATH_LIST:-false}" != true ]; then
+				fail "$who has config_path = \"$config_path\", a list: containerd 2.1 and later pull through the transfer service, which reads the whole list as ONE folder and ignores hosts files in $HOSTS_DIR (containerd issues 12415, 12808), so pulls would bypass larder. Set config_path = \"$HOSTS_DIR\", or use_local_image_pull = true under [plugins.\"io.containerd.cri.v1.images\"], or (with $allow_when) nodeSetup.allowConfigPathList=true"
+			fi
+			log "WARNING: $who has config_path = \"$config_path\", a list, accepted because nodeSetup.allowConfigPathList=true: containerd 2.1 and later would IGNORE the hosts files written here (the transfer service reads the list as one folder) and pull from the registries directly"
 		fi
 		if [ -n "$before" ]; then
 			log "WARNING: config_path lists${before} before $HOSTS_DIR: a registry folder there takes precedence over the one written here"

@@ -121,7 +121,7 @@ IP (the pod's status.hostIP). Fails when nodes could not reach the mirror.
 {{- define "larder.mirrorURLs" -}}
 {{- $scheme := include "larder.scheme" . }}
 {{- if .Values.nodeSetup.mirrorURL }}
-{{- .Values.nodeSetup.mirrorURL }}
+{{- include "larder.nodeSetup.checkedMirrorURL" . }}
 {{- else if include "larder.nodeMode" . }}
 {{- printf "%s://%s" $scheme (include "larder.hostPort" (list (default "{nodeIP}" .Values.node.hostIP) .Values.node.hostPort)) }}
 {{- if .Values.node.fallbackMirror }}
@@ -130,6 +130,32 @@ IP (the pod's status.hostIP). Fails when nodes could not reach the mirror.
 {{- else }}
 {{- include "larder.serviceMirrorURL" (dict "root" . "key" "nodeSetup.enabled") }}
 {{- end }}
+{{- end }}
+
+{{/*
+nodeSetup.mirrorURL, checked: one http(s) URL whose host the node's own
+resolver can resolve, so not a cluster DNS name (*.svc, *.<clusterDomain>):
+containerd would fail to resolve it on every pull and silently fall back
+to the registry.
+*/}}
+{{- define "larder.nodeSetup.checkedMirrorURL" -}}
+{{- $url := toString .Values.nodeSetup.mirrorURL | trim }}
+{{- if not (regexMatch "^https?://[^/?#\\s]+(/[^\\s]*)?$" $url) }}
+{{- fail (printf "nodeSetup.mirrorURL: %q is not one http:// or https:// URL (e.g. http://10.96.0.50:5000 or http://{nodeIP}:5000)" $url) }}
+{{- end }}
+{{- $hostPort := regexReplaceAll "^https?://([^/?#]+).*$" $url "${1}" }}
+{{- $host := regexReplaceAll ":[0-9]+$" $hostPort "" | trimSuffix "." | lower }}
+{{- $domains := uniq (list (toString .Values.clusterDomain | trimSuffix "." | lower) "cluster.local") }}
+{{- $cluster := or (hasSuffix ".svc" $host) (contains ".svc." $host) }}
+{{- range $domains }}
+{{- if or (eq $host .) (hasSuffix (printf ".%s" .) $host) }}
+{{- $cluster = true }}
+{{- end }}
+{{- end }}
+{{- if $cluster }}
+{{- fail (printf "nodeSetup.mirrorURL: %q is a cluster DNS name, which containerd cannot resolve (nodes use their own resolver): pulls would silently bypass larder. Use an address nodes reach: the Service's fixed clusterIP (service.clusterIP), {nodeIP} with a NodePort or hostPort, or a name in the nodes' own DNS" $host) }}
+{{- end }}
+{{- $url }}
 {{- end }}
 
 {{/*
