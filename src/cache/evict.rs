@@ -127,30 +127,12 @@ mod tests {
     }
 
     mod with_a_cache {
-        use std::sync::Arc;
-
         use crate::cache::Cache;
         use crate::cache::index::Kind;
-        use crate::config::CacheConfig;
+        use crate::cache::test_cache::temporary as cache;
         use crate::oci::{Digest, RepoName};
 
         const SIZE: u64 = 100;
-
-        async fn cache() -> (tempfile::TempDir, Arc<Cache>) {
-            let dir = tempfile::tempdir().unwrap();
-            let config = CacheConfig {
-                dir: dir.path().join("cache"),
-                max_size: 1 << 30,
-                max_blob_size: 1 << 28,
-                high_watermark: 0.9,
-                low_watermark: 0.8,
-                memory: 1 << 20,
-                tag_ttl: std::time::Duration::from_secs(60),
-                stale_if_error: std::time::Duration::from_secs(60),
-            };
-            let cache = Cache::open(config).await.unwrap();
-            (dir, cache)
-        }
 
         /// A blob of `SIZE` bytes committed for `repo` of upstream `hub`,
         /// file, row and usage, the way a fill leaves it.

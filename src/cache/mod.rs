@@ -32,6 +32,8 @@ mod reconcile_live;
 pub mod shared;
 pub mod source;
 pub mod stats;
+#[cfg(test)]
+mod test_cache;
 mod tiers;
 pub mod upload;
 

@@ -123,24 +123,8 @@ fn hex_key(hex: &str) -> [u8; 64] {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::CacheConfig;
+    use crate::cache::test_cache::temporary as cache;
     use crate::oci::Digest;
-
-    async fn cache() -> (tempfile::TempDir, Arc<Cache>) {
-        let dir = tempfile::tempdir().unwrap();
-        let config = CacheConfig {
-            dir: dir.path().join("cache"),
-            max_size: 1 << 30,
-            max_blob_size: 1 << 28,
-            high_watermark: 0.9,
-            low_watermark: 0.8,
-            memory: 1 << 20,
-            tag_ttl: std::time::Duration::from_secs(60),
-            stale_if_error: std::time::Duration::from_secs(60),
-        };
-        let cache = Cache::open(config).await.unwrap();
-        (dir, cache)
-    }
 
     #[tokio::test]
     async fn repositories_are_summed_from_membership_rows() {
