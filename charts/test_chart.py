@@ -2129,6 +2129,49 @@ def quiet_helm() -> None:
     helm_python.enable_logging(logging.CRITICAL, helm_log)
 
 
+def check_node_setup_values() -> None:
+    """priorityClassName on both DaemonSets, seLinuxOptions on the containers
+    writing on the node, nodeSetup.mirrorURL into hosts.toml (and a cluster
+    DNS name refused), no subPath on any Secret volume mount."""
+    se = {"type": "spc_t"}
+    r = render(
+        "node-setup values",
+        {"nodeSetup": {"enabled": True, "mirrorURL": "http://10.96.0.77:5000", "priorityClassName": "system-node-critical", "seLinuxOptions": se}},
+    )
+    if r is not None:
+        ds = r.get("DaemonSet", "larder-node-setup")
+        pod = ds["spec"]["template"]["spec"]
+        check("[node-setup values] node-setup DaemonSet priorityClassName", pod.get("priorityClassName") == "system-node-critical", pod.get("priorityClassName"))
+        init = next(c for c in pod["initContainers"] if c["name"] == "containerd-hosts")
+        check("[node-setup values] containerd-hosts seLinuxOptions", init.get("securityContext", {}).get("seLinuxOptions") == se, init.get("securityContext"))
+        env = {e["name"]: e.get("value") for e in init.get("env", [])}
+        check("[node-setup values] mirrorURL handed to the hosts.toml script", "http://10.96.0.77:5000" in env.values(), env)
+    r = render(
+        "node mode priority",
+        {"mode": "node", "config": {"cache": {"maxSize": "8GiB"}}, "priorityClassName": "system-node-critical", "nodeSetup": {"enabled": True, "seLinuxOptions": se}},
+    )
+    if r is not None:
+        pod = workload(r)["spec"]["template"]["spec"]
+        check("[node mode priority] larder DaemonSet priorityClassName", pod.get("priorityClassName") == "system-node-critical", pod.get("priorityClassName"))
+        init = next(c for c in pod.get("initContainers", []) if c["name"] == "containerd-hosts")
+        check("[node mode priority] containerd-hosts seLinuxOptions", init.get("securityContext", {}).get("seLinuxOptions") == se, init.get("securityContext"))
+    for url in ("http://larder.larder.svc:5000", "http://larder.larder.svc.cluster.local:5000"):
+        err = render_error({"nodeSetup": {"enabled": True, "mirrorURL": url}})
+        check(f"[refused] nodeSetup.mirrorURL {url}", err is not None, err)
+    for label, values in (("defaults", {}), ("nodeSetup", {"nodeSetup": {"enabled": True}, "service": {"clusterIP": "10.96.0.50"}})):
+        r = render(f"subPath {label}", values, validate=False)
+        if r is None:
+            continue
+        for o in r.objects:
+            pod = o.get("spec", {}).get("template", {}).get("spec")
+            if not pod:
+                continue
+            secrets = {v["name"] for v in pod.get("volumes", []) if "secret" in v}
+            for c in pod.get("containers", []) + pod.get("initContainers", []):
+                bad = [m for m in c.get("volumeMounts", []) if m["name"] in secrets and "subPath" in m]
+                check(f"[subPath {label}] {o['kind']}/{o['metadata']['name']} {c['name']}: no subPath on Secret mounts", not bad, bad)
+
+
 def main() -> int:
     global LARDER
     start = time.monotonic()
@@ -2148,6 +2191,7 @@ def main() -> int:
         check_persistence,
         check_pdb_and_bind,
         check_dual_stack,
+        check_node_setup_values,
         check_grace,
         check_refused,
         check_dashboard,
