@@ -327,6 +327,19 @@ def http_status(url: str, headers: dict[str, str] | None = None) -> int | str:
         return str(e)
 
 
+def wait_healthy(proc: subprocess.Popen, admin: str, timeout: float = 20.0) -> int | str:
+    """Polls larder's `/healthz` on `admin` until it answers 200, the process
+    exits or `timeout` passes; returns the last status (or error)."""
+    deadline = time.monotonic() + timeout
+    status: int | str = "not started"
+    while time.monotonic() < deadline and proc.poll() is None:
+        status = http_status(f"http://{admin}/healthz")
+        if status == 200:
+            break
+        time.sleep(0.05)
+    return status
+
+
 def run_larder(label: str, toml_text: str, args: list[str]) -> None:
     """Starts larder as the pod would (the container's args), on the rendered
     larder.toml with the listeners moved to free 127.0.0.1 ports and the
@@ -355,13 +368,7 @@ def run_larder(label: str, toml_text: str, args: list[str]) -> None:
         with open(log, "w") as log_file:
             proc = subprocess.Popen(argv, stdout=log_file, stderr=log_file, env={**os.environ, "POD_IP": "127.0.0.1"})
         try:
-            deadline = time.monotonic() + 20
-            status: int | str = "not started"
-            while time.monotonic() < deadline and proc.poll() is None:
-                status = http_status(f"http://{admin}/healthz")
-                if status == 200:
-                    break
-                time.sleep(0.05)
+            status = wait_healthy(proc, admin)
             if not check(
                 f"[{label}] larder starts with the pod's args", status == 200, (status, log.read_text()[-500:])
             ):
@@ -1748,13 +1755,7 @@ def check_dual_stack() -> None:
                 [str(LARDER), "--config", str(cfg), "--log-format", "json"], stdout=log_file, stderr=log_file
             )
         try:
-            deadline = time.monotonic() + 20
-            status: int | str = "not started"
-            while time.monotonic() < deadline and proc.poll() is None:
-                status = http_status(f"http://{admin}/healthz")
-                if status == 200:
-                    break
-                time.sleep(0.05)
+            status = wait_healthy(proc, admin)
             if not check("[dual stack] larder starts on [::]", status == 200, (status, log.read_text()[-500:])):
                 return
             for family, host in (("IPv4", "127.0.0.1"), ("IPv6", "[::1]")):
