@@ -57,8 +57,8 @@ pub async fn start(config: Config, shutdown: crate::shutdown::Shutdown) -> Resul
     };
     let peers = match &config.cluster {
         Some(c) => {
-            let (secret, ca_file) = (c.secret.clone(), c.ca_file.clone());
-            let client = tokio::task::spawn_blocking(move || PeerClient::new(&secret, ca_file.as_deref()))
+            let cluster = c.clone();
+            let client = tokio::task::spawn_blocking(move || PeerClient::new(&cluster))
                 .await
                 .map_err(|e| StartError::Cluster(format!("start-up task failed: {e}")))?
                 .map_err(StartError::Cluster)?;

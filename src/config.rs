@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use regex::Regex;
+use rustls::pki_types::ServerName;
 use serde::Deserialize;
 
 use crate::cluster::PeerUrl;
@@ -121,9 +122,17 @@ pub struct ClusterConfig {
     /// Sent and checked on every peer request.
     pub secret: Secret,
     /// Extra CA certificates (PEM) trusted for https peers, beside the web
-    /// PKI roots. With https peer URLs the peer listener serves TLS with
-    /// `[server.tls]`'s certificate.
+    /// PKI roots. Only with https peers (`self = "https://..."`): their
+    /// peer listener serves TLS with `[server.tls]`'s certificate.
     pub ca_file: Option<PathBuf>,
+    /// The one name every https peer's certificate is verified under (and
+    /// sent as SNI), instead of the host of each peer's URL. Peers found by
+    /// `peers_dns` or listed by pod IP have addresses no ordinary
+    /// certificate names, and they all serve the same `[server.tls]`
+    /// certificate: one fixed name on it (e.g. the peers' headless Service,
+    /// `larder-peers.<namespace>.svc`) verifies every replica. `None`: each
+    /// peer is verified against the host in its URL.
+    pub tls_name: Option<ServerName<'static>>,
 }
 
 /// Where the member list comes from.
@@ -351,6 +360,7 @@ struct RawCluster {
     peers_dns: Option<String>,
     secret_file: String,
     ca_file: Option<String>,
+    tls_name: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -871,13 +881,49 @@ impl Validator<'_> {
                 ),
             ));
         }
+        // The scheme of `self` (and so of every peer) says whether peers
+        // talk TLS; https peers serve `[server.tls]`'s certificate on the
+        // peer listener, so they need it. http peers with `[server.tls]`
+        // stay allowed: a service mesh may already encrypt pod traffic.
         if self_url.is_https() && server.tls.is_none() {
             return Err(
                 self.err("cluster.self", "https peers need [server.tls]: its certificate serves the peer listener")
             );
         }
-        let ca_file = c.ca_file.as_deref().map(|f| self.readable("cluster.ca_file", f)).transpose()?;
-        Ok(ClusterConfig { listen, self_url, peers, secret, ca_file })
+        let plain = |key: &str| {
+            self.err(key, format!("only for https peers, and cluster.self is {self_url}: peers talk plain http"))
+        };
+        let ca_file = match c.ca_file.as_deref() {
+            Some(_) if !self_url.is_https() => return Err(plain("cluster.ca_file")),
+            Some(f) => Some(self.readable("cluster.ca_file", f)?),
+            None => None,
+        };
+        let tls_name = match c.tls_name.as_deref() {
+            Some(_) if !self_url.is_https() => return Err(plain("cluster.tls_name")),
+            Some(name) => Some(self.peer_tls_name(name)?),
+            None => None,
+        };
+        Ok(ClusterConfig { listen, self_url, peers, secret, ca_file, tls_name })
+    }
+
+    /// `cluster.tls_name`: a DNS name (`${ENV}` expanded, lowercased), not
+    /// an address, a port or a wildcard: it is what the certificate names.
+    fn peer_tls_name(&self, raw: &str) -> Result<ServerName<'static>, ConfigError> {
+        let key = "cluster.tls_name";
+        let name = self.expand_env(key, raw)?.to_ascii_lowercase();
+        if name.parse::<std::net::IpAddr>().is_ok() {
+            return Err(self.err(
+                key,
+                format!("{name:?} is an address: leave tls_name out to verify each peer against its URL's host"),
+            ));
+        }
+        if name.contains(':') || !valid_host(&name) {
+            return Err(self.err(
+                key,
+                format!("{name:?} is not a DNS name like \"larder-peers.mirror.svc\" (no port, scheme or wildcard)"),
+            ));
+        }
+        ServerName::try_from(name.clone()).map_err(|e| self.err(key, format!("{name:?}: {e}")))
     }
 
     fn admin(&self, raw: RawAdmin) -> Result<AdminConfig, ConfigError> {
@@ -1517,6 +1563,66 @@ mod tests {
             "[cluster]\nself = \"http://${POD_IP}:5001\"\npeers_dns = \"larder:5001\"\nsecret_file = \"short\"\n";
         let e = parse_in(dir.path(), text, &env).unwrap_err().to_string();
         assert!(e.contains("`cluster.secret_file`") && e.contains("at least"), "{e}");
+    }
+
+    /// `[server.tls]` (dummy files: only readability is checked here) and
+    /// an https `[cluster]` with `lines` added.
+    fn https_cluster(dir: &Path, lines: &str) -> String {
+        std::fs::write(dir.join("tls.crt"), "-----BEGIN CERTIFICATE-----\n").unwrap();
+        std::fs::write(dir.join("tls.key"), "-----BEGIN PRIVATE KEY-----\n").unwrap();
+        std::fs::write(dir.join("peers-ca.crt"), "-----BEGIN CERTIFICATE-----\n").unwrap();
+        format!(
+            "[server.tls]\ncert = \"tls.crt\"\nkey = \"tls.key\"\n\n[cluster]\nself = \"https://${{POD_IP}}:5001\"\n\
+             peers_dns = \"larder-peers.mirror.svc:5001\"\nsecret_file = \"cluster-secret\"\n{lines}\n"
+        )
+    }
+
+    #[test]
+    fn https_peers_are_verified_under_one_fixed_name() {
+        let dir = secrets_dir();
+        let env = env_of(&[("POD_IP", "10.0.0.1"), ("POD_NAMESPACE", "Mirror")]);
+        let text =
+            https_cluster(dir.path(), "tls_name = \"Larder-Peers.${POD_NAMESPACE}.svc\"\nca_file = \"peers-ca.crt\"");
+        let c = parse_in(dir.path(), &text, &env).unwrap().cluster.unwrap();
+        assert_eq!(c.tls_name, Some(ServerName::try_from("larder-peers.mirror.svc").unwrap()), "expanded, lowercased");
+        assert_eq!(c.ca_file, Some(dir.path().join("peers-ca.crt")));
+        assert!(c.self_url.is_https());
+
+        let c = parse_in(dir.path(), &https_cluster(dir.path(), ""), &env).unwrap().cluster.unwrap();
+        assert_eq!((c.tls_name, c.ca_file), (None, None), "each peer verified against its URL's host");
+    }
+
+    #[test]
+    fn bad_peer_tls_settings_name_their_key() {
+        let dir = secrets_dir();
+        let env = env_of(&[("POD_IP", "10.0.0.1")]);
+        let http = |lines: &str| {
+            format!(
+                "[cluster]\nself = \"http://${{POD_IP}}:5001\"\npeers_dns = \"larder:5001\"\n\
+                 secret_file = \"cluster-secret\"\n{lines}\n"
+            )
+        };
+        std::fs::write(dir.path().join("peers-ca.crt"), "-----BEGIN CERTIFICATE-----\n").unwrap();
+        let cases = [
+            (http("tls_name = \"larder-peers.mirror.svc\""), "cluster.tls_name", "only for https peers"),
+            (http("ca_file = \"peers-ca.crt\""), "cluster.ca_file", "only for https peers"),
+            (https_cluster(dir.path(), "tls_name = \"10.0.0.1\""), "cluster.tls_name", "is an address"),
+            (https_cluster(dir.path(), "tls_name = \"::1\""), "cluster.tls_name", "is an address"),
+            (https_cluster(dir.path(), "tls_name = \"larder-peers:5001\""), "cluster.tls_name", "not a DNS name"),
+            (https_cluster(dir.path(), "tls_name = \"*.mirror.svc\""), "cluster.tls_name", "not a DNS name"),
+            (https_cluster(dir.path(), "tls_name = \"https://larder\""), "cluster.tls_name", "not a DNS name"),
+            (https_cluster(dir.path(), "tls_name = \"\""), "cluster.tls_name", "not a DNS name"),
+            (https_cluster(dir.path(), "tls_name = \"${NAMESPACE}.svc\""), "cluster.tls_name", "NAMESPACE"),
+            (https_cluster(dir.path(), "ca_file = \"missing.crt\""), "cluster.ca_file", "cannot read"),
+        ];
+        for (text, key, why) in cases {
+            let e = parse_in(dir.path(), &text, &env).unwrap_err().to_string();
+            assert!(e.contains(&format!("`{key}`")) && e.contains(why), "{text}\n=> {e}");
+        }
+        let no_tls = "[cluster]\nself = \"https://${POD_IP}:5001\"\npeers_dns = \"larder:5001\"\n\
+                      secret_file = \"cluster-secret\"\ntls_name = \"larder-peers.mirror.svc\"\n";
+        let e = parse_in(dir.path(), no_tls, &env).unwrap_err().to_string();
+        assert!(e.contains("`cluster.self`") && e.contains("[server.tls]"), "https peers need a certificate: {e}");
     }
 
     #[test]

@@ -5,7 +5,6 @@
 //! manifest, or whether a repository has a digest (`HEAD`). The owner
 //! applies the membership rule and never forwards the request again.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,13 +13,13 @@ use http::header::{ACCEPT, HeaderValue, RANGE, USER_AGENT};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Empty, Limited};
 use hyper::body::Incoming;
-use hyper_rustls::HttpsConnector;
+use hyper_rustls::{FixedServerNameResolver, HttpsConnector};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 use super::PeerUrl;
-use crate::config::Secret;
+use crate::config::ClusterConfig;
 use crate::metrics::metrics;
 
 /// Header that carries the cluster secret on every peer request.
@@ -92,29 +91,45 @@ pub struct Ask<'a> {
     pub timeout: Duration,
 }
 
+/// How a replica dials its peers.
+///
+/// https peers are verified like any TLS server, against the web PKI roots
+/// plus `[cluster] ca_file`, and under one name: `[cluster] tls_name` when
+/// set (sent as SNI too), else the host of the peer's URL. The fixed name
+/// is what makes TLS work where peers are found by address (`peers_dns`, a
+/// headless Service, or a list of pod IPs): every replica serves the same
+/// `[server.tls]` certificate, which names Services, not pod IPs, so one
+/// name on it verifies them all, while a certificate per pod IP would have
+/// to be reissued whenever a pod moves. What the name proves is "holds a
+/// key the cluster's CA certified for the peers' name", which is what
+/// matters; the cluster secret, sent only after the handshake, still
+/// proves membership. A peer whose certificate fails verification is
+/// treated as unreachable ([`PeerError::Unreachable`]): marked down, and
+/// the key fetched elsewhere, so a certificate mistake costs deduplication,
+/// never a pull, and never sends the secret to whoever answered.
 pub struct PeerClient {
     http: Client<HttpsConnector<HttpConnector>, Empty<Bytes>>,
     secret: HeaderValue,
 }
 
 impl PeerClient {
-    /// A client sending `secret`; https peers are verified against the web
-    /// PKI roots plus the PEM certificates in `ca_file`.
-    pub fn new(secret: &Secret, ca_file: Option<&Path>) -> Result<Arc<PeerClient>, String> {
-        let tls = crate::upstream::client_tls(ca_file)?;
+    /// A client for `[cluster]`: sends its secret and verifies https peers
+    /// as the type's docs say. Reads `ca_file`: call it off the async threads.
+    pub fn new(config: &ClusterConfig) -> Result<Arc<PeerClient>, String> {
+        let tls = crate::upstream::client_tls(config.ca_file.as_deref())?;
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_nodelay(true);
         http.set_connect_timeout(Some(PEER_CONNECT_TIMEOUT));
-        let https = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
-            .https_or_http()
-            .enable_http1()
-            .enable_http2()
-            .wrap_connector(http);
+        let builder = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls).https_or_http();
+        let builder = match &config.tls_name {
+            Some(name) => builder.with_server_name_resolver(FixedServerNameResolver::new(name.clone())),
+            None => builder,
+        };
+        let https = builder.enable_http1().enable_http2().wrap_connector(http);
         let http = Client::builder(TokioExecutor::new()).pool_idle_timeout(POOL_IDLE_TIMEOUT).build(https);
-        let mut secret =
-            HeaderValue::from_str(secret.expose()).map_err(|_| "the cluster secret is not a valid header value")?;
+        let mut secret = HeaderValue::from_str(config.secret.expose())
+            .map_err(|_| "the cluster secret is not a valid header value")?;
         secret.set_sensitive(true);
         Ok(Arc::new(PeerClient { http, secret }))
     }

@@ -36,8 +36,14 @@ use crate::state::App;
 /// Peers keep a pooled connection or a few each, so this is generous.
 pub const MAX_PEER_CONNECTIONS: usize = 1024;
 
-/// Accepts peer connections until `shutdown` fires. With `tls`, peers are
-/// served over TLS with the registry listener's certificate.
+/// Accepts peer connections until `shutdown` fires. With `tls` (exactly
+/// when `[cluster] self` is https, which needs `[server.tls]`), peers are
+/// served over TLS with the registry listener's certificate, re-read when it
+/// rotates like the registry's, and never asked for a client certificate:
+/// the cluster secret proves a peer. One certificate for both listeners is
+/// one Secret to issue and rotate; for peers found by address it must also
+/// carry the name they verify it under (`[cluster] tls_name`, see
+/// [`super::PeerClient`]).
 pub async fn serve(listener: TcpListener, app: Arc<App>, tls: Option<TlsAcceptor>, mut shutdown: Shutdown) {
     let Some(cluster) = &app.config.cluster else { return };
     let secret: [u8; 32] = Sha256::digest(cluster.secret.expose().as_bytes()).into();

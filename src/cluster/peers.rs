@@ -296,6 +296,7 @@ mod tests {
             peers,
             secret: Secret::new("0123456789abcdef0123"),
             ca_file: None,
+            tls_name: None,
         }
     }
 
