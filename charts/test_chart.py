@@ -41,7 +41,11 @@ What it does:
     reach which port, evaluated from the rendered policies), and node
     mirrors going through a hub (`via`); larder accepts every such
     larder.toml, and runs the cluster one: its peer port refuses a request
-    without the secret and takes the mounted one;
+    without the secret and takes the mounted one. With config.tls, peers
+    talk TLS: `https://` self, `tls_name` the peers' Service name, the TLS
+    Secret's ca.crt mounted as `ca_file`; larder runs that config with a
+    real certificate naming Services only (made with the openssl CLI), and
+    its peer port speaks TLS verified under tls_name;
   * checks that invalid values are refused at render time;
   * checks dashboards/larder.json parses and uses only metrics listed in the
     project README's metric table, and that every value in values.yaml is
@@ -64,6 +68,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -295,11 +300,15 @@ def _recreate_file(text: str, in_pod: str, content: str, tmp: Path) -> str:
 
 
 def _rewrite_cluster_files(parsed: dict, text: str, tmp: Path) -> str:
-    """Recreates the Secret mounts `[cluster] secret_file` and `[shared]`'s
-    key files name (a Kubernetes Secret's file ends in no newline) under
+    """Recreates the Secret mounts `[cluster] secret_file` (and `ca_file`)
+    and `[shared]`'s key files name (a Kubernetes Secret's file ends in no newline) under
     tmp, and points the TOML there."""
     if "cluster" in parsed:
         text = _recreate_file(text, parsed["cluster"]["secret_file"], "chart-test-cluster-secret-0123456789", tmp)
+        ca = parsed["cluster"].get("ca_file")
+        # Unless the caller wrote a real CA there already (and rewrote the path).
+        if ca and json.dumps(ca) in text:
+            text = _recreate_file(text, ca, "-----BEGIN CERTIFICATE-----\n", tmp)
     shared = parsed.get("shared", {})
     for key, content in (("access_key_id_file", "GKchart0test0key"), ("secret_access_key_file", "chart-test-s3")):
         if key in shared:
@@ -1567,6 +1576,201 @@ def check_cluster() -> None:
         check_config(L, r.toml_text(), expect_ok=False, env={})
 
 
+TLS_SECRET = {"enabled": True, "existingSecret": "larder-tls"}
+
+
+def check_cluster_tls() -> None:
+    """Peers over TLS when config.tls is on: https self, the peers' Service
+    name as tls_name, the TLS Secret's CA as ca_file (mounted); larder
+    accepts it and serves the peer port over TLS under that name."""
+    L = "cluster TLS"
+    values = {"replicaCount": 3, "cluster": {"enabled": True}, "config": {"tls": TLS_SECRET}}
+    r = render(L, values)
+    if not r:
+        return
+    check_mirror_pod(r, node=False)
+    conf = r.toml()
+    check(
+        f"[{L}] [cluster]: https self, peers verified as larder-peers.cache.svc with the Secret's CA",
+        conf.get("cluster")
+        == {
+            "listen": "[::]:5001",
+            "self": "https://${POD_IP}:5001",
+            "peers_dns": "larder-peers.cache.svc.cluster.local:5001",
+            "secret_file": "/run/secrets/larder-cluster/secret",
+            "tls_name": "larder-peers.cache.svc",
+            "ca_file": "/run/larder/tls/ca.crt",
+        },
+        conf.get("cluster"),
+    )
+    check(f"[{L}] [server.tls] serves the peer listener too", "tls" in conf["server"], conf["server"])
+    pod = r.get("StatefulSet", "larder")["spec"]["template"]
+    c = container(pod)
+    vol = volume(pod, "tls")["secret"]
+    check(
+        f"[{L}] the TLS Secret's ca.crt is mounted beside tls.crt and tls.key",
+        vol["secretName"] == "larder-tls"
+        and vol["items"]
+        == [
+            {"key": "tls.crt", "path": "tls.crt"},
+            {"key": "tls.key", "path": "tls.key"},
+            {"key": "ca.crt", "path": "ca.crt"},
+        ],
+        vol,
+    )
+    tls_mount = mount(c, "/run/larder/tls") or {}
+    check(
+        f"[{L}] ca_file is in that mount",
+        tls_mount.get("name") == "tls" and conf["cluster"]["ca_file"].startswith(tls_mount.get("mountPath", "?") + "/"),
+        tls_mount,
+    )
+    check(
+        f"[{L}] NOTES name the TLS name",
+        "verified under the name\n" in r.notes and "larder-peers.cache.svc" in r.notes,
+        r.notes,
+    )
+    check_config(L, r.toml_text())
+    check_config(L, r.toml_text(), expect_ok=False)
+    run_larder_peer_tls(L, r.toml_text(), c["args"])
+
+    L = "cluster TLS, own name, no CA key"
+    tls = dict(TLS_SECRET, caKey="")
+    named = {"enabled": True, "tls": {"serverName": "mirror-peers.example.internal"}}
+    r = render(L, {"cluster": named, "config": {"tls": tls}})
+    if r:
+        conf = r.toml()["cluster"]
+        check(
+            f"[{L}] tls_name from cluster.tls.serverName, no ca_file (web PKI roots)",
+            conf.get("tls_name") == "mirror-peers.example.internal" and "ca_file" not in conf,
+            conf,
+        )
+        items = volume(r.get("StatefulSet", "larder")["spec"]["template"], "tls")["secret"]["items"]
+        check(f"[{L}] no ca.crt mounted", [i["path"] for i in items] == ["tls.crt", "tls.key"], items)
+        check_config(L, r.toml_text())
+
+    L = "cluster TLS off (a mesh encrypts)"
+    r = render(L, {"cluster": {"enabled": True, "tls": {"enabled": False}}, "config": {"tls": TLS_SECRET}})
+    if r:
+        conf = r.toml()["cluster"]
+        check(
+            f"[{L}] http self, no tls_name, no ca_file",
+            conf["self"] == "http://${POD_IP}:5001" and "tls_name" not in conf and "ca_file" not in conf,
+            conf,
+        )
+        items = volume(r.get("StatefulSet", "larder")["spec"]["template"], "tls")["secret"]["items"]
+        check(f"[{L}] no ca.crt mounted", [i["path"] for i in items] == ["tls.crt", "tls.key"], items)
+        check(f"[{L}] NOTES say peers are plain http", "Peers talk plain http" in r.notes)
+        check_config(L, r.toml_text())
+
+    L = "cluster TLS IPv6"
+    r = render(L, {"cluster": {"enabled": True, "ipFamily": "IPv6"}, "config": {"tls": TLS_SECRET}})
+    if r:
+        check(f"[{L}] https self in brackets", r.toml()["cluster"]["self"] == "https://[${POD_IP}]:5001")
+        check_config(L, r.toml_text(), env={"POD_IP": "fd00:10:244::7"})
+
+
+def _openssl_certs(tmp: Path, names: list[str]) -> tuple[str, str, str] | str:
+    """A CA and a certificate for DNS `names` only (no IP), signed by it,
+    made with the openssl CLI: (ca.crt, tls.crt, tls.key) PEM, or an error."""
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+    san = "subjectAltName=" + ",".join(f"DNS:{n}" for n in names)
+    steps = [
+        ["req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "1", "-subj", "/CN=chart test CA",
+         "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign"],
+        ["req", *ec, "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=larder", "-addext", san],
+        ["x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "1",
+         "-copy_extensions", "copy", "-out", "tls.crt"],
+    ]
+    for step in steps:
+        try:
+            p = subprocess.run(["openssl", *step], cwd=tmp, capture_output=True, text=True, timeout=30)
+        except OSError as e:
+            return f"openssl: {e}"
+        if p.returncode != 0:
+            return f"openssl {step[0]}: {p.stderr.strip()}"
+    return tuple((tmp / f).read_text() for f in ("ca.crt", "tls.crt", "tls.key"))  # type: ignore[return-value]
+
+
+def _tls_status(port: int, ca: Path, name: str, path: str, headers: dict[str, str]) -> int | str:
+    """GET `path` over TLS from 127.0.0.1:port, verifying the certificate
+    under `name` (sent as SNI) with `ca`: the status, or the error."""
+    ctx = ssl.create_default_context(cafile=str(ca))
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    request = f"GET {path} HTTP/1.1\r\nHost: {name}\r\n{head}Connection: close\r\n\r\n".encode()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as tcp:
+            with ctx.wrap_socket(tcp, server_hostname=name) as tls:
+                tls.sendall(request)
+                line = tls.makefile("rb").readline().decode()
+        return int(line.split()[1])
+    except (OSError, ValueError, IndexError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def run_larder_peer_tls(label: str, toml_text: str, args: list[str]) -> None:
+    """Starts larder on the rendered TLS cluster config with a real
+    certificate for the client Service and the peers' name only (no IP), as
+    cert-manager would issue it, and the CA as the Secret's ca.crt: the peer
+    port speaks TLS, verified under tls_name, and still wants the secret."""
+    if LARDER is None:
+        check(f"[{label}] larder runs", False, "no larder binary")
+        return
+    with tempfile.TemporaryDirectory(prefix="larder-chart-tls-") as tmp:
+        conf = tomllib.loads(toml_text)
+        tls_name = conf["cluster"]["tls_name"]
+        certs = _openssl_certs(Path(tmp), ["larder.cache.svc", tls_name])
+        if not check(f"[{label}] a test CA and certificate (openssl)", isinstance(certs, tuple), certs):
+            return
+        ca_pem, cert_pem, key_pem = certs
+        addr, admin, peer = (f"127.0.0.1:{free_port()}" for _ in range(3))
+        text = toml_text
+        for key, value in (("listen", addr), ("admin_listen", admin)):
+            text = text.replace(f"{key} = {json.dumps(conf['server'][key])}", f"{key} = {json.dumps(value)}")
+        text = text.replace(f"listen = {json.dumps(conf['cluster']['listen'])}", f"listen = {json.dumps(peer)}")
+        text = text.replace('dir = "/var/lib/larder"', f"dir = {json.dumps(str(Path(tmp) / 'cache'))}")
+        for in_pod, pem in (
+            (conf["server"]["tls"]["cert"], cert_pem),
+            (conf["server"]["tls"]["key"], key_pem),
+            (conf["cluster"]["ca_file"], ca_pem),
+        ):
+            text = _recreate_file(text, in_pod, pem, Path(tmp) / "pod")
+        text = _rewrite_admin_token(conf, text, Path(tmp))
+        text = _rewrite_cluster_files(conf, text, Path(tmp))
+        cfg, log = Path(tmp) / "larder.toml", Path(tmp) / "larder.log"
+        cfg.write_text(text)
+        argv = [str(LARDER)] + [str(cfg) if a == "/etc/larder/larder.toml" else a for a in args]
+        ca = Path(tmp) / "ca.crt"
+        with open(log, "w") as log_file:
+            proc = subprocess.Popen(argv, stdout=log_file, stderr=log_file, env={**os.environ, "POD_IP": "127.0.0.1"})
+        try:
+            status = wait_healthy(proc, admin)
+            started = status == 200
+            if not check(f"[{label}] larder starts with the pod's args", started, (status, log.read_text()[-800:])):
+                return
+            port = int(peer.rsplit(":", 1)[1])
+            secret = {"larder-cluster-secret": "chart-test-cluster-secret-0123456789"}
+            status = _tls_status(port, ca, tls_name, "/v2/?ns=docker.io", secret)
+            check(
+                f"[{label}] the peer port speaks TLS, verified as {tls_name}, and takes the secret (404: no peer path)",
+                status == 404,
+                status,
+            )
+            status = _tls_status(port, ca, tls_name, "/v2/docker.io/library/alpine/manifests/3?ns=docker.io", {})
+            check(f"[{label}] ... and refuses a request without it: 401", status == 401, status)
+            status = _tls_status(int(addr.rsplit(":", 1)[1]), ca, "larder.cache.svc", "/v2/", {})
+            check(f"[{label}] the registry port serves the same certificate: GET /v2/ 200", status == 200, status)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                rc: int | str = proc.wait(timeout=duration_seconds(conf["server"]["shutdown_grace"]) + 5)
+            except subprocess.TimeoutExpired:
+                rc = "still running"
+            check(f"[{label}] SIGTERM: larder exits 0", rc == 0, rc)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def check_cluster_network_policy() -> None:
     """The peer port admits this release's replicas only; the other ports
     stay as they were."""
@@ -1929,6 +2133,26 @@ def check_refused() -> None:
         ("unknown IP family", {"cluster": {"enabled": True, "ipFamily": "IPv5"}}, "/cluster/ipFamily"),
         ("a path as the secret key", {"cluster": {"enabled": True, "secretKey": "../token"}}, "/cluster/secretKey"),
         ("a static peer list (not a chart value)", {"cluster": {"peers": ["http://10.0.0.1:5001"]}}, "peers"),
+        (
+            "an address as the peers' TLS name",
+            {"cluster": {"enabled": True, "tls": {"serverName": "10.0.0.7"}}},
+            "cluster.tls.serverName: \"10.0.0.7\" is not a DNS name",
+        ),
+        (
+            "a wildcard as the peers' TLS name",
+            {"cluster": {"enabled": True, "tls": {"serverName": "*.larder.svc"}}},
+            "/cluster/tls/serverName",
+        ),
+        (
+            "a port in the peers' TLS name",
+            {"cluster": {"enabled": True, "tls": {"serverName": "larder-peers:5001"}}},
+            "/cluster/tls/serverName",
+        ),
+        (
+            "capitals in the peers' TLS name",
+            {"cluster": {"enabled": True, "tls": {"serverName": "Larder-Peers.cache.svc"}}},
+            "/cluster/tls/serverName",
+        ),
         ("shared tier without a bucket", {"shared": dict(SHARED, bucket="")}, "shared.bucket is required"),
         ("bucket name with capitals", {"shared": dict(SHARED, bucket="Larder_Cache")}, "/shared/bucket"),
         ("shared tier without a region", {"shared": dict(SHARED, region="")}, "shared.region is required"),
@@ -2187,6 +2411,7 @@ def main() -> int:
         check_credentials,
         check_exposure,
         check_cluster,
+        check_cluster_tls,
         check_cluster_network_policy,
         check_hub,
         check_persistence,

@@ -142,5 +142,14 @@ self = {{ include "larder.toml.string" (include "larder.peerSelf" .) }}
 # Ready replicas, from the headless Service; resolved again every 5 s.
 peers_dns = {{ include "larder.toml.string" (printf "%s.%s.svc.%s:%d" (include "larder.peersService" .) .Release.Namespace .Values.clusterDomain (.Values.cluster.port | int)) }}
 secret_file = {{ include "larder.toml.string" (include "larder.clusterSecretPath" .) }}
+{{- if include "larder.peerTLS" . }}
+# Peers talk TLS with config.tls's certificate (Secret {{ .Values.config.tls.existingSecret }}), verified under
+# this name, not the pod IPs: the certificate must carry it as a DNS name.
+tls_name = {{ include "larder.toml.string" (include "larder.peerTLSName" .) }}
+{{- if .Values.config.tls.caKey }}
+# The CA that signed it: key {{ .Values.config.tls.caKey }} of the same Secret.
+ca_file = "/run/larder/tls/ca.crt"
+{{- end }}
+{{- end }}
 {{- end }}
 {{- end }}

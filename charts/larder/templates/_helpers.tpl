@@ -464,12 +464,30 @@ one IP family.
 {{- printf "%s-peers" (include "larder.fullname" . | trunc 57 | trimSuffix "-") }}
 {{- end }}
 
+{{/*
+"true" when peers talk TLS: cluster.enabled, config.tls.enabled (its
+certificate serves the peer listener too) and cluster.tls.enabled; else "".
+*/}}
+{{- define "larder.peerTLS" -}}
+{{- if and .Values.cluster.enabled .Values.config.tls.enabled .Values.cluster.tls.enabled }}true{{ end }}
+{{- end }}
+
+{{/*
+`[cluster] tls_name`: the one name every peer's certificate is verified
+under, since peers are addressed by pod IP. Default: the peers' headless
+Service, <fullname>-peers.<namespace>.svc.
+*/}}
+{{- define "larder.peerTLSName" -}}
+{{- default (printf "%s.%s.svc" (include "larder.peersService" .) .Release.Namespace) .Values.cluster.tls.serverName }}
+{{- end }}
+
 {{/* `[cluster] self`: this pod's IP (expanded by larder from POD_IP) and the peer port. */}}
 {{- define "larder.peerSelf" -}}
+{{- $scheme := ternary "https" "http" (eq (include "larder.peerTLS" .) "true") }}
 {{- if eq (toString .Values.cluster.ipFamily) "IPv6" }}
-{{- printf "http://[${POD_IP}]:%d" (.Values.cluster.port | int) }}
+{{- printf "%s://[${POD_IP}]:%d" $scheme (.Values.cluster.port | int) }}
 {{- else }}
-{{- printf "http://${POD_IP}:%d" (.Values.cluster.port | int) }}
+{{- printf "%s://${POD_IP}:%d" $scheme (.Values.cluster.port | int) }}
 {{- end }}
 {{- end }}
 
@@ -494,6 +512,12 @@ Checks of the cluster, shared and hub values that the schema cannot make
 {{- end }}
 {{- if not (has (toString $v.cluster.ipFamily) (list "IPv4" "IPv6")) }}
 {{- fail (printf "cluster.ipFamily must be IPv4 or IPv6 (the family of the pods' status.podIP), not %q" (toString $v.cluster.ipFamily)) }}
+{{- end }}
+{{- with $v.cluster.tls.serverName }}
+{{- /* larder's rule for tls_name: a lowercase DNS name, no address, port or wildcard. */}}
+{{- if or (not (regexMatch "^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$" (toString .))) (regexMatch "^[0-9.]+$" (toString .)) }}
+{{- fail (printf "cluster.tls.serverName: %q is not a DNS name like \"larder-peers.larder.svc\" (no address, port or wildcard): the name peers verify each other's certificate under" (toString .)) }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- with $v.shared }}

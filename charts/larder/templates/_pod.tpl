@@ -133,7 +133,7 @@ spec:
         - name: RUST_LOG
           value: {{ .Values.logLevel | quote }}
         {{- if .Values.cluster.enabled }}
-        # `[cluster] self` is http://${POD_IP}:<peer port>.
+        # `[cluster] self` is http(s)://${POD_IP}:<peer port>.
         - name: POD_IP
           valueFrom:
             fieldRef:
@@ -280,6 +280,11 @@ spec:
             path: tls.crt
           - key: tls.key
             path: tls.key
+          {{- if and (include "larder.peerTLS" .) .Values.config.tls.caKey }}
+          # `[cluster] ca_file`: peers are verified with this CA.
+          - key: {{ .Values.config.tls.caKey }}
+            path: ca.crt
+          {{- end }}
     {{- end }}
     {{- if .Values.config.auth.enabled }}
     - name: auth
