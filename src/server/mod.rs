@@ -77,13 +77,35 @@ pub async fn serve(
 /// Every log line of a request carries its id (also sent back as
 /// `X-Request-Id`), so one pull can be followed through the logs.
 pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
-    let id = format!("{:016x}", rand::random::<u64>());
+    let id = RequestId(rand::random());
     let span = tracing::info_span!("request", id = %id);
     let mut resp = handle_request(app, req).instrument(span).await;
-    if let Ok(value) = http::HeaderValue::from_str(&id) {
+    if let Ok(value) = http::HeaderValue::from_bytes(&id.hex()) {
         resp.headers_mut().insert("x-request-id", value);
     }
     resp
+}
+
+/// A request's id: 16 hex digits in its log span and its `X-Request-Id`,
+/// formatted where each needs it, with no `String` of its own.
+#[derive(Clone, Copy)]
+struct RequestId(u64);
+
+impl RequestId {
+    fn hex(self) -> [u8; 16] {
+        const DIGITS: &[u8; 16] = b"0123456789abcdef";
+        let mut out = [0u8; 16];
+        for (i, digit) in out.iter_mut().enumerate() {
+            *digit = DIGITS[((self.0 >> (60 - 4 * i)) & 0xf) as usize];
+        }
+        out
+    }
+}
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
 }
 
 async fn handle_request(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
@@ -135,4 +157,19 @@ async fn handle_request(app: Arc<App>, req: Request<Incoming>) -> Response<Body>
         "request"
     );
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RequestId;
+
+    #[test]
+    fn a_request_id_reads_the_same_in_the_header_and_in_the_log() {
+        for id in [0, 0xf, 0x0123_4567_89ab_cdef, u64::MAX] {
+            let id = RequestId(id);
+            assert_eq!(std::str::from_utf8(&id.hex()).unwrap(), id.to_string());
+        }
+        assert_eq!(&RequestId(0x0123_4567_89ab_cdef).hex(), b"0123456789abcdef");
+        assert_eq!(&RequestId(0xf).hex(), b"000000000000000f");
+    }
 }
