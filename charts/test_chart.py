@@ -3,7 +3,7 @@
 
 Needs: python3 -m pip install helm-python-sdk kubernetes-validate pyyaml
 (helm-python-sdk bundles Helm's Go SDK v4: no helm binary, no cluster, no
-network).
+network), and the openssl CLI (a test certificate for peer TLS).
 
 What it does:
   * lints the chart (strict) with default and node-mode values;
