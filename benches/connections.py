@@ -33,7 +33,6 @@ import selectors
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -158,29 +157,6 @@ class RssSampler(threading.Thread):
         return self.peak_kib
 
 
-def start_larder(procs: Procs, binary: Path, d: Path, origin_port: int, max_connections: int) -> load.Server:
-    """A larder with its shipped log level (one info line per request)."""
-    d.mkdir(parents=True, exist_ok=True)
-
-    def start(port: int) -> load.Server:
-        admin = herd.free_port()
-        (d / "larder.toml").write_text(
-            f'[server]\nlisten = "{HOST}:{port}"\nadmin_listen = "{HOST}:{admin}"\n'
-            f"max_connections = {max_connections}\n"
-            f'[cache]\ndir = "{d / "cache"}"\ntag_ttl = "1h"\n'
-            f'[[upstream]]\nname = "origin.test"\nurl = "http://{HOST}:{origin_port}"\ndefault = true\n'
-        )
-        logf = d / "larder.log"
-        env = {k: v for k, v in herd.CHILD_ENV.items() if k != "RUST_LOG"}
-        with open(logf, "ab") as fl:
-            p = procs.start([str(binary), "--config", str(d / "larder.toml")], stdout=fl,
-                            stderr=subprocess.STDOUT, env=env)
-        load.wait_http(p, f"http://{HOST}:{port}/v2/", "larder", logf)
-        return load.Server("larder", p, port, logf, admin)
-
-    return load.retry_port(start)
-
-
 def summary(xs: list[float]) -> str:
     if not xs:
         return "n/a"
@@ -221,7 +197,8 @@ def main() -> int:
     try:
         origin = load.start_distribution(procs, scratch / "origin", "origin", None)
         digest = push_manifest(origin.port)
-        lar = start_larder(procs, binary, scratch / "larder", origin.port, args.idle + ACTIVE + 256)
+        lar = load.start_larder(procs, binary, scratch / "larder", scratch / "larder" / "cache", origin.port,
+                                max_connections=args.idle + ACTIVE + 256)
         path = f"/v2/{REPO}/manifests/{digest}"
         st, _, _ = load.http_get(lar.url(path), {"Accept": OCI_MANIFEST})
         if st != 200:

@@ -13,7 +13,11 @@ of the servers rotates between repetitions), median and min–max reported:
   3. larder's idle RSS after warm-up, and its peak RSS during 64 concurrent
      downloads of a 100 MiB blob (distribution's proxy for reference);
   4. cold pull wall time of an 8 × 8 MiB image with skopeo through a fresh
-     larder vs directly from the origin.
+     larder vs directly from the origin;
+  5. the issue-13 rows: server CPU per request (utime + stime) and
+     throughput against nginx for the manifest and the 10 MiB blob, and the
+     cost of larder's request log (larder as shipped, one line per request,
+     beside the same binary with the log off).
 
     python3 benches/load.py [--reps 5] [--duration 5] [--out DIR]
 
@@ -73,8 +77,13 @@ BIG_DOWNLOADS = 64
 OHA_RATE_SHARE = 0.70
 
 SERVERS = ("larder", "distribution", "nginx")
+# larder with its request log turned off, beside larder as shipped, on the
+# points whose logging cost the issue-13 targets ask for.
+QUIET = "larder-quiet"
+QUIET_BLOBS = ("10MiB",)
 LABEL = {
     "larder": "larder",
+    QUIET: "larder, request log off",
     "distribution": "distribution proxy",
     "nginx": "nginx (sendfile)",
     "direct": "direct from origin",
@@ -88,6 +97,17 @@ TARGET_P99_MS = 5.0
 TARGET_COLD_RATIO = 1.1
 TARGET_IDLE_RSS_MIB = 20.0
 TARGET_PEAK_RSS_MIB = 128.0
+
+# The issue-13 targets (scale and speed, round 2).
+TARGET13_MANIFEST_CPU = 1.5  # nginx CPU per manifest GET ÷ larder's (log on)
+TARGET13_BLOB_CPU = 1.0  # nginx CPU per 10 MiB GET ÷ larder's
+TARGET13_MANIFEST_RATE = 1.5  # larder req/s ÷ nginx
+TARGET13_BLOB_RATE = 1.2  # larder MB/s ÷ nginx
+TARGET13_COLD_RATIO = 1.05
+TARGET13_LOG_RATE = 0.95  # larder req/s with the request log ÷ without (≤ 5 % cost)
+# A request line is about 200–300 bytes: a larder run "with the log on"
+# must have written at least this much per completed request.
+MIN_LOG_BYTES_PER_REQUEST = 100
 
 WRK_LUA = r"""
 done = function(summary, latency, requests)
@@ -304,9 +324,17 @@ def start_distribution(procs: Procs, d: Path, what: str, remote_port: int | None
     return retry_port(start)
 
 
-def start_larder(procs: Procs, binary: Path, d: Path, cache_dir: Path, origin_port: int) -> Server:
+def start_larder(procs: Procs, binary: Path, d: Path, cache_dir: Path, origin_port: int, log: bool = True,
+                 max_connections: int | None = None, name: str = "larder") -> Server:
+    """A larder over `cache_dir`, its stderr appended to `d/larder.log`.
+
+    `log=True` is larder as shipped: the config has no `[log]` section, so
+    the default filter (`warn,larder=info`: one line per request) applies.
+    `log=False` sets `[log] level = "warn"` (no request lines). `RUST_LOG`
+    is removed from larder's environment either way, so the caller's
+    environment cannot silently turn the request lines on or off."""
     d.mkdir(parents=True, exist_ok=True)
-    env = dict(CHILD_ENV, RUST_LOG="warn")  # no per-request log lines, like the peers
+    env = {k: v for k, v in CHILD_ENV.items() if k != "RUST_LOG"}
 
     def start(port: int) -> Server:
         admin = free_port()
@@ -314,7 +342,9 @@ def start_larder(procs: Procs, binary: Path, d: Path, cache_dir: Path, origin_po
             "[server]\n"
             f'listen = "{HOST}:{port}"\n'
             f'admin_listen = "{HOST}:{admin}"\n'
-            "[cache]\n"
+            + (f"max_connections = {max_connections}\n" if max_connections else "")
+            + ("" if log else '[log]\nlevel = "warn"\n')
+            + "[cache]\n"
             f'dir = "{cache_dir}"\n'
             'tag_ttl = "1h"\n'
             "[[upstream]]\n"
@@ -332,7 +362,7 @@ def start_larder(procs: Procs, binary: Path, d: Path, cache_dir: Path, origin_po
         except BaseException:
             procs.stop(p)
             raise
-        return Server("larder", p, port, logf, admin)
+        return Server(name, p, port, logf, admin)
 
     return retry_port(start)
 
@@ -455,7 +485,7 @@ def children_cpu() -> float:
 
 def larder_metrics(s: Server) -> dict:
     """Sums of a few counters from larder's /metrics."""
-    out = {"upstream_requests": 0, "bytes_served": {}, "cache_requests": {}}
+    out = {"upstream_requests": 0, "log_lines_dropped": 0, "bytes_served": {}, "cache_requests": {}}
     try:
         st, body, _ = http_get(f"http://{HOST}:{s.admin}/metrics", timeout=10)
     except OSError:
@@ -469,6 +499,8 @@ def larder_metrics(s: Server) -> dict:
         name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
         if name == "larder_upstream_requests_total":
             out["upstream_requests"] += value
+        elif name == "larder_log_lines_dropped_total":
+            out["log_lines_dropped"] += value
         elif name == "larder_bytes_served_total":
             out["bytes_served"][labels] = value
         elif name == "larder_cache_requests_total":
@@ -522,6 +554,36 @@ def run_wrk(wrk: str, lua: Path, server: Server, path: str, conns: int, duration
     res["ok"] = not problems
     res["error"] = "; ".join(problems)
     return res
+
+
+def run_point(wrk: str, lua: Path, server: Server, path: str, conns: int, duration: int, headers: dict | None,
+              min_body: int) -> dict:
+    """`run_wrk`, and for a larder also what its request log did meanwhile:
+    the bytes its log file grew by (read after the log thread has written
+    what was queued) and the lines it dropped (its metric). larder as
+    shipped must have logged a line per request, the quiet one none; a run
+    where that does not hold is a failed run. The log file is emptied after
+    each run (a manifest run writes about 100 MB)."""
+    if not server.name.startswith("larder"):
+        return run_wrk(wrk, lua, server, path, conns, duration, headers, min_body)
+    dropped0 = larder_metrics(server)["log_lines_dropped"]
+    size0 = server.logfile.stat().st_size
+    r = run_wrk(wrk, lua, server, path, conns, duration, headers, min_body)
+    time.sleep(0.5)
+    r["log_bytes"] = server.logfile.stat().st_size - size0
+    r["log_lines_dropped"] = larder_metrics(server)["log_lines_dropped"] - dropped0
+    os.truncate(server.logfile, 0)
+    done = r.get("requests") or 0
+    r["log_bytes_per_request"] = r["log_bytes"] / done if done else None
+    if r["ok"] and server.name == "larder" and (r["log_bytes"] + 250 * r["log_lines_dropped"]
+                                                < MIN_LOG_BYTES_PER_REQUEST * done):
+        r["ok"] = False
+        r["error"] = (f"the request log is meant to be on, but larder logged {r['log_bytes']} bytes "
+                      f"({r['log_lines_dropped']:g} lines dropped) for {done} requests")
+    if r["ok"] and server.name == QUIET and r["log_bytes"] > 100 * 1024:
+        r["ok"] = False
+        r["error"] = f"the request log is meant to be off, but larder logged {r['log_bytes']} bytes"
+    return r
 
 
 def run_oha(oha: str, json_flag: list[str], server: Server, path: str, rate: float, duration: int, conns: int,
@@ -705,7 +767,7 @@ def machine_info(tools: dict) -> dict:
     m = herd.machine_info()
     m["nginx"] = herd.cmd_out([tools["nginx"], "-v"])
     m["wrk"] = " ".join(herd.cmd_out([tools["wrk"], "-v"]).split()[:2])
-    m["oha"] = herd.cmd_out([tools["oha"], "--version"])
+    m["oha"] = herd.cmd_out([tools["oha"], "--version"]) if tools.get("oha") else "oha not used (--no-latency)"
     m["curl"] = " ".join(herd.cmd_out([tools["curl"], "--version"]).split()[:2])
     m["mem_total_mib"] = None
     try:
@@ -748,6 +810,98 @@ def per_rep_ratio(larder_rs: list, peer_ok: list, key: str, reps: int) -> dict |
     return summary(ratios)
 
 
+def rep_ratios(runs: list, num: dict, den: dict, key: str, reps: int) -> dict | None:
+    """num's `key` ÷ den's `key`, per repetition, over the runs that match
+    each selection (e.g. {"server": "nginx", "ref": "digest"}) and succeeded;
+    reps where either failed are left out."""
+    def pick(sel: dict, rep: int):
+        rs = [r for r in runs if r["rep"] == rep and r["ok"] and all(r.get(k) == v for k, v in sel.items())]
+        return rs[0].get(key) if rs else None
+
+    ratios = []
+    for rep in range(reps):
+        a, b = pick(num, rep), pick(den, rep)
+        if a is not None and b:
+            ratios.append(a / b)
+    return summary(ratios)
+
+
+def issue13_rows(runs: dict, reps: int) -> list[tuple[str, bool | None, dict | None]]:
+    """The issue-13 rows that this benchmark measures: server CPU per request
+    and throughput against nginx, the cold pull, and the request log's cost."""
+    man, blob = runs["manifest"], runs["blob"]
+    digest = {"ref": "digest"}
+
+    def row(name, s, threshold=None, cmp=None, fmt="{:.2f}"):
+        if threshold is None:
+            return f"| {name} | {fmt_s(s, fmt)} | – | context |", None, s
+        if not s:
+            return f"| {name} | – | {threshold} | {verdict(None)} |", False, s
+        ok = cmp(s["median"])
+        return f"| {name} | {fmt_s(s, fmt)} | {threshold} | {verdict(ok)} |", ok, s
+
+    def b10(conns, srv):
+        return {"blob": "10MiB", "conns": conns, "server": srv}
+
+    rows = [
+        row(f"warm manifest by digest, {MANIFEST_CONNS} conns: server CPU per request, nginx ÷ larder",
+            rep_ratios(man, {**digest, "server": "nginx"}, {**digest, "server": "larder"},
+                       "server_cpu_us_per_req", reps),
+            f"≥ {TARGET13_MANIFEST_CPU}", lambda v: v >= TARGET13_MANIFEST_CPU),
+        row("  the same against larder with its request log off",
+            rep_ratios(man, {**digest, "server": "nginx"}, {**digest, "server": QUIET},
+                       "server_cpu_us_per_req", reps)),
+    ]
+    for conns in sorted(WRK_CONNS, reverse=True):
+        rows.append(row(f"warm 10 MiB blob, {conns} conn{'s' if conns > 1 else ''}: server CPU per request, "
+                        "nginx ÷ larder",
+                        rep_ratios(blob, b10(conns, "nginx"), b10(conns, "larder"), "server_cpu_us_per_req", reps),
+                        f"≥ {TARGET13_BLOB_CPU}", lambda v: v >= TARGET13_BLOB_CPU))
+    rows.append(row(f"warm manifest by digest, {MANIFEST_CONNS} conns: req/s, larder ÷ nginx",
+                    rep_ratios(man, {**digest, "server": "larder"}, {**digest, "server": "nginx"}, "rps", reps),
+                    f"≥ {TARGET13_MANIFEST_RATE}", lambda v: v >= TARGET13_MANIFEST_RATE))
+    for conns in sorted(WRK_CONNS, reverse=True):
+        rows.append(row(f"warm 10 MiB blob, {conns} conn{'s' if conns > 1 else ''}: MB/s, larder ÷ nginx",
+                        rep_ratios(blob, b10(conns, "larder"), b10(conns, "nginx"), "mbps", reps),
+                        f"≥ {TARGET13_BLOB_RATE}", lambda v: v >= TARGET13_BLOB_RATE))
+    rows.append(row("cold pull (skopeo, 9 blobs): larder ÷ direct",
+                    rep_ratios(runs["cold"], {"mode": "larder"}, {"mode": "direct"}, "wall_s", reps),
+                    f"≤ {TARGET13_COLD_RATIO}", lambda v: v <= TARGET13_COLD_RATIO))
+    rows.append(row("request log's cost: manifest by digest req/s, log on ÷ log off",
+                    rep_ratios(man, {**digest, "server": "larder"}, {**digest, "server": QUIET}, "rps", reps),
+                    f"≥ {TARGET13_LOG_RATE}", lambda v: v >= TARGET13_LOG_RATE))
+    rows.append(row("  the same: server CPU per request, log off ÷ log on",
+                    rep_ratios(man, {**digest, "server": QUIET}, {**digest, "server": "larder"},
+                               "server_cpu_us_per_req", reps)))
+    for conns in sorted(WRK_CONNS, reverse=True):
+        rows.append(row(f"  10 MiB blob, {conns} conn{'s' if conns > 1 else ''}: MB/s, log on ÷ log off",
+                        rep_ratios(blob, b10(conns, "larder"), b10(conns, QUIET), "mbps", reps)))
+    return rows
+
+
+def issue13_context(runs: dict) -> list[str]:
+    """Absolute figures behind the issue-13 ratios (not targets)."""
+    def med(rs, key):
+        s = summary([r.get(key) for r in rs if r["ok"]])
+        return s
+
+    out = ["| server | manifest by digest: CPU µs per request | req/s | 10 MiB blob, 16 conns: CPU ms per "
+           "request | MB/s | log bytes per request (manifest) | log lines dropped |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    for srv in ("nginx", "larder", QUIET):
+        m = [r for r in runs["manifest"] if r["server"] == srv and r["ref"] == "digest"]
+        b = [r for r in runs["blob"] if r["server"] == srv and r["blob"] == "10MiB" and r["conns"] == max(WRK_CONNS)]
+        cpu_ms = summary([r["server_cpu_us_per_req"] / 1e3 for r in b if r["ok"] and r.get("server_cpu_us_per_req")])
+        logged = med(m, "log_bytes_per_request") if srv != "nginx" else None
+        dropped = sum(r.get("log_lines_dropped") or 0 for r in m + b)
+        out.append(f"| {LABEL[srv]} | {fmt_s(med(m, 'server_cpu_us_per_req'), '{:.1f}')} | "
+                   f"{fmt_s(med(m, 'rps'))} | {fmt_s(cpu_ms, '{:.2f}')} | {fmt_s(med(b, 'mbps'))} | "
+                   f"{fmt_s(logged) if srv != 'nginx' else '–'} | {f'{dropped:g}' if srv != 'nginx' else '–'} |")
+    out += ["", "server CPU = utime + stime from `/proc/<pid>/stat` before and after each wrk run (nginx: "
+            "master and workers summed; larder: all threads, the log writer's included).", ""]
+    return out
+
+
 def build_report(doc: dict) -> str:
     runs, args = doc["runs"], doc["params"]
     out = [machine_line(doc["machine"]), "",
@@ -764,8 +918,10 @@ def build_report(doc: dict) -> str:
     blob_summary = {}
     for blob in WRK_BLOBS:
         for conns in WRK_CONNS:
-            for srv in SERVERS:
+            for srv in SERVERS + (QUIET,):
                 rs = [r for r in runs["blob"] if r["blob"] == blob and r["conns"] == conns and r["server"] == srv]
+                if not rs:
+                    continue
                 ok_rs = [r for r in rs if r["ok"]]
                 rps = summary([r["rps"] for r in ok_rs])
                 mbps = summary([r["mbps"] for r in ok_rs])
@@ -796,7 +952,7 @@ def build_report(doc: dict) -> str:
             "|---|---|---:|---:|---:|---:|---:|"]
     man_summary = {}
     for ref in ("digest", "tag"):
-        for srv in SERVERS:
+        for srv in SERVERS + (QUIET,):
             rs = [r for r in runs["manifest"] if r["ref"] == ref and r["server"] == srv]
             if not rs:
                 continue
@@ -925,6 +1081,16 @@ def build_report(doc: dict) -> str:
             "|---|---:|---:|---|"] + [r[0] for r in rows]
     met = sum(1 for r in rows if r[1])
     out += ["", f"{met} of {len(rows)} targets met in this run."]
+    rows13 = issue13_rows(runs, args["reps"])
+    out += ["", "### Issue-13 targets (judged on the median of the per-rep ratios)", "",
+            "larder as shipped logs one line per request (to its log file here); `larder, request log off` is "
+            "the same binary with `[log] level = \"warn\"`.", "",
+            "| target | measured median (min–max) | threshold | verdict |", "|---|---:|---:|---|"]
+    out += [r[0] for r in rows13]
+    met13 = sum(1 for r in rows13 if r[1])
+    judged13 = sum(1 for r in rows13 if r[1] is not None)
+    out += ["", f"{met13} of {judged13} issue-13 targets met in this run (rows without a threshold are context).", ""]
+    out += issue13_context(runs)
     # Context for reading the verdicts (not targets).
     notes = []
     for conns in WRK_CONNS:
@@ -950,7 +1116,8 @@ def build_report(doc: dict) -> str:
         out += ["", "Failed runs (excluded from the figures above):", ""] + bad_lines[:30]
     doc["summary"] = {"blob": blob_summary, "manifest": man_summary, "oha": oha_by, "memory": mem_summary,
                       "cold": cold_summary,
-                      "targets": [{"row": r[0], "met": r[1]} for r in rows]}
+                      "targets": [{"row": r[0], "met": r[1]} for r in rows],
+                      "targets13": [{"row": r[0], "met": r[1], "summary": r[2]} for r in rows13]}
     return "\n".join(out) + "\n"
 
 
@@ -967,6 +1134,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--larder-bin", type=Path, default=None,
                     help="use this larder binary instead of building (default: cargo build --release --locked)")
     ap.add_argument("--seed", type=int, default=20240607, help="seed for the blob bytes")
+    ap.add_argument("--no-latency", action="store_true",
+                    help="skip the fixed-rate latency points (oha), e.g. where oha is not installed")
     a = ap.parse_args()
     if a.reps < 1 or a.duration < 1:
         ap.error("--reps and --duration must be positive")
@@ -979,7 +1148,8 @@ def main() -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, herd._raise_exit)
 
-    needed = ["docker-registry", "skopeo", "nginx", "wrk", "oha", "curl"] + ([] if args.larder_bin else ["cargo"])
+    needed = (["docker-registry", "skopeo", "nginx", "wrk", "curl"] + ([] if args.no_latency else ["oha"])
+              + ([] if args.larder_bin else ["cargo"]))
     tools = {t: find_tool(t) for t in needed}
     missing = [t for t, p in tools.items() if p is None]
     if missing:
@@ -992,7 +1162,7 @@ def main() -> int:
             if not INSTALL_HINT[t].startswith("apt-get"):
                 print(f"  {INSTALL_HINT[t]}", file=sys.stderr)
         return 2
-    oha_flag = oha_json_flag(tools["oha"])
+    oha_flag = [] if args.no_latency else oha_json_flag(tools["oha"])
 
     binary = args.larder_bin.resolve() if args.larder_bin else herd.build_larder(tools["cargo"])
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="larder-load-results-"))
@@ -1054,6 +1224,10 @@ def main() -> int:
         lar = start_larder(procs, binary, scratch / "larder", larder_cache, origin.port)
         warm(lar, image)
         procs.stop(lar.proc)
+        quiet_cache = scratch / "larder-quiet-cache"
+        lar = start_larder(procs, binary, scratch / QUIET, quiet_cache, origin.port, log=False, name=QUIET)
+        warm(lar, image)
+        procs.stop(lar.proc)
         dist = start_distribution(procs, dist_dir, "distribution proxy", origin.port)
         warm(dist, image)
         procs.stop(dist.proc)
@@ -1079,6 +1253,9 @@ def main() -> int:
                 log(f"  memory {LABEL[srv]:<20} idle {idle / 1024 if idle else 0:6.1f} MiB  peak "
                     f"{(big['hwm_kib'] or 0) / 1024:6.1f} MiB  {BIG_DOWNLOADS}×100 MiB in {big['wall_s']:.1f}s  "
                     f"failed {len(big['failed'])}")
+            servers[QUIET] = start_larder(procs, binary, scratch / QUIET, quiet_cache, origin.port, log=False,
+                                          name=QUIET)
+            warm(servers[QUIET], image)
             before = larder_metrics(servers["larder"])
 
             # 1. warm blob throughput
@@ -1086,9 +1263,9 @@ def main() -> int:
                 b = image["blobs"][blob]
                 path = f"/v2/{LOAD_REPO}/blobs/{b['digest']}"
                 for conns in WRK_CONNS:
-                    for srv in rotate(SERVERS, rep):
-                        r = run_wrk(tools["wrk"], lua, servers[srv], path, conns, args.duration, None,
-                                    b["size"])
+                    for srv in rotate(SERVERS + ((QUIET,) if blob in QUIET_BLOBS else ()), rep):
+                        r = run_point(tools["wrk"], lua, servers[srv], path, conns, args.duration, None,
+                                      b["size"])
                         runs["blob"].append({"rep": rep, "server": srv, "blob": blob, "conns": conns, **r})
                         log(f"  blob {blob:>5} c{conns:<2} {LABEL[srv]:<20} "
                             + (f"{r['rps']:9.1f} req/s {r['mbps']:8.1f} MB/s" if r["ok"] else f"FAILED {r['error']}"))
@@ -1099,9 +1276,9 @@ def main() -> int:
             larder_digest_rps = None
             for ref in ("digest", "tag"):
                 path = f"/v2/{LOAD_REPO}/manifests/{mdig if ref == 'digest' else TAG}"
-                for srv in rotate(SERVERS if ref == "digest" else ("larder", "distribution"), rep):
-                    r = run_wrk(tools["wrk"], lua, servers[srv], path, MANIFEST_CONNS, args.duration, acc,
-                                msize)
+                for srv in rotate(SERVERS + (QUIET,) if ref == "digest" else ("larder", "distribution"), rep):
+                    r = run_point(tools["wrk"], lua, servers[srv], path, MANIFEST_CONNS, args.duration, acc,
+                                  msize)
                     runs["manifest"].append({"rep": rep, "server": srv, "ref": ref, **r})
                     if srv == "larder" and ref == "digest" and r["ok"]:
                         larder_digest_rps = r["rps"]
@@ -1109,7 +1286,7 @@ def main() -> int:
                         + (f"{r['rps']:9.0f} req/s" if r["ok"] else f"FAILED {r['error']}"))
             # Latency at 70 % of larder's max; nginx at the same rate shows what
             # the machine and the load generator alone add.
-            for srv in rotate(("larder", "nginx"), rep):
+            for srv in rotate(("larder", "nginx"), rep) if not args.no_latency else ():
                 if not larder_digest_rps:
                     runs["oha"].append({"rep": rep, "server": srv, "ok": False,
                                         "error": "no larder manifest rate measured in this rep"})
@@ -1129,7 +1306,7 @@ def main() -> int:
                                                           "upstream_requests_during_warm_phases": up,
                                                           "hwm_end_of_rep_kib": proc_status_kib(
                                                               servers["larder"].proc.pid, "VmHWM")})
-            for srv in ("larder", "distribution"):
+            for srv in ("larder", QUIET, "distribution"):
                 if servers[srv].proc.poll() is not None:
                     log(f"warning: {srv} exited with {servers[srv].proc.returncode} during rep {rep + 1}")
                 procs.stop(servers[srv].proc)
@@ -1181,7 +1358,7 @@ def main() -> int:
     print(md)
     log(f"results: {out_dir / 'load.json'} and {out_dir / 'load.md'} ({doc['elapsed_s']:.0f}s)")
     larder_failed = (any(not r["ok"] for k in ("blob", "manifest", "oha", "memory") for r in runs[k]
-                         if r["server"] == "larder")
+                         if r["server"] in ("larder", QUIET))
                      or any(not r["ok"] for r in runs["cold"]))
     return 1 if larder_failed else 0
 
