@@ -205,6 +205,42 @@ fn clock_ticks_per_second() -> f64 {
     })
 }
 
+impl Server {
+    /// Stops it the way an operator or Kubernetes does (SIGTERM) and waits
+    /// for it to exit; it must exit 0 and leave an index that needs no
+    /// repair on the next open.
+    fn stop(mut self, dir: &Path) {
+        let pid = self.child.id().to_string();
+        let sent = Command::new("kill").args(["-TERM", &pid]).status().expect("run kill");
+        assert!(sent.success(), "kill -TERM {pid}");
+        let status = self.child.wait().expect("wait for larder");
+        assert!(status.success(), "larder exited with {status} on SIGTERM:\n{}", read(&self.log));
+        assert!(!needs_repair(&dir.join("index.redb")), "a SIGTERM left an index that needs repair");
+    }
+
+    /// Kills it without warning (SIGKILL: an OOM kill, a power cut as far
+    /// as the index is concerned).
+    fn crash(mut self) {
+        self.child.kill().expect("kill larder");
+        self.child.wait().expect("wait for larder");
+    }
+}
+
+/// Whether opening the index would repair it: what a process that did not
+/// close it (a crash) leaves behind. Opens and closes it cleanly.
+fn needs_repair(path: &Path) -> bool {
+    let repaired = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = std::sync::Arc::clone(&repaired);
+    let db = redb::Database::builder()
+        .set_repair_callback(move |_| flag.store(true, std::sync::atomic::Ordering::Relaxed))
+        .create(path)
+        .expect("open the index");
+    drop(db);
+    repaired.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// A server that is neither stopped nor crashed on purpose (a failed
+/// assertion) is killed.
 impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -256,12 +292,114 @@ struct Row {
     figures: Vec<(&'static str, &'static str, Spread)>,
 }
 
+/// Bytes this process has read with read(2) and pread(2) so far (`rchar`
+/// in /proc/self/io, every thread). redb reads its file that way, so around
+/// an operation on a freshly opened index (redb's page cache still empty)
+/// the difference is what that operation read from the index: a count, not
+/// a timing, so CI can hold the big-O to it.
+fn bytes_read() -> u64 {
+    let io = read(Path::new("/proc/self/io"));
+    io.lines().find_map(|l| l.strip_prefix("rchar:")).and_then(|v| v.trim().parse().ok()).expect("rchar")
+}
+
+/// At most what opening the cache may read, whatever it holds: redb's
+/// header, allocator state and table roots, and the running byte total. One
+/// pass over the blob rows at 10^4 blobs reads several times this.
+const OPEN_READ_LIMIT: u64 = 256 << 10;
+/// Entries the exact eviction check asks for, and at most what reading
+/// them in access order may read: a root-to-leaf path in each of the two
+/// tables plus a leaf per entry, with room to spare, and a small share of
+/// one pass over the rows at 10^4 blobs.
+const LRU_PROBE: u64 = 10;
+const LRU_READ_LIMIT: u64 = (2 * LRU_PROBE + 16) * 4096;
+
+/// The cache folder at `dir` as the bench's server has it.
+fn cache_config(dir: &Path) -> larder::config::CacheConfig {
+    larder::config::CacheConfig {
+        dir: dir.to_owned(),
+        max_size: 1 << 40,
+        max_blob_size: 1 << 30,
+        high_watermark: 0.9,
+        low_watermark: 0.8,
+        memory: 1 << 20,
+        tag_ttl: Duration::from_secs(60),
+        stale_if_error: Duration::from_secs(60),
+    }
+}
+
+/// The exact checks, at every size: what opening the cache and reading the
+/// least recently used entries read from the index does not grow with the
+/// number of blobs. Returns the bytes read by the open, by the LRU read,
+/// and by one pass over the blob rows.
+fn read_counts(dir: &Path, n: u64) -> (u64, u64, u64) {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    let before = bytes_read();
+    let cache = runtime.block_on(larder::cache::Cache::open(cache_config(dir))).expect("open the cache");
+    let open = bytes_read() - before;
+    assert!(cache.usage() >= n * small_blob(0).len() as u64, "usage came from the running total");
+    drop(cache);
+    drop(runtime);
+    assert!(open <= OPEN_READ_LIMIT, "opening the cache read {open} bytes of its index at {n} blobs");
+
+    let index = Index::open(&dir.join("index.redb")).expect("index");
+    let before = bytes_read();
+    let victims = index.least_recently_used(LRU_PROBE * small_blob(0).len() as u64).expect("lru");
+    let lru = bytes_read() - before;
+    assert_eq!(victims.len() as u64, LRU_PROBE.min(n));
+    assert!(lru <= LRU_READ_LIMIT, "reading {LRU_PROBE} entries in access order read {lru} bytes at {n} blobs");
+    drop(index);
+
+    // What the limits stand against: one pass over the blob rows, which
+    // neither may take. From 10^4 blobs it reads more than either limit.
+    let index = Index::open(&dir.join("index.redb")).expect("index");
+    let before = bytes_read();
+    assert!(index.entries(Kind::Blob).expect("rows").len() as u64 > n);
+    let pass = bytes_read() - before;
+    if n >= 10_000 {
+        assert!(pass > OPEN_READ_LIMIT.max(LRU_READ_LIMIT), "a pass over the rows read only {pass} bytes");
+    }
+    (open, lru, pass)
+}
+
+/// One-row commits timed per setting by [`commit_costs`].
+const COMMITS: u64 = 50;
+
+/// One-row commits into a scratch table of the index at `path`, with
+/// redb's quick repair off and on, interleaved: what recording the
+/// allocator state in every commit costs (so that a start after a crash
+/// loads it instead of walking the whole file to rebuild it).
+fn commit_costs(path: &Path) -> (Spread, Spread) {
+    const SCRATCH: redb::TableDefinition<u64, u64> = redb::TableDefinition::new("bench_commits");
+    let db = redb::Database::create(path).expect("index");
+    let mut costs = [Vec::new(), Vec::new()];
+    for i in 0..COMMITS {
+        for (quick, costs) in [false, true].into_iter().zip(costs.iter_mut()) {
+            let started = Instant::now();
+            let mut txn = db.begin_write().expect("write");
+            txn.set_quick_repair(quick);
+            txn.open_table(SCRATCH).expect("table").insert(i, i).expect("insert");
+            txn.commit().expect("commit");
+            costs.push(started.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    let txn = db.begin_write().expect("write");
+    txn.delete_table(SCRATCH).expect("drop the scratch table");
+    txn.commit().expect("commit");
+    let [plain, quick] = costs;
+    (spread(plain), spread(quick))
+}
+
 fn measure(n: u64, reps: usize, full: bool) -> Row {
     let scratch = tempfile::tempdir().expect("temp dir");
     let dir = scratch.path().join("cache");
     let generated = Instant::now();
     let warm = generate(&dir, n);
     eprintln!("scale: {n} blobs generated in {:.1} s", generated.elapsed().as_secs_f64());
+    let (open_read, lru_read, pass_read) = read_counts(&dir, n);
+    eprintln!(
+        "scale: {n} blobs: read from the index by opening the cache {open_read} B, by {LRU_PROBE} LRU entries \
+         {lru_read} B, by one pass over the blob rows {pass_read} B"
+    );
     let mut figures = Vec::new();
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
 
@@ -270,6 +408,7 @@ fn measure(n: u64, reps: usize, full: bool) -> Row {
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let has_wrk = Command::new("wrk").arg("--version").output().is_ok();
     for _ in 0..reps {
+        // Every start here follows a clean stop (or the generator's close).
         let (server, took) = Server::start(&dir);
         ready.push(ms(took));
         check.push(ms(server.check_time()));
@@ -281,8 +420,19 @@ fn measure(n: u64, reps: usize, full: bool) -> Row {
             blob_rate.push(rate);
             blob_cpu.push(cpu.as_secs_f64() * 1e3);
         }
+        server.stop(&dir);
     }
-    figures.push(("start-up to ready", "ms", spread(ready)));
+    let mut after_crash = Vec::new();
+    for _ in 0..reps {
+        let (server, _) = Server::start(&dir);
+        server.crash();
+        let (server, took) = Server::start(&dir);
+        after_crash.push(ms(took));
+        server.check_time();
+        server.stop(&dir);
+    }
+    figures.push(("start-up to ready, after a clean stop", "ms", spread(ready)));
+    figures.push(("start-up to ready, after a crash (SIGKILL)", "ms", spread(after_crash)));
     figures.push(("background check of files vs rows", "ms", spread(check)));
     if !manifest_rate.is_empty() {
         figures.push(("warm manifest GET by digest, 16 conns", "req/s", spread(manifest_rate)));
@@ -292,35 +442,73 @@ fn measure(n: u64, reps: usize, full: bool) -> Row {
     }
 
     // Eviction and purge change the cache, so they come after the server
-    // rows; each repetition evicts the next 1 % and purges another repository.
+    // rows; each repetition evicts the next 1 % and purges another
+    // repository. The round is timed in the steps `Cache::evict` takes.
     let index = Index::open(&dir.join("index.redb")).expect("index");
     let one_percent = n / 100 * small_blob(0).len() as u64;
-    let mut evictions = Vec::new();
+    let (mut evictions, mut lru, mut commit, mut unlink) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..reps {
         let started = Instant::now();
         let victims = index.least_recently_used(one_percent.max(1)).expect("lru");
+        let read = Instant::now();
         let keys: Vec<(Kind, Digest)> = victims.iter().map(|e| (e.kind, e.digest)).collect();
         let removed = index.remove_content(&keys).expect("remove");
-        for e in &removed {
-            std::fs::remove_file(blob_path(&dir, &e.digest)).expect("unlink");
+        let committed = Instant::now();
+        let digests: Vec<Digest> = removed.iter().map(|e| e.digest).collect();
+        for (d, size) in digests.iter().zip(index.blob_sizes(&digests).expect("lookup")) {
+            assert_eq!(size, None, "removed");
+            std::fs::remove_file(blob_path(&dir, d)).expect("unlink");
         }
-        evictions.push(ms(started.elapsed()));
+        let done = Instant::now();
+        evictions.push(ms(done - started));
+        lru.push(ms(read - started));
+        commit.push(ms(committed - read));
+        unlink.push(ms(done - committed));
         assert_eq!(removed.len() as u64, (n / 100).max(1), "1 % of the blobs went");
     }
     figures.push(("eviction round, 1 % of the blobs", "ms", spread(evictions)));
+    figures.push(("  reading them in access order", "ms", spread(lru)));
+    figures.push(("  removing their rows (one commit)", "ms", spread(commit)));
+    figures.push(("  unlinking their files", "ms", spread(unlink)));
+    drop(index);
+
+    // The same round as larder's maintenance task runs it.
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    let cache = runtime.block_on(larder::cache::Cache::open(cache_config(&dir))).expect("open the cache");
+    let mut rounds = Vec::new();
+    for _ in 0..reps {
+        let before = cache.usage();
+        let started = Instant::now();
+        runtime.block_on(cache.evict(one_percent.max(1))).expect("evict");
+        rounds.push(ms(started.elapsed()));
+        assert_eq!(before - cache.usage(), one_percent.max(1), "1 % of the blobs went");
+    }
+    drop(cache);
+    drop(runtime);
+    figures.push(("eviction round as larder runs it (Cache::evict)", "ms", spread(rounds)));
+
+    let index = Index::open(&dir.join("index.redb")).expect("index");
     let mut purges = Vec::new();
     for rep in 0..reps as u64 {
-        // The last repositories: eviction took the first ones.
-        let repo = repo_of(n - 1 - rep * BLOBS_PER_REPO);
+        // The last repositories: eviction took the least recently used,
+        // which may include some of their blobs.
+        let first = n - BLOBS_PER_REPO * (rep + 1);
+        let repo = repo_of(first);
+        let digests: Vec<Digest> = (first..first + BLOBS_PER_REPO).map(|i| Digest::of(&small_blob(i))).collect();
+        let left = index.blob_sizes(&digests).expect("lookup").iter().flatten().count();
         let started = Instant::now();
         let purged = index.purge(&format!("{UPSTREAM}\0{repo}\0")).expect("purge");
         for e in &purged.content {
             std::fs::remove_file(blob_path(&dir, &e.digest)).expect("unlink");
         }
         purges.push(ms(started.elapsed()));
-        assert_eq!(purged.content.len() as u64, BLOBS_PER_REPO.min(n), "one repository's blobs went");
+        assert_eq!(purged.content.len(), left, "the repository's remaining blobs went");
     }
     figures.push(("purge of one repository (10 blobs)", "ms", spread(purges)));
+    drop(index);
+    let (plain, quick) = commit_costs(&dir.join("index.redb"));
+    figures.push(("one-row commit, redb quick repair off", "ms", plain));
+    figures.push(("one-row commit, redb quick repair on", "ms", quick));
     Row { n, figures }
 }
 

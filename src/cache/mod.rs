@@ -318,8 +318,9 @@ impl Cache {
     }
 
     /// Removes the least recently used blobs and manifests until `bytes` are
-    /// freed: reads only that many rows of the index's access order.
-    async fn evict(&self, bytes: u64) -> Result<(), Error> {
+    /// freed: reads only that many rows of the index's access order. The
+    /// maintenance task calls it; public for benches/scale.rs.
+    pub async fn evict(&self, bytes: u64) -> Result<(), Error> {
         let index = Arc::clone(&self.index);
         let victims = blocking(move || Ok(index.least_recently_used(bytes)?)).await?;
         let removed = self.remove_content(victims.iter().map(|e| (e.kind, e.digest)).collect()).await?;
@@ -372,15 +373,23 @@ impl Cache {
         }
         let (store, index, digests) = (self.store.clone(), Arc::clone(&self.index), marked.clone());
         let unlinked = blocking(move || {
-            for d in &digests {
-                match index.blob_size(d) {
-                    Ok(None) => {
+            // One read of the rows for all of them: while they are marked
+            // no fill can commit any of them, so this snapshot stays true.
+            let sizes = match index.blob_sizes(&digests) {
+                Ok(sizes) => sizes,
+                Err(e) => {
+                    tracing::warn!(blobs = digests.len(), error = %e, "index unreadable; keeping the blob files");
+                    return Ok(());
+                }
+            };
+            for (d, size) in digests.iter().zip(sizes) {
+                match size {
+                    None => {
                         if let Err(e) = store.remove_blob(d) {
                             tracing::warn!(digest = %d, error = %e, "cannot remove a blob file; it stays until restart");
                         }
                     }
-                    Ok(Some(_)) => tracing::debug!(digest = %d, "committed again meanwhile; keeping its file"),
-                    Err(e) => tracing::warn!(digest = %d, error = %e, "index unreadable; keeping the blob file"),
+                    Some(_) => tracing::debug!(digest = %d, "committed again meanwhile; keeping its file"),
                 }
             }
             Ok(())
