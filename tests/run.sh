@@ -23,6 +23,8 @@ command -v script >/dev/null || need+=(bsdutils)
 # The chart's node setup script runs under busybox in its tests, and is linted.
 command -v busybox >/dev/null || need+=(busybox)
 command -v shellcheck >/dev/null || need+=(shellcheck)
+# The chart tests make a peer-TLS test certificate with the openssl CLI.
+command -v openssl >/dev/null || need+=(openssl)
 if ((${#need[@]})); then
   echo "tests/run.sh: installing ${need[*]}"
   sudo=""
