@@ -149,8 +149,7 @@ pub async fn start(config: Config, shutdown: crate::shutdown::Shutdown) -> Resul
         let grace = app.config.server.shutdown_grace;
         let api = crate::server::serve(listener, Arc::clone(&app), tls, shutdown.clone(), grace);
         let maintenance = app.cache.spawn_maintenance(shutdown.clone());
-        let peer =
-            peer_listener.map(|l| crate::cluster::endpoint::serve(l, Arc::clone(&app), peer_tls, shutdown.clone()));
+        let peer = peer_listener.map(|l| crate::server::peer::serve(l, Arc::clone(&app), peer_tls, shutdown.clone()));
         async move {
             let peer = async move {
                 if let Some(peer) = peer {

@@ -3,10 +3,11 @@
 //! owner of a key (rendezvous hashing over the live peers) and [`peers`]
 //! keeps the peer set (a static list or a DNS name re-resolved
 //! periodically) and which peers are down for a while. [`client`] asks an
-//! owner; [`endpoint`] answers peers on the peer listener.
+//! owner. What answers peers is a listener, so it lives with the others in
+//! `server::peer`: this folder imports nothing of the server or of `App`,
+//! and the cache can use it without a loop between the modules.
 
 pub mod client;
-pub mod endpoint;
 pub mod peers;
 pub mod ring;
 

@@ -5,6 +5,7 @@ pub mod admin;
 pub mod client_auth;
 pub mod handlers;
 pub mod listener;
+pub mod peer;
 pub mod range;
 pub mod reload;
 pub mod routes;

@@ -21,14 +21,14 @@ use subtle::ConstantTimeEq;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
-use super::client::{LOOKUP_HEADER, SECRET_HEADER};
+use super::routes::{self, Endpoint, Parsed, Route};
+use super::{TLS_HANDSHAKE_TIMEOUT, handlers, listener};
 use crate::body::Body;
 use crate::cache::Via;
+use crate::cluster::client::{LOOKUP_HEADER, SECRET_HEADER};
 use crate::error::Error;
 use crate::metrics::metrics;
 use crate::oci::Reference;
-use crate::server::routes::{self, Endpoint, Parsed, Route};
-use crate::server::{TLS_HANDSHAKE_TIMEOUT, handlers, listener};
 use crate::shutdown::Shutdown;
 use crate::state::App;
 
@@ -43,7 +43,7 @@ pub const MAX_PEER_CONNECTIONS: usize = 1024;
 /// the cluster secret proves a peer. One certificate for both listeners is
 /// one Secret to issue and rotate; for peers found by address it must also
 /// carry the name they verify it under (`[cluster] tls_name`, see
-/// [`super::PeerClient`]).
+/// [`crate::cluster::PeerClient`]).
 pub async fn serve(listener: TcpListener, app: Arc<App>, tls: Option<TlsAcceptor>, mut shutdown: Shutdown) {
     let Some(cluster) = &app.config.cluster else { return };
     let secret: [u8; 32] = Sha256::digest(cluster.secret.expose().as_bytes()).into();
