@@ -94,11 +94,8 @@ struct RequestId(u64);
 
 impl RequestId {
     fn hex(self) -> [u8; 16] {
-        const DIGITS: &[u8; 16] = b"0123456789abcdef";
         let mut out = [0u8; 16];
-        for (i, digit) in out.iter_mut().enumerate() {
-            *digit = DIGITS[((self.0 >> (60 - 4 * i)) & 0xf) as usize];
-        }
+        hex::encode_to_slice(self.0.to_be_bytes(), &mut out).expect("8 bytes are 16 hex digits");
         out
     }
 }
