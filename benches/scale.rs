@@ -469,7 +469,7 @@ fn measure(n: u64, reps: usize, full: bool) -> Row {
     figures.push(("eviction round, 1 % of the blobs", "ms", spread(evictions)));
     figures.push(("  reading them in access order", "ms", spread(lru)));
     figures.push(("  removing their rows (one commit)", "ms", spread(commit)));
-    figures.push(("  unlinking their files", "ms", spread(unlink)));
+    figures.push(("  unlinking their files, one thread", "ms", spread(unlink)));
     drop(index);
 
     // The same round as larder's maintenance task runs it.
