@@ -51,14 +51,7 @@ pub async fn serve(
         let (app, builder, watcher, tls) = (Arc::clone(&app), Arc::clone(&builder), graceful.watcher(), tls.clone());
         async move {
             let handler = move |req| handle(Arc::clone(&app), req);
-            let served = match tls {
-                None => listener::serve_watched(&builder, stream, Some(watcher), handler).await,
-                Some(acceptor) => match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                    Ok(Ok(stream)) => listener::serve_watched(&builder, stream, Some(watcher), handler).await,
-                    Ok(Err(e)) => Err(e.into()),
-                    Err(_) => Err("TLS handshake timed out".into()),
-                },
-            };
+            let served = listener::serve_maybe_tls(&builder, stream, tls, Some(watcher), handler).await;
             if let Err(e) = served {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }

@@ -22,7 +22,7 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
 use super::routes::{self, Endpoint, Parsed, Route};
-use super::{TLS_HANDSHAKE_TIMEOUT, handlers, listener};
+use super::{handlers, listener};
 use crate::body::Body;
 use crate::cache::Via;
 use crate::cluster::client::{LOOKUP_HEADER, SECRET_HEADER};
@@ -52,14 +52,7 @@ pub async fn serve(listener: TcpListener, app: Arc<App>, tls: Option<TlsAcceptor
         let (app, builder, tls) = (Arc::clone(&app), Arc::clone(&builder), tls.clone());
         async move {
             let handler = move |req| handle(Arc::clone(&app), secret, req);
-            let served = match tls {
-                None => listener::serve_watched(&builder, stream, None, handler).await,
-                Some(acceptor) => match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                    Ok(Ok(stream)) => listener::serve_watched(&builder, stream, None, handler).await,
-                    Ok(Err(e)) => Err(e.into()),
-                    Err(_) => Err("TLS handshake timed out".into()),
-                },
-            };
+            let served = listener::serve_maybe_tls(&builder, stream, tls, None, handler).await;
             if let Err(e) = served {
                 tracing::debug!(%peer, error = %e, "peer connection ended with an error");
             }
