@@ -21,7 +21,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 
-use super::watchdog;
+use super::watchdog::{self, FIRST_REQUEST_TIMEOUT};
 use super::{HEADER_READ_TIMEOUT, MAX_CONCURRENT_STREAMS, TLS_HANDSHAKE_TIMEOUT};
 use crate::body::{Body, BoxError};
 use crate::shutdown::Shutdown;
@@ -30,13 +30,58 @@ use crate::shutdown::Shutdown;
 /// so that a descriptor shortage does not become a busy loop.
 const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(50);
 
-/// The HTTP/1.1 + HTTP/2 connection builder both listeners use: hyper's
-/// header-read timeout and the HTTP/2 stream limit.
+/// The HTTP/2 connection preface (RFC 9113 §3.4) starts with `PRI `, a
+/// method no HTTP/1 request uses: a cleartext connection's first four
+/// bytes tell the two versions apart.
+const H2_PREFACE_START: &[u8; 4] = b"PRI ";
+/// Pause between two peeks at a client that has sent only part of
+/// [`H2_PREFACE_START`] so far (`peek` returns at once while any byte
+/// waits, so it cannot simply be awaited again).
+const SNIFF_PAUSE: Duration = Duration::from_millis(5);
+
+/// The HTTP/1.1 + HTTP/2 connection builder every listener uses: hyper's
+/// header-read timeout and the HTTP/2 stream limit. It tells the versions
+/// apart by reading a connection's first bytes itself (TLS, the admin port).
 pub fn http_builder() -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT);
     builder.http2().timer(TokioTimer::new()).max_concurrent_streams(MAX_CONCURRENT_STREAMS);
     builder
+}
+
+/// [`http_builder`], and the same limited to one version each, for
+/// cleartext connections whose version was [`sniff`]ed.
+pub struct Builders {
+    any: auto::Builder<TokioExecutor>,
+    http1: auto::Builder<TokioExecutor>,
+    http2: auto::Builder<TokioExecutor>,
+}
+
+impl Default for Builders {
+    fn default() -> Builders {
+        let any = http_builder();
+        Builders { http1: any.clone().http1_only(), http2: any.clone().http2_only(), any }
+    }
+}
+
+/// Whether a cleartext client speaks HTTP/2 (prior knowledge), judged from
+/// its first bytes with `peek`, so hyper still reads them itself. hyper-util's
+/// auto mode reads those bytes ahead of hyper instead, and hyper, finding
+/// its 8 KiB read buffer no longer empty, then grows it to 16 KiB on every
+/// connection (massif): this way an idle HTTP/1 connection keeps 8 KiB.
+/// End of stream counts as HTTP/1, which then sees it.
+async fn sniff(stream: &TcpStream) -> std::io::Result<bool> {
+    let mut start = [0u8; H2_PREFACE_START.len()];
+    loop {
+        let n = stream.peek(&mut start).await?;
+        if n == 0 || !H2_PREFACE_START.starts_with(&start[..n]) {
+            return Ok(false);
+        }
+        if n == start.len() {
+            return Ok(true);
+        }
+        tokio::time::sleep(SNIFF_PAUSE).await;
+    }
 }
 
 /// Accepts connections on `listener` until `shutdown` fires, at most
@@ -82,17 +127,20 @@ pub async fn accept_loop<F, Fut>(
 }
 
 /// Serves one accepted connection, over TLS when there is an `acceptor`
-/// (the handshake bounded by [`TLS_HANDSHAKE_TIMEOUT`]), else in the clear.
+/// (the handshake bounded by [`TLS_HANDSHAKE_TIMEOUT`]), else in the clear
+/// with its version [`sniff`]ed first: within [`FIRST_REQUEST_TIMEOUT`],
+/// and given up at once when `shutdown` fires (no request is in flight).
 ///
 /// The TLS arm is boxed: rustls' connection state lives inline in its
 /// stream, and unboxed it would size every connection's task, cleartext
 /// ones included (11.6 KiB per idle connection measured with massif,
 /// against 2 KiB for the cleartext future alone).
 pub async fn serve_maybe_tls<H, Fut>(
-    builder: &auto::Builder<TokioExecutor>,
+    builders: &Builders,
     stream: TcpStream,
     acceptor: Option<TlsAcceptor>,
     watcher: Option<Watcher>,
+    mut shutdown: Shutdown,
     handler: H,
 ) -> Result<(), BoxError>
 where
@@ -100,11 +148,21 @@ where
     Fut: Future<Output = Response<Body>> + Send + 'static,
 {
     let Some(acceptor) = acceptor else {
+        let sniffed = tokio::select! {
+            sniffed = tokio::time::timeout(FIRST_REQUEST_TIMEOUT, sniff(&stream)) => sniffed,
+            _ = shutdown.changed() => return Ok(()),
+        };
+        let builder = match sniffed {
+            Ok(Ok(true)) => &builders.http2,
+            Ok(Ok(false)) => &builders.http1,
+            Ok(Err(e)) => return Err(e.into()),
+            Err(_) => return Err("connection timed out (no request)".into()),
+        };
         return serve_watched(builder, stream, watcher, handler).await;
     };
     Box::pin(async move {
         match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-            Ok(Ok(stream)) => serve_watched(builder, stream, watcher, handler).await,
+            Ok(Ok(stream)) => serve_watched(&builders.any, stream, watcher, handler).await,
             Ok(Err(e)) => Err(e.into()),
             Err(_) => Err("TLS handshake timed out".into()),
         }
@@ -151,5 +209,74 @@ where
             served = conn => served,
             () = activity.expired() => expired().await,
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::{TcpListener, TcpStream};
+
+    use super::{Builders, sniff};
+
+    /// A connected pair on loopback: (client, server side).
+    async fn pair() -> (TcpStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        (client, server)
+    }
+
+    /// Sends `parts` with a pause between them and returns what `sniff` says.
+    async fn sniffed(parts: &[&[u8]]) -> bool {
+        let (mut client, server) = pair().await;
+        let parts: Vec<Vec<u8>> = parts.iter().map(|p| p.to_vec()).collect();
+        let sender = tokio::spawn(async move {
+            for part in parts {
+                client.write_all(&part).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(30)).await;
+            }
+            client
+        });
+        let h2 = sniff(&server).await.unwrap();
+        let _client = sender.await.unwrap();
+        h2
+    }
+
+    #[tokio::test]
+    async fn the_first_bytes_tell_http2_from_http1_and_nothing_is_consumed() {
+        assert!(sniffed(&[b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"]).await);
+        assert!(sniffed(&[b"P", b"RI", b" * HTTP/2.0\r\n"]).await, "trickled");
+        assert!(!sniffed(&[b"GET /v2/ HTTP/1.1\r\n"]).await);
+        assert!(!sniffed(&[b"P", b"UT /v2/x HTTP/1.1\r\n"]).await, "PUT shares only the P");
+        assert!(!sniffed(&[b"PRIX"]).await);
+
+        let (mut client, server) = pair().await;
+        client.write_all(b"GET / HTTP/1.1\r\n").await.unwrap();
+        assert!(!sniff(&server).await.unwrap());
+        let mut start = [0u8; 3];
+        assert_eq!(server.peek(&mut start).await.unwrap(), 3);
+        assert_eq!(&start, b"GET", "left for hyper to read");
+
+        let (client, server) = pair().await;
+        drop(client);
+        assert!(!sniff(&server).await.unwrap(), "end of stream is HTTP/1's to see");
+    }
+
+    #[tokio::test]
+    async fn a_silent_cleartext_connection_is_let_go_at_shutdown() {
+        let (_client, server) = pair().await;
+        let (stop, shutdown) = tokio::sync::watch::channel(());
+        let handler = |_req| async { http::Response::new(crate::body::empty()) };
+        let served = tokio::spawn(async move {
+            super::serve_maybe_tls(&Builders::default(), server, None, None, shutdown, handler).await
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!served.is_finished(), "still waiting for the client's first bytes");
+        stop.send(()).unwrap();
+        let ended = tokio::time::timeout(Duration::from_secs(5), served).await;
+        assert!(matches!(ended, Ok(Ok(Ok(())))), "returned at the shutdown signal: {ended:?}");
     }
 }

@@ -1,5 +1,6 @@
 //! The registry API listener: HTTP/1.1 and cleartext HTTP/2 on one port
-//! (hyper-util's auto builder), one task per connection.
+//! (hyper-util's builders, the version told apart in
+//! [`listener::serve_maybe_tls`]), one task per connection.
 
 pub mod admin;
 pub mod client_auth;
@@ -44,14 +45,16 @@ pub async fn serve(
     mut shutdown: Shutdown,
     grace: Duration,
 ) {
-    let builder = Arc::new(listener::http_builder());
+    let builders = Arc::new(listener::Builders::default());
+    let stop = shutdown.clone();
     let graceful = GracefulShutdown::new();
     let max_connections = app.config.server.max_connections;
     listener::accept_loop(&listener, max_connections, &mut shutdown, "registry", |stream, peer| {
-        let (app, builder, watcher, tls) = (Arc::clone(&app), Arc::clone(&builder), graceful.watcher(), tls.clone());
+        let (app, builders, watcher, tls) = (Arc::clone(&app), Arc::clone(&builders), graceful.watcher(), tls.clone());
+        let stop = stop.clone();
         async move {
             let handler = move |req| handle(Arc::clone(&app), req);
-            let served = listener::serve_maybe_tls(&builder, stream, tls, Some(watcher), handler).await;
+            let served = listener::serve_maybe_tls(&builders, stream, tls, Some(watcher), stop, handler).await;
             if let Err(e) = served {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }

@@ -47,12 +47,13 @@ pub const MAX_PEER_CONNECTIONS: usize = 1024;
 pub async fn serve(listener: TcpListener, app: Arc<App>, tls: Option<TlsAcceptor>, mut shutdown: Shutdown) {
     let Some(cluster) = &app.config.cluster else { return };
     let secret: [u8; 32] = Sha256::digest(cluster.secret.expose().as_bytes()).into();
-    let builder = Arc::new(listener::http_builder());
+    let builders = Arc::new(listener::Builders::default());
+    let stop = shutdown.clone();
     listener::accept_loop(&listener, MAX_PEER_CONNECTIONS, &mut shutdown, "peer", |stream, peer| {
-        let (app, builder, tls) = (Arc::clone(&app), Arc::clone(&builder), tls.clone());
+        let (app, builders, tls, stop) = (Arc::clone(&app), Arc::clone(&builders), tls.clone(), stop.clone());
         async move {
             let handler = move |req| handle(Arc::clone(&app), secret, req);
-            let served = listener::serve_maybe_tls(&builder, stream, tls, None, handler).await;
+            let served = listener::serve_maybe_tls(&builders, stream, tls, None, stop, handler).await;
             if let Err(e) = served {
                 tracing::debug!(%peer, error = %e, "peer connection ended with an error");
             }
