@@ -429,7 +429,7 @@ async fn next_chunk(body: &mut Body, idle: Duration) -> Result<(Bytes, bool), Er
 pub fn read_body(file: Arc<File>, progress: Option<watch::Receiver<Progress>>, start: u64, end: Option<u64>) -> Body {
     let source = if progress.is_some() { "fill" } else { "disk" };
     let served = crate::metrics::metrics().bytes_served.with_label_values(&[source]);
-    let state = Reader { file, progress, offset: start, end, served };
+    let state = Reader { file, progress, offset: start, end, served, buffers: super::pread::Buffers::default() };
     let stream = futures_util::stream::try_unfold(state, |mut reader| async move {
         match reader.next().await? {
             Some(bytes) => Ok(Some((Frame::data(bytes), reader))),
@@ -445,6 +445,7 @@ struct Reader {
     offset: u64,
     end: Option<u64>,
     served: prometheus::IntCounter,
+    buffers: super::pread::Buffers,
 }
 
 impl Reader {
@@ -476,7 +477,7 @@ impl Reader {
             }
             if self.offset < limit {
                 let len = (limit - self.offset).min(READ_CHUNK as u64) as usize;
-                let bytes = super::pread::read_at(&self.file, self.offset, len).await?;
+                let bytes = super::pread::read_at(&self.file, self.offset, len, &mut self.buffers).await?;
                 self.offset += bytes.len() as u64;
                 self.served.inc_by(bytes.len() as u64);
                 return Ok(Some(bytes));
