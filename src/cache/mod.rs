@@ -197,7 +197,13 @@ fn tag_key(upstream: &str, repo: &RepoName, tag: &Tag) -> String {
 }
 
 fn member_key(upstream: &str, repo: &RepoName, digest: &Digest) -> String {
-    format!("{upstream}\0{repo}\0{}", digest.hex().as_str())
+    // Built to its exact length: it is made on every warm blob and manifest
+    // request, where `format!` cost 3 % of samples (benches/README.md).
+    let hex = digest.hex();
+    let parts = [upstream, "\0", repo.as_str(), "\0", hex.as_str()];
+    let mut key = String::with_capacity(parts.iter().map(|p| p.len()).sum());
+    parts.iter().for_each(|p| key.push_str(p));
+    key
 }
 
 /// A `tags/list` page as the client asked for it: upstream's own when it
@@ -1193,5 +1199,19 @@ impl Cache {
             self.share_blob(digest).await;
         }
         Ok((file, size))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::member_key;
+    use crate::oci::Digest;
+
+    #[test]
+    fn a_member_key_is_upstream_repository_and_hex_apart_by_nul_and_exactly_as_long() {
+        let digest = Digest::of(b"layer");
+        let key = member_key("registry-1.docker.io", &"library/alpine".parse().unwrap(), &digest);
+        assert_eq!(key, format!("registry-1.docker.io\0library/alpine\0{}", digest.hex().as_str()));
+        assert_eq!(key.capacity(), key.len(), "one allocation of the exact length");
     }
 }
