@@ -34,10 +34,6 @@ const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(50);
 /// method no HTTP/1 request uses: a cleartext connection's first four
 /// bytes tell the two versions apart.
 const H2_PREFACE_START: &[u8; 4] = b"PRI ";
-/// Pause between two peeks at a client that has sent only part of
-/// [`H2_PREFACE_START`] so far (`peek` returns at once while any byte
-/// waits, so it cannot simply be awaited again).
-const SNIFF_PAUSE: Duration = Duration::from_millis(5);
 
 /// The HTTP/1.1 + HTTP/2 connection builder every listener uses: hyper's
 /// header-read timeout and the HTTP/2 stream limit. It tells the versions
@@ -64,24 +60,35 @@ impl Default for Builders {
     }
 }
 
-/// Whether a cleartext client speaks HTTP/2 (prior knowledge), judged from
-/// its first bytes with `peek`, so hyper still reads them itself. hyper-util's
-/// auto mode reads those bytes ahead of hyper instead, and hyper, finding
-/// its 8 KiB read buffer no longer empty, then grows it to 16 KiB on every
+/// What a cleartext client's first bytes say.
+#[derive(Debug, PartialEq)]
+enum Sniffed {
+    Http1,
+    Http2,
+    /// Only part of [`H2_PREFACE_START`] so far (or the client closed after
+    /// it): hyper-util's auto builder reads on and decides.
+    Unsure,
+}
+
+/// Which version a cleartext client speaks, judged from its first bytes
+/// with `peek`, so hyper still reads them itself. hyper-util's auto mode
+/// reads those bytes ahead of hyper instead, and hyper, finding its 8 KiB
+/// read buffer no longer empty, then grows it to 16 KiB on every
 /// connection (massif): this way an idle HTTP/1 connection keeps 8 KiB.
-/// End of stream counts as HTTP/1, which then sees it.
-async fn sniff(stream: &TcpStream) -> std::io::Result<bool> {
+/// One peek, never a loop: `peek` returns at once while any byte waits, so
+/// waiting for more would spin; the rare first segment that holds only
+/// part of `PRI ` is [`Sniffed::Unsure`]. End of stream counts as HTTP/1,
+/// which then sees it.
+async fn sniff(stream: &TcpStream) -> std::io::Result<Sniffed> {
     let mut start = [0u8; H2_PREFACE_START.len()];
-    loop {
-        let n = stream.peek(&mut start).await?;
-        if n == 0 || !H2_PREFACE_START.starts_with(&start[..n]) {
-            return Ok(false);
-        }
-        if n == start.len() {
-            return Ok(true);
-        }
-        tokio::time::sleep(SNIFF_PAUSE).await;
-    }
+    let n = stream.peek(&mut start).await?;
+    Ok(if n == 0 || !H2_PREFACE_START.starts_with(&start[..n]) {
+        Sniffed::Http1
+    } else if n == start.len() {
+        Sniffed::Http2
+    } else {
+        Sniffed::Unsure
+    })
 }
 
 /// Accepts connections on `listener` until `shutdown` fires, at most
@@ -153,8 +160,9 @@ where
             _ = shutdown.changed() => return Ok(()),
         };
         let builder = match sniffed {
-            Ok(Ok(true)) => &builders.http2,
-            Ok(Ok(false)) => &builders.http1,
+            Ok(Ok(Sniffed::Http1)) => &builders.http1,
+            Ok(Ok(Sniffed::Http2)) => &builders.http2,
+            Ok(Ok(Sniffed::Unsure)) => &builders.any,
             Ok(Err(e)) => return Err(e.into()),
             Err(_) => return Err("connection timed out (no request)".into()),
         };
@@ -219,7 +227,7 @@ mod tests {
     use tokio::io::AsyncWriteExt;
     use tokio::net::{TcpListener, TcpStream};
 
-    use super::{Builders, sniff};
+    use super::{Builders, Sniffed, sniff};
 
     /// A connected pair on loopback: (client, server side).
     async fn pair() -> (TcpStream, TcpStream) {
@@ -229,40 +237,48 @@ mod tests {
         (client, server)
     }
 
-    /// Sends `parts` with a pause between them and returns what `sniff` says.
-    async fn sniffed(parts: &[&[u8]]) -> bool {
+    /// Sends `first`, and what `sniff` says.
+    async fn sniffed(first: &[u8]) -> Sniffed {
         let (mut client, server) = pair().await;
-        let parts: Vec<Vec<u8>> = parts.iter().map(|p| p.to_vec()).collect();
-        let sender = tokio::spawn(async move {
-            for part in parts {
-                client.write_all(&part).await.unwrap();
-                tokio::time::sleep(Duration::from_millis(30)).await;
-            }
-            client
-        });
-        let h2 = sniff(&server).await.unwrap();
-        let _client = sender.await.unwrap();
-        h2
+        client.write_all(first).await.unwrap();
+        client.flush().await.unwrap();
+        // One segment on loopback; let it land before the peek.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        sniff(&server).await.unwrap()
     }
 
     #[tokio::test]
     async fn the_first_bytes_tell_http2_from_http1_and_nothing_is_consumed() {
-        assert!(sniffed(&[b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"]).await);
-        assert!(sniffed(&[b"P", b"RI", b" * HTTP/2.0\r\n"]).await, "trickled");
-        assert!(!sniffed(&[b"GET /v2/ HTTP/1.1\r\n"]).await);
-        assert!(!sniffed(&[b"P", b"UT /v2/x HTTP/1.1\r\n"]).await, "PUT shares only the P");
-        assert!(!sniffed(&[b"PRIX"]).await);
+        assert_eq!(sniffed(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await, Sniffed::Http2);
+        assert_eq!(sniffed(b"GET /v2/ HTTP/1.1\r\n").await, Sniffed::Http1);
+        assert_eq!(sniffed(b"PUT /v2/x HTTP/1.1\r\n").await, Sniffed::Http1, "PUT shares only the P");
+        assert_eq!(sniffed(b"PRIX").await, Sniffed::Http1);
+        assert_eq!(sniffed(b"PR").await, Sniffed::Unsure, "a part of the preface: the auto builder decides");
 
         let (mut client, server) = pair().await;
         client.write_all(b"GET / HTTP/1.1\r\n").await.unwrap();
-        assert!(!sniff(&server).await.unwrap());
+        assert_eq!(sniff(&server).await.unwrap(), Sniffed::Http1);
         let mut start = [0u8; 3];
         assert_eq!(server.peek(&mut start).await.unwrap(), 3);
         assert_eq!(&start, b"GET", "left for hyper to read");
 
         let (client, server) = pair().await;
         drop(client);
-        assert!(!sniff(&server).await.unwrap(), "end of stream is HTTP/1's to see");
+        assert_eq!(sniff(&server).await.unwrap(), Sniffed::Http1, "end of stream is HTTP/1's to see");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_that_sends_part_of_the_preface_and_closes_is_let_go_at_once() {
+        let (mut client, server) = pair().await;
+        client.write_all(b"P").await.unwrap();
+        client.shutdown().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let (_stop, shutdown) = tokio::sync::watch::channel(());
+        let handler = |_req| async { http::Response::new(crate::body::empty()) };
+        let builders = Builders::default();
+        let served = super::serve_maybe_tls(&builders, server, None, None, shutdown, handler);
+        let ended = tokio::time::timeout(Duration::from_secs(5), served).await;
+        assert!(ended.is_ok(), "the auto builder read the end of stream; nothing waited for more bytes");
     }
 
     #[tokio::test]
