@@ -16,6 +16,10 @@
 #                             nothing, so both give the same image)
 #   LARDER_IMAGE_TARGET_DIR   cargo target dir of the static build
 #                             (default: <repo>/target/image)
+#   LARDER_IMAGE_PROFILE      cargo profile of the binary (default: release;
+#                             dev builds unoptimized in a fraction of the
+#                             time, for tests of the image rather than of
+#                             its speed)
 #   LARDER_IMAGE_DEBUGINFO    1: keep the release profile's line tables
 #                             (binary about 70 MB instead of about 17 MB;
 #                             symbols, hence function names in backtraces,
@@ -52,20 +56,26 @@ case "$triple" in
   *-linux-gnu*) ;;
   *) die "host triple $triple: this script builds a static glibc binary (*-linux-gnu) only" ;;
 esac
-say "building a static larder for $triple in $target_dir"
+profile="${LARDER_IMAGE_PROFILE:-release}"
+case "$profile" in
+  release) profile_dir=release; profile_env=RELEASE ;;
+  dev) profile_dir=debug; profile_env=DEV ;;
+  *) die "LARDER_IMAGE_PROFILE=$profile: release or dev" ;;
+esac
+if [ "${LARDER_IMAGE_DEBUGINFO:-0}" != 1 ]; then
+  # No debug info in the image (and less to compile); symbols stay.
+  export "CARGO_PROFILE_${profile_env}_DEBUG=false" "CARGO_PROFILE_${profile_env}_STRIP=debuginfo"
+fi
+say "building a static larder for $triple ($profile profile) in $target_dir"
 started="$(now)"
 # A caller's CARGO_ENCODED_RUSTFLAGS would silently replace RUSTFLAGS.
 unset CARGO_ENCODED_RUSTFLAGS
-if [ "${LARDER_IMAGE_DEBUGINFO:-0}" != 1 ]; then
-  # No debug info in the image (and less to compile); symbols stay.
-  export CARGO_PROFILE_RELEASE_DEBUG=false CARGO_PROFILE_RELEASE_STRIP=debuginfo
-fi
 (
   cd "$repo"
   RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-C target-feature=+crt-static" \
-    "$cargo" build --release --locked --bin larder --target "$triple" --target-dir "$target_dir"
+    "$cargo" build --profile "$profile" --locked --bin larder --target "$triple" --target-dir "$target_dir"
 )
-binary="$target_dir/$triple/release/larder"
+binary="$target_dir/$triple/$profile_dir/larder"
 say "static binary built in $(took "$started"): $binary ($(du -h "$binary" | cut -f1))"
 
 # --- 2. is it static, and does it run? -------------------------------------

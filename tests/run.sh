@@ -11,6 +11,27 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Garage, the distributed object store the shared-tier tests run (3 nodes
+# on loopback). Built from crates.io once into a cache folder that later
+# runs reuse; the harness finds it there. Only what the tests use is built
+# (the LMDB metadata engine; no metrics, SQLite or K2V) at opt-level 1:
+# 21 CPU-minutes, and the tests' small objects do not need a faster Garage.
+# It builds in the background while the packages install and larder's
+# tests compile (a fresh machine's run did these one after the other, on
+# one of its two cores on average); the tests wait for it.
+GARAGE_VERSION=2.5.0
+GARAGE_ROOT="${XDG_CACHE_HOME:-$HOME/.cache}/larder-tests/garage-$GARAGE_VERSION-lmdb-o1"
+export LARDER_TEST_GARAGE="$GARAGE_ROOT/bin/garage"
+garage_build=""
+if [ ! -x "$LARDER_TEST_GARAGE" ]; then
+  mkdir -p "$(dirname "$GARAGE_ROOT")"
+  echo "tests/run.sh: building Garage $GARAGE_VERSION into $GARAGE_ROOT in the background (once; log: $GARAGE_ROOT.log)"
+  CARGO_PROFILE_RELEASE_OPT_LEVEL=1 CARGO_PROFILE_RELEASE_DEBUG=0 \
+    cargo install garage --version "$GARAGE_VERSION" --locked --root "$GARAGE_ROOT" \
+    --no-default-features --features bundled-libs,lmdb >"$GARAGE_ROOT.log" 2>&1 &
+  garage_build=$!
+fi
+
 need=()
 command -v docker-registry >/dev/null || need+=(docker-registry)
 command -v skopeo >/dev/null || need+=(skopeo)
@@ -33,23 +54,6 @@ if ((${#need[@]})); then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
-# Garage, the distributed object store the shared-tier tests run (3 nodes
-# on loopback). Built from crates.io once into a cache folder that later
-# runs reuse; the harness finds it there. Only what the tests use is built
-# (the LMDB metadata engine; no metrics, SQLite or K2V) at opt-level 1:
-# 21 CPU-minutes (the default build took 17 min of wall time on 2 idle
-# cores, so up to 34 CPU-minutes, not measured), and the tests'
-# small objects do not need a faster Garage.
-GARAGE_VERSION=2.5.0
-GARAGE_ROOT="${XDG_CACHE_HOME:-$HOME/.cache}/larder-tests/garage-$GARAGE_VERSION-lmdb-o1"
-if [ ! -x "$GARAGE_ROOT/bin/garage" ]; then
-  echo "tests/run.sh: building Garage $GARAGE_VERSION into $GARAGE_ROOT (once)"
-  CARGO_PROFILE_RELEASE_OPT_LEVEL=1 CARGO_PROFILE_RELEASE_DEBUG=0 \
-    cargo install garage --version "$GARAGE_VERSION" --locked --root "$GARAGE_ROOT" \
-    --no-default-features --features bundled-libs,lmdb
-fi
-export LARDER_TEST_GARAGE="$GARAGE_ROOT/bin/garage"
-
 # The Helm chart is rendered, linted and validated with Helm's own engine
 # (bundled in helm-python-sdk) and the Kubernetes schemas; grpcio calls
 # containerd's CRI PullImage in the node setup test.
@@ -58,6 +62,15 @@ python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ig
 
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings
+cargo test --all-targets --locked --no-run "$@"
+if [ -n "$garage_build" ]; then
+  if ! wait "$garage_build"; then
+    tail -n 50 "$GARAGE_ROOT.log"
+    echo "tests/run.sh: building Garage failed (log: $GARAGE_ROOT.log)"
+    exit 1
+  fi
+  echo "tests/run.sh: Garage $GARAGE_VERSION built"
+fi
 cargo test --all-targets --locked "$@"
 LARDER_BIN=target/debug/larder python3 charts/test_chart.py
 # Alerts (promtool check/test rules), the admin token Secret, the sidecar
