@@ -202,6 +202,23 @@ pub struct ServerConfig {
     pub tls: Option<TlsConfig>,
     /// Require HTTP Basic credentials from clients.
     pub auth: Option<ClientAuthConfig>,
+    /// When cached blob bytes go out with sendfile (cleartext HTTP/1).
+    pub sendfile: SendfileMode,
+}
+
+/// `server.sendfile`: which cleartext HTTP/1 clients get cached blob bytes
+/// with `sendfile(2)` (see `crate::sendfile`) instead of read and written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SendfileMode {
+    /// Clients on other hosts. A client on this host (loopback, or this
+    /// host's own address) reads its bytes on the same CPUs, and there a
+    /// sendfile costs that reader more than the copies save (benches/README.md).
+    #[default]
+    Auto,
+    /// Every cleartext HTTP/1 client.
+    Always,
+    /// None: every blob is read and written.
+    Never,
 }
 
 #[derive(Debug, Clone)]
@@ -378,6 +395,7 @@ struct RawServer {
     max_connections: Option<usize>,
     tls: Option<RawTls>,
     auth: Option<RawAuth>,
+    sendfile: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -608,6 +626,16 @@ impl Validator<'_> {
             },
             tls: rs.tls.as_ref().map(|t| self.tls(t)).transpose()?,
             auth: rs.auth.as_ref().map(|a| self.auth(a)).transpose()?,
+            sendfile: match rs.sendfile.as_deref() {
+                None | Some("auto") => SendfileMode::Auto,
+                Some("always") => SendfileMode::Always,
+                Some("never") => SendfileMode::Never,
+                Some(other) => {
+                    return Err(
+                        self.err("server.sendfile", format!("{other:?} is not \"auto\", \"always\" or \"never\""))
+                    );
+                }
+            },
         };
         let rc = raw.cache.unwrap_or_default();
         let max_size = self.size("cache.max_size", rc.max_size.as_deref(), 50 << 30)?;
@@ -1218,6 +1246,17 @@ mod tests {
     }
 
     #[test]
+    fn sendfile_is_auto_unless_set() {
+        assert_eq!(parse(MINIMAL).unwrap().server.sendfile, SendfileMode::Auto);
+        for (value, mode) in
+            [("auto", SendfileMode::Auto), ("always", SendfileMode::Always), ("never", SendfileMode::Never)]
+        {
+            let c = parse(&format!("[server]\nsendfile = \"{value}\"\n{MINIMAL}")).unwrap();
+            assert_eq!(c.server.sendfile, mode);
+        }
+    }
+
+    #[test]
     fn defaults_and_human_values() {
         let c = parse(&format!("[cache]\nmax_size = \"2GiB\"\ntag_ttl = \"90s\"\n{MINIMAL}")).unwrap();
         assert_eq!(c.cache.max_size, 2 << 30);
@@ -1249,6 +1288,7 @@ mod tests {
             ("[cache]\nmax_size = \"1GiB\"\nmax_blob_size = \"2GiB\"\n", "cache.max_blob_size"),
             ("[cache]\nmax_blob_size = \"0\"\n", "cache.max_blob_size"),
             ("[server]\nmax_connections = 0\n", "server.max_connections"),
+            ("[server]\nsendfile = \"yes\"\n", "server.sendfile"),
             ("[server]\nmax_connections = 1048577\n", "server.max_connections"),
         ];
         for (prefix, key) in cases {

@@ -9,6 +9,8 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use larder::cli::Target;
 use larder::config::{Config, LogConfig, LogFormat};
+use larder::log_writer::{Flush, LogWriter};
+use larder::server::access_log;
 
 #[derive(Parser)]
 #[command(version, about = "A pull-through caching proxy for OCI/Docker registries")]
@@ -92,17 +94,6 @@ fn load(path: Option<&PathBuf>) -> Result<Config, larder::config::ConfigError> {
     }
 }
 
-/// Log lines that may wait for the writer thread before new ones are
-/// dropped (and counted in `log_lines_dropped_total`): about a second of
-/// warm requests at 16k/s behind a stalled stderr. The queue's slots are
-/// allocated and written at start, 32 bytes each: 128k lines were 4 MiB of
-/// larder's idle RSS (massif), these 16k are 0.5 MiB.
-const LOG_QUEUE_LINES: usize = 16 * 1024;
-/// The log thread's write buffer: it takes every line waiting in the queue,
-/// then writes them with one `write` (one per 64 KiB, about 250 request
-/// lines). Writing each line with its own `write` cost the thread 8 µs
-/// per request line on a file (`perf`, benches/README.md).
-const LOG_WRITE_BUFFER: usize = 64 * 1024;
 /// Descriptors kept for what is not a client connection: blob files being
 /// read or filled, the index, upstream and peer connections, the admin port.
 const DESCRIPTOR_RESERVE: u64 = 1024;
@@ -111,15 +102,12 @@ const DESCRIPTOR_RESERVE: u64 = 1024;
 /// are coloured only when stderr is a terminal (and `NO_COLOR` is unset),
 /// so files and pipes get plain text; JSON never has colour.
 ///
-/// Lines are formatted on the request's thread but written by a thread of
-/// their own (tracing-appender), so a slow or stalled stderr (a full pipe
-/// to the container runtime) never blocks serving: past
-/// [`LOG_QUEUE_LINES`] waiting lines, new ones are dropped and counted.
-/// That thread drains the queue into a [`LOG_WRITE_BUFFER`] and flushes it
-/// whenever the queue is empty, so a line waits for no timer and a busy
-/// second costs a few `write`s, not one per line. The returned guard
-/// flushes what is queued when `main` returns.
-fn init_logs(config: &LogConfig, cli: Option<CliLogFormat>) -> tracing_appender::non_blocking::WorkerGuard {
+/// Lines are formatted on the thread that logs and written by a thread of
+/// their own ([`LogWriter`]), so a slow or stalled stderr (a full pipe to
+/// the container runtime) never blocks serving: lines past its queue limit
+/// are dropped and counted. The returned guard writes what is queued when
+/// `main` returns.
+fn init_logs(config: &LogConfig, cli: Option<CliLogFormat>) -> std::io::Result<Flush> {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&config.level));
     let format = match cli {
@@ -129,18 +117,23 @@ fn init_logs(config: &LogConfig, cli: Option<CliLogFormat>) -> tracing_appender:
     };
     let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
     let ansi = std::io::stderr().is_terminal() && !no_color;
-    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
-        .buffered_lines_limit(LOG_QUEUE_LINES)
-        .lossy(true)
-        .thread_name("larder-log")
-        .finish(std::io::BufWriter::with_capacity(LOG_WRITE_BUFFER, std::io::stderr()));
-    larder::metrics::count_dropped_log_lines(writer.error_counter());
+    let (writer, flush) = LogWriter::start(std::io::stderr())?;
+    larder::metrics::count_dropped_log_lines(writer.clone());
+    // Request lines are formatted by larder itself into the same writer,
+    // in the same layout; coloured terminal lines stay tracing's.
+    if !ansi {
+        let layout = match format {
+            LogFormat::Text => access_log::Format::Text,
+            LogFormat::Json => access_log::Format::Json,
+        };
+        access_log::install(writer.clone(), layout);
+    }
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer);
     match format {
         LogFormat::Text => builder.with_ansi(ansi).init(),
         LogFormat::Json => builder.json().with_ansi(false).init(),
     }
-    guard
+    Ok(flush)
 }
 
 /// Runs an operator command against the admin listener: exit status 0
@@ -215,7 +208,13 @@ fn main() -> ExitCode {
     if let Some(Command::Verify { repair }) = cli.command {
         return verify(&config, repair);
     }
-    let _logs = init_logs(&config.log, cli.log_format);
+    let _logs = match init_logs(&config.log, cli.log_format) {
+        Ok(flush) => flush,
+        Err(e) => {
+            eprintln!("larder: cannot start the log writer: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     // Each client connection and each blob being read holds a descriptor;
     // the usual soft limit of 1024 is far below the connection limit.
     let wanted = config.server.max_connections as u64 + DESCRIPTOR_RESERVE;

@@ -24,6 +24,10 @@ pub struct Metrics {
     pub bytes_served: IntCounterVec,
     /// `upstream_bytes_total{upstream}`: blob bytes received from upstream.
     pub upstream_bytes: IntCounterVec,
+    /// `sendfile_bytes_total`: the part of `bytes_served_total` sent from
+    /// the page cache with sendfile (cleartext HTTP/1 only), not copied
+    /// through larder's memory.
+    pub sendfile_bytes: IntCounter,
     pub fills_in_flight: IntGauge,
     /// `cache_size_bytes`: blobs and manifests on disk.
     pub cache_size: IntGauge,
@@ -143,6 +147,11 @@ fn build() -> Result<Metrics, prometheus::Error> {
     let peers_marked_down =
         IntCounter::new("peers_marked_down_total", "Times a peer failed a request and was skipped for a while")?;
     registry.register(Box::new(peers_marked_down.clone()))?;
+    let sendfile_bytes = IntCounter::new(
+        "sendfile_bytes_total",
+        "Blob body bytes sent from the page cache with sendfile (part of bytes_served_total)",
+    )?;
+    registry.register(Box::new(sendfile_bytes.clone()))?;
     let gauge_vec = |name: &str, help: &str, labels: &[&str]| -> Result<IntGaugeVec, prometheus::Error> {
         let g = IntGaugeVec::new(Opts::new(name, help), labels)?;
         registry.register(Box::new(g.clone()))?;
@@ -164,6 +173,7 @@ fn build() -> Result<Metrics, prometheus::Error> {
         )?,
         bytes_served: counter_vec("bytes_served_total", "Body bytes served to clients", &["source"])?,
         upstream_bytes: counter_vec("upstream_bytes_total", "Blob bytes received from upstream", &["upstream"])?,
+        sendfile_bytes,
         fills_in_flight,
         cache_size,
         cache_reconcile_running,
@@ -261,19 +271,19 @@ pub fn init_known_series() {
     }
 }
 
-/// The log writer's count of lines it had to drop (see `main`'s
-/// `init_logs`), read when metrics are rendered.
-static DROPPED_LOG_LINES: OnceLock<tracing_appender::non_blocking::ErrorCounter> = OnceLock::new();
+/// The log writer, whose count of lines it had to drop is read when
+/// metrics are rendered (see `main`'s `init_logs`).
+static LOG_WRITER: OnceLock<crate::log_writer::LogWriter> = OnceLock::new();
 
-pub fn count_dropped_log_lines(counter: tracing_appender::non_blocking::ErrorCounter) {
-    let _ = DROPPED_LOG_LINES.set(counter);
+pub fn count_dropped_log_lines(writer: crate::log_writer::LogWriter) {
+    let _ = LOG_WRITER.set(writer);
 }
 
 /// The registry in Prometheus text format.
 pub fn render() -> Vec<u8> {
-    if let Some(dropped) = DROPPED_LOG_LINES.get() {
+    if let Some(writer) = LOG_WRITER.get() {
         let counted = metrics().log_lines_dropped.get();
-        metrics().log_lines_dropped.inc_by((dropped.dropped_lines() as u64).saturating_sub(counted));
+        metrics().log_lines_dropped.inc_by(writer.dropped_lines().saturating_sub(counted));
     }
     let mut out = Vec::new();
     // Encoding into a Vec only fails on an inconsistent metric family, which

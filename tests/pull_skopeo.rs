@@ -83,6 +83,33 @@ async fn path_prefix_form_pulls_through_and_shares_the_cache() {
     assert_no_blob_gets(&unprefixed.origin_requests, "the default-form pull after the prefixed one");
 }
 
+/// Warm blobs sent with sendfile (`server.sendfile = "always"`; the
+/// default, `auto`, keeps it for clients on other hosts, and everything
+/// here is on loopback): skopeo verifies every blob's digest, so a byte
+/// sent wrong fails the pull.
+#[tokio::test]
+async fn warm_blobs_sent_with_sendfile_pull_intact() {
+    let origin = Origin::start().await;
+    let image = ImageBuilder::oci().layers(&[32 * KIB, 3 * 1024 * KIB]).push(&origin, "team/sendfile", "v1").await;
+    let larder = Larder::builder()
+        .upstream(&origin)
+        .server_line(common::metrics::ADMIN_LISTEN)
+        .server_line(r#"sendfile = "always""#)
+        .start()
+        .await;
+    let source = larder.image_ref(&image.reference());
+
+    let cold = pull_through(&origin, &source, false).await;
+    assert_same_image(&cold.image, &image, "cold pull");
+    let before = common::metrics::metric(&larder, "larder_sendfile_bytes_total").await;
+    let warm = pull_through(&origin, &source, false).await;
+    assert_same_image(&warm.image, &image, "warm pull with sendfile");
+    assert_no_blob_gets(&warm.origin_requests, "the warm pull");
+    let sent = common::metrics::metric(&larder, "larder_sendfile_bytes_total").await - before;
+    let blob_bytes: u64 = image.blobs().iter().map(|b| b.size).sum();
+    assert!(sent >= blob_bytes as f64, "the warm blobs ({blob_bytes} bytes) went out by sendfile: {sent}");
+}
+
 #[tokio::test]
 async fn cache_survives_a_restart() {
     let origin = Origin::start().await;

@@ -23,6 +23,7 @@ use crate::blocking::blocking;
 use crate::body::Body;
 use crate::error::{Error, UpstreamError};
 use crate::oci::{Digest, Hasher};
+use crate::sendfile::{self, FileSink};
 
 /// Bytes gathered from upstream before one write to the temp file. Frames
 /// that are already buffered are batched up to this; a trickling upstream
@@ -425,11 +426,19 @@ async fn next_chunk(body: &mut Body, idle: Duration) -> Result<(Bytes, bool), Er
 /// to the end of the blob, learnt from the fill). With `progress`, the file
 /// is a fill in flight: reads stop at the published offset and wait for
 /// more; a failed fill ends the body with an error, which aborts the
-/// client's connection.
-pub fn read_body(file: Arc<File>, progress: Option<watch::Receiver<Progress>>, start: u64, end: Option<u64>) -> Body {
+/// client's connection. With a `sink` (a cleartext HTTP/1 connection),
+/// ranges already in the page cache are sent from the file with sendfile
+/// instead of being read here (see [`crate::sendfile`]).
+pub fn read_body(
+    file: Arc<File>,
+    progress: Option<watch::Receiver<Progress>>,
+    start: u64,
+    end: Option<u64>,
+    sink: Option<FileSink>,
+) -> Body {
     let source = if progress.is_some() { "fill" } else { "disk" };
     let served = crate::metrics::metrics().bytes_served.with_label_values(&[source]);
-    let state = Reader { file, progress, offset: start, end, served, buffers: super::pread::Buffers::default() };
+    let state = Reader { file, progress, offset: start, end, served, buffers: super::pread::Buffers::default(), sink };
     let stream = futures_util::stream::try_unfold(state, |mut reader| async move {
         match reader.next().await? {
             Some(bytes) => Ok(Some((Frame::data(bytes), reader))),
@@ -446,9 +455,17 @@ struct Reader {
     end: Option<u64>,
     served: prometheus::IntCounter,
     buffers: super::pread::Buffers,
+    sink: Option<FileSink>,
 }
 
 impl Reader {
+    /// Whether the next chunk (up to `limit`) is in the page cache, so
+    /// that sendfile cannot wait for the disk.
+    fn sendable(&self, limit: u64) -> bool {
+        let len = (limit - self.offset).min(sendfile::MAX_CHUNK as u64);
+        super::residency::cached(&self.file, self.offset, len)
+    }
+
     /// The next chunk, `None` at the end of the range. While the fill is
     /// not verified, a range that reaches the blob's end is held back by
     /// its final byte: an HTTP/1 client that got all `Content-Length`
@@ -476,8 +493,16 @@ impl Reader {
                 limit = limit.saturating_sub(1);
             }
             if self.offset < limit {
-                let len = (limit - self.offset).min(READ_CHUNK as u64) as usize;
-                let bytes = super::pread::read_at(&self.file, self.offset, len, &mut self.buffers).await?;
+                let bytes = match &self.sink {
+                    Some(sink) if self.sendable(limit) => {
+                        let len = (limit - self.offset).min(sendfile::MAX_CHUNK as u64) as usize;
+                        sink.chunk(&self.file, self.offset, len)
+                    }
+                    _ => {
+                        let len = (limit - self.offset).min(READ_CHUNK as u64) as usize;
+                        super::pread::read_at(&self.file, self.offset, len, &mut self.buffers).await?
+                    }
+                };
                 self.offset += bytes.len() as u64;
                 self.served.inc_by(bytes.len() as u64);
                 return Ok(Some(bytes));
@@ -536,7 +561,7 @@ mod tests {
     #[tokio::test]
     async fn the_last_byte_waits_for_verification() {
         let (mut fill, rx) = FakeFill::new(10);
-        let mut body = read_body(Arc::clone(&fill.file), Some(rx), 0, Some(10));
+        let mut body = read_body(Arc::clone(&fill.file), Some(rx), 0, Some(10), None);
         fill.write(b"0123456789");
         assert_eq!(next_frame(&mut body).await.unwrap().unwrap(), "012345678");
         assert!(next_frame(&mut body).await.is_none(), "the final byte must wait for Complete");
@@ -548,7 +573,7 @@ mod tests {
     #[tokio::test]
     async fn a_range_before_the_end_needs_no_verification() {
         let (mut fill, rx) = FakeFill::new(10);
-        let mut body = read_body(Arc::clone(&fill.file), Some(rx), 2, Some(5));
+        let mut body = read_body(Arc::clone(&fill.file), Some(rx), 2, Some(5), None);
         fill.write(b"0123456789");
         assert_eq!(next_frame(&mut body).await.unwrap().unwrap(), "234");
         assert!(body.frame().await.is_none());
@@ -557,8 +582,8 @@ mod tests {
     #[tokio::test]
     async fn a_failed_fill_aborts_every_reader() {
         let (mut fill, rx) = FakeFill::new(10);
-        let mut first = read_body(Arc::clone(&fill.file), Some(rx.clone()), 0, None);
-        let mut second = read_body(Arc::clone(&fill.file), Some(rx), 0, Some(10));
+        let mut first = read_body(Arc::clone(&fill.file), Some(rx.clone()), 0, None, None);
+        let mut second = read_body(Arc::clone(&fill.file), Some(rx), 0, Some(10), None);
         fill.write(b"01234");
         assert_eq!(next_frame(&mut first).await.unwrap().unwrap(), "01234");
         fill.tx.send_replace(Progress::Failed(Error::Internal("digest mismatch".into())));
@@ -570,7 +595,7 @@ mod tests {
     async fn readers_start_mid_fill_and_follow_it() {
         let (mut fill, rx) = FakeFill::new(6);
         fill.write(b"abc");
-        let mut late = read_body(Arc::clone(&fill.file), Some(rx), 0, None);
+        let mut late = read_body(Arc::clone(&fill.file), Some(rx), 0, None, None);
         assert_eq!(next_frame(&mut late).await.unwrap().unwrap(), "abc");
         assert!(next_frame(&mut late).await.is_none(), "waits for more bytes");
         fill.write(b"def");
@@ -599,7 +624,7 @@ mod tests {
     #[tokio::test]
     async fn a_fill_whose_sender_vanishes_is_an_error_not_a_hang() {
         let (mut fill, rx) = FakeFill::new(10);
-        let mut body = read_body(Arc::clone(&fill.file), Some(rx), 0, None);
+        let mut body = read_body(Arc::clone(&fill.file), Some(rx), 0, None, None);
         fill.write(b"01");
         assert_eq!(next_frame(&mut body).await.unwrap().unwrap(), "01");
         drop(fill);

@@ -29,6 +29,7 @@ mod pread;
 pub mod prefetch;
 mod reconcile;
 mod reconcile_live;
+mod residency;
 pub mod shared;
 pub mod source;
 pub mod stats;

@@ -14,6 +14,7 @@ use crate::cache::{BlobSource, CacheResult, StoredManifest, Via};
 use crate::error::Error;
 use crate::oci::headers::{API_VERSION, API_VERSION_V2, DOCKER_CONTENT_DIGEST};
 use crate::oci::{Accept, Digest, Reference};
+use crate::sendfile::FileSink;
 use crate::state::App;
 use crate::upstream::Listing;
 
@@ -83,13 +84,15 @@ pub fn manifest_response(
     built(resp.body(body))
 }
 
-/// `GET/HEAD /v2/<name>/blobs/<digest>`, with `Range`.
+/// `GET/HEAD /v2/<name>/blobs/<digest>`, with `Range`; with a `sink`, the
+/// connection can send the blob's cached bytes with sendfile.
 pub async fn blob(
     app: &App,
     route: &Route,
     digest: Digest,
     method: &Method,
     headers: &HeaderMap,
+    sink: Option<&FileSink>,
 ) -> Result<(Response<Body>, CacheResult), Error> {
     let range = headers.get(RANGE).and_then(ByteRange::requested);
     if method == Method::HEAD {
@@ -118,10 +121,13 @@ pub async fn blob(
                 .status(StatusCode::PARTIAL_CONTENT)
                 .header(CONTENT_RANGE, format!("bytes {start}-{}/{size}", end - 1))
                 .header(CONTENT_LENGTH, end - start)
-                .body(read_body(file, progress, start, Some(end)))
+                .body(read_body(file, progress, start, Some(end), sink.cloned()))
         }
-        (_, Some(size)) => builder.header(CONTENT_LENGTH, size).body(read_body(file, progress, 0, Some(size))),
-        (_, None) => builder.body(read_body(file, progress, 0, None)),
+        (_, Some(size)) => {
+            builder.header(CONTENT_LENGTH, size).body(read_body(file, progress, 0, Some(size), sink.cloned()))
+        }
+        // Chunked: hyper frames each chunk, so no placeholders there.
+        (_, None) => builder.body(read_body(file, progress, 0, None, None)),
     };
     Ok((built(resp)?, result))
 }
@@ -201,18 +207,18 @@ fn next_page_link(link: &HeaderValue, uri: &Uri) -> Option<HeaderValue> {
 pub async fn route(
     app: &Arc<App>,
     route: Route,
-    method: &Method,
-    headers: &HeaderMap,
-    uri: &Uri,
+    request: &http::request::Parts,
 ) -> Result<(Response<Body>, Option<CacheResult>), Error> {
     use super::routes::Endpoint;
+    let (method, headers, uri) = (&request.method, &request.headers, &request.uri);
     match &route.endpoint {
         Endpoint::Manifest(reference) => {
             let (r, c) = manifest(app, &route, reference, method, headers).await?;
             Ok((r, Some(c)))
         }
         Endpoint::Blob(digest) => {
-            let (r, c) = blob(app, &route, *digest, method, headers).await?;
+            let sink = request.extensions.get::<FileSink>();
+            let (r, c) = blob(app, &route, *digest, method, headers, sink).await?;
             Ok((r, Some(c)))
         }
         Endpoint::TagsList(query) => {

@@ -6,7 +6,7 @@
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,9 +21,11 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 
+use super::http1;
 use super::watchdog::{self, FIRST_REQUEST_TIMEOUT};
 use super::{HEADER_READ_TIMEOUT, MAX_CONCURRENT_STREAMS, TLS_HANDSHAKE_TIMEOUT};
 use crate::body::{Body, BoxError};
+use crate::config::SendfileMode;
 use crate::shutdown::Shutdown;
 
 /// Pause after a failed `accept` (EMFILE and the like) before the next try,
@@ -45,19 +47,50 @@ pub fn http_builder() -> auto::Builder<TokioExecutor> {
     builder
 }
 
-/// [`http_builder`], and the same limited to one version each, for
-/// cleartext connections whose version was [`sniff`]ed.
+/// [`http_builder`], HTTP/2 alone, and [`http1::Http1`], for cleartext
+/// connections whose version was [`sniff`]ed; and which of those HTTP/1
+/// connections send cached blob bytes with sendfile.
 pub struct Builders {
     any: auto::Builder<TokioExecutor>,
-    http1: auto::Builder<TokioExecutor>,
+    http1: http1::Http1,
     http2: auto::Builder<TokioExecutor>,
+    sendfile: SendfileMode,
+}
+
+impl Builders {
+    pub fn new(sendfile: SendfileMode) -> Builders {
+        let any = http_builder();
+        Builders { http1: http1::Http1::default(), http2: any.clone().http2_only(), any, sendfile }
+    }
+
+    /// Whether blob bytes go to this client with sendfile: under `auto`,
+    /// only when it is on another host. A client on this host would pay
+    /// for it: the loopback reader of sendfile'd bytes spent 2-3× the CPU
+    /// of one reading written bytes, more than the sendfile saved here
+    /// (benches/README.md).
+    fn sendfile_to(&self, stream: &TcpStream) -> bool {
+        match self.sendfile {
+            SendfileMode::Always => true,
+            SendfileMode::Never => false,
+            SendfileMode::Auto => match (stream.peer_addr(), stream.local_addr()) {
+                (Ok(peer), Ok(local)) => !same_host(peer.ip(), local.ip()),
+                _ => false,
+            },
+        }
+    }
 }
 
 impl Default for Builders {
     fn default() -> Builders {
-        let any = http_builder();
-        Builders { http1: any.clone().http1_only(), http2: any.clone().http2_only(), any }
+        Builders::new(SendfileMode::default())
     }
+}
+
+/// A client on this host: loopback, or connected from the address it
+/// connected to (this host's own address, as with host networking).
+fn same_host(peer: IpAddr, local: IpAddr) -> bool {
+    let (peer, local) = (peer.to_canonical(), local.to_canonical());
+    peer.is_loopback() || peer == local
 }
 
 /// What a cleartext client's first bytes say.
@@ -160,13 +193,18 @@ where
             _ = shutdown.changed() => return Ok(()),
         };
         let builder = match sniffed {
-            Ok(Ok(Sniffed::Http1)) => &builders.http1,
+            Ok(Ok(Sniffed::Http1)) => {
+                let sendfile = builders.sendfile_to(&stream);
+                return http1::serve(&builders.http1, stream, sendfile, watcher, shutdown, handler).await;
+            }
             Ok(Ok(Sniffed::Http2)) => &builders.http2,
             Ok(Ok(Sniffed::Unsure)) => &builders.any,
             Ok(Err(e)) => return Err(e.into()),
             Err(_) => return Err("connection timed out (no request)".into()),
         };
-        return serve_watched(builder, stream, watcher, handler).await;
+        // Boxed like the TLS arm, so that a parked HTTP/1 connection's task
+        // does not carry room for a whole auto-builder connection.
+        return Box::pin(serve_watched(builder, stream, watcher, handler)).await;
     };
     Box::pin(async move {
         match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
@@ -245,6 +283,19 @@ mod tests {
         // One segment on loopback; let it land before the peek.
         tokio::time::sleep(Duration::from_millis(20)).await;
         sniff(&server).await.unwrap()
+    }
+
+    #[test]
+    fn loopback_and_this_hosts_own_address_are_the_same_host() {
+        let ip = |s: &str| s.parse::<std::net::IpAddr>().unwrap();
+        assert!(super::same_host(ip("127.0.0.1"), ip("127.0.0.1")));
+        assert!(super::same_host(ip("127.0.0.5"), ip("10.0.0.1")), "all of 127/8 is loopback");
+        assert!(super::same_host(ip("::1"), ip("::1")));
+        assert!(super::same_host(ip("::ffff:127.0.0.1"), ip("::ffff:127.0.0.1")), "v4-mapped loopback");
+        assert!(super::same_host(ip("10.0.0.7"), ip("10.0.0.7")), "host networking: from this host's own address");
+        assert!(super::same_host(ip("::ffff:10.0.0.7"), ip("10.0.0.7")));
+        assert!(!super::same_host(ip("10.0.0.8"), ip("10.0.0.7")), "another host");
+        assert!(!super::same_host(ip("fd00::8"), ip("fd00::7")));
     }
 
     #[tokio::test]

@@ -2,9 +2,11 @@
 //! (hyper-util's builders, the version told apart in
 //! [`listener::serve_maybe_tls`]), one task per connection.
 
+pub mod access_log;
 pub mod admin;
 pub mod client_auth;
 pub mod handlers;
+pub mod http1;
 pub mod listener;
 pub mod peer;
 pub mod range;
@@ -45,7 +47,7 @@ pub async fn serve(
     mut shutdown: Shutdown,
     grace: Duration,
 ) {
-    let builders = Arc::new(listener::Builders::default());
+    let builders = Arc::new(listener::Builders::new(app.config.server.sendfile));
     let stop = shutdown.clone();
     let graceful = GracefulShutdown::new();
     let max_connections = app.config.server.max_connections;
@@ -76,7 +78,7 @@ pub async fn serve(
 pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
     let id = RequestId(rand::random());
     let span = tracing::info_span!("request", id = %id);
-    let mut resp = handle_request(app, req).instrument(span).await;
+    let mut resp = handle_request(app, req, id).instrument(span).await;
     if let Ok(value) = http::HeaderValue::from_bytes(&id.hex()) {
         resp.headers_mut().insert("x-request-id", value);
     }
@@ -102,7 +104,7 @@ impl std::fmt::Display for RequestId {
     }
 }
 
-async fn handle_request(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
+async fn handle_request(app: Arc<App>, req: Request<Incoming>, id: RequestId) -> Response<Body> {
     let started = Instant::now();
     let (parts, _body) = req.into_parts();
     let head = parts.method == http::Method::HEAD;
@@ -113,9 +115,7 @@ async fn handle_request(app: Arc<App>, req: Request<Incoming>) -> Response<Body>
     let parsed = authorized.and_then(|()| routes::parse(&parts.method, &parts.uri, &app.upstreams));
     let (route, outcome) = match parsed {
         Ok(Parsed::Base) => ("base", handlers::base(&parts.method).map(|r| (r, None))),
-        Ok(Parsed::Repo(route)) => {
-            (route.endpoint.label(), handlers::route(&app, route, &parts.method, &parts.headers, &parts.uri).await)
-        }
+        Ok(Parsed::Repo(route)) => (route.endpoint.label(), handlers::route(&app, route, &parts).await),
         Err(e) => ("invalid", Err(e)),
     };
     let (resp, cache, error) = match outcome {
@@ -139,17 +139,18 @@ async fn handle_request(app: Arc<App>, req: Request<Incoming>) -> Response<Body>
     // The body is still to be sent: its length is what will be sent, unless
     // the connection is aborted (a failed fill) or the client goes away.
     let bytes = resp.headers().get(http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-    tracing::info!(
-        method = %parts.method,
-        path = parts.uri.path(),
+    let id = id.hex();
+    access_log::log(&access_log::Line {
+        id: std::str::from_utf8(&id).unwrap_or_default(),
+        method: parts.method.as_str(),
+        path: parts.uri.path(),
         route,
-        status = resp.status().as_u16(),
+        status: resp.status().as_u16(),
         bytes,
-        cache = cache.map(|c| c.as_str()),
-        error = error.as_deref(),
-        ms = elapsed.as_millis() as u64,
-        "request"
-    );
+        cache: cache.map(|c| c.as_str()),
+        error: error.as_deref(),
+        ms: elapsed.as_millis() as u64,
+    });
     resp
 }
 

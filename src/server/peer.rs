@@ -47,7 +47,7 @@ pub const MAX_PEER_CONNECTIONS: usize = 1024;
 pub async fn serve(listener: TcpListener, app: Arc<App>, tls: Option<TlsAcceptor>, mut shutdown: Shutdown) {
     let Some(cluster) = &app.config.cluster else { return };
     let secret: [u8; 32] = Sha256::digest(cluster.secret.expose().as_bytes()).into();
-    let builders = Arc::new(listener::Builders::default());
+    let builders = Arc::new(listener::Builders::new(app.config.server.sendfile));
     let stop = shutdown.clone();
     listener::accept_loop(&listener, MAX_PEER_CONNECTIONS, &mut shutdown, "peer", |stream, peer| {
         let (app, builders, tls, stop) = (Arc::clone(&app), Arc::clone(&builders), tls.clone(), stop.clone());
@@ -137,10 +137,7 @@ async fn serve_peer(
         return lookup(app, &route, &parts.method).await.map_err(Refused::Failed);
     }
     route.via = Via::Peer;
-    handlers::route(app, route, &parts.method, &parts.headers, &parts.uri)
-        .await
-        .map(|(resp, _)| resp)
-        .map_err(Refused::Failed)
+    handlers::route(app, route, parts).await.map(|(resp, _)| resp).map_err(Refused::Failed)
 }
 
 /// A lookup: what this replica already holds, never fetched or forwarded.

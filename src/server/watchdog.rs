@@ -50,15 +50,29 @@ impl Activity {
         self.touch();
     }
 
+    /// When a byte last moved (or the connection was accepted).
+    fn last(&self) -> Instant {
+        self.start + Duration::from_millis(self.last_ms.load(Ordering::Relaxed))
+    }
+
+    /// Resolves once no byte has moved for `quiet`. The timer is set once
+    /// and moved on only when it fires, never per byte.
+    pub async fn quiet_for(&self, quiet: Duration) {
+        loop {
+            let deadline = self.last() + quiet;
+            if Instant::now() >= deadline {
+                return;
+            }
+            tokio::time::sleep_until(deadline).await;
+        }
+    }
+
     /// Resolves when the connection should be closed.
     pub async fn expired(&self) {
         let first_deadline = self.start + FIRST_REQUEST_TIMEOUT;
         loop {
-            let deadline = if self.requested.load(Ordering::Relaxed) {
-                self.start + Duration::from_millis(self.last_ms.load(Ordering::Relaxed)) + IDLE_TIMEOUT
-            } else {
-                first_deadline
-            };
+            let deadline =
+                if self.requested.load(Ordering::Relaxed) { self.last() + IDLE_TIMEOUT } else { first_deadline };
             if Instant::now() >= deadline {
                 return;
             }
@@ -76,6 +90,10 @@ pub struct Tracked<I> {
 impl<I> Tracked<I> {
     pub fn new(inner: I, activity: Arc<Activity>) -> Tracked<I> {
         Tracked { inner, activity }
+    }
+
+    pub fn get_ref(&self) -> &I {
+        &self.inner
     }
 }
 
@@ -134,6 +152,16 @@ mod tests {
         let started = Instant::now();
         activity.expired().await;
         assert_eq!(started.elapsed(), FIRST_REQUEST_TIMEOUT);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn quiet_waits_for_silence_since_the_last_byte() {
+        let activity = Activity::new();
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        activity.request();
+        let started = Instant::now();
+        activity.quiet_for(Duration::from_secs(1)).await;
+        assert_eq!(started.elapsed(), Duration::from_secs(1), "a second after the last byte, not after the start");
     }
 
     #[tokio::test(start_paused = true)]
