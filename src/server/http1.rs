@@ -26,6 +26,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use bytes::{Buf, Bytes};
 use http::{Request, Response};
 use hyper::body::{Frame, Incoming, SizeHint};
@@ -56,13 +58,15 @@ pub struct Http1 {
 pub struct Parking {
     /// Once idle this long.
     pub idle_after: Duration,
-    /// At once, while more than this many connections are open.
+    /// At once, while more than this many connections are open, unless
+    /// it is busy: its last request came within `busy_gap` of its park.
     pub at_once_above: usize,
+    pub busy_gap: Duration,
 }
 
 impl Default for Parking {
     fn default() -> Parking {
-        Parking { idle_after: PARK_IDLE_AFTER, at_once_above: PARK_AT_ONCE_ABOVE }
+        Parking { idle_after: PARK_IDLE_AFTER, at_once_above: PARK_AT_ONCE_ABOVE, busy_gap: BUSY_GAP }
     }
 }
 
@@ -85,11 +89,17 @@ impl Default for Http1 {
 /// minutes.
 pub const PARK_IDLE_AFTER: Duration = Duration::from_secs(1);
 /// Above this many open cleartext HTTP/1 connections, each is parked as
-/// soon as it has answered every request it received. Parking costs a
-/// new hyper connection per request (measured: +6.5 µs of CPU per warm
-/// manifest GET at 16 connections, benches/README.md); below this many
-/// connections their buffers (16 KiB each, 8 MiB in all) are worth more.
+/// soon as it has answered every request it received, unless it is busy.
+/// Parking costs a new hyper connection for the next request (measured:
+/// +6.5 µs of CPU per warm manifest GET when every request paid it,
+/// benches/README.md); below this many connections their buffers (16 KiB
+/// each, 8 MiB in all) are worth more.
 pub const PARK_AT_ONCE_ABOVE: usize = 512;
+/// A connection whose next request came within this long of its park is
+/// busy: it is parked again only once idle for [`PARK_IDLE_AFTER`], so a
+/// client sending request after request pays for one rebuild, not one
+/// per request, however many connections are open.
+pub const BUSY_GAP: Duration = Duration::from_millis(100);
 
 /// Cleartext HTTP/1 connections open now (in [`serve`]).
 static OPEN: AtomicUsize = AtomicUsize::new(0);
@@ -168,6 +178,7 @@ where
     let mut expired = std::pin::pin!(activity.expired());
     let mut stop = std::pin::pin!(shutdown.changed());
     let timed_out = || -> BoxError { "connection timed out (no request, or idle)".into() };
+    let mut parked_at: Option<Instant> = None;
     loop {
         // Parked: nothing but the socket until the next request's first bytes.
         if !io.has_unread() {
@@ -177,6 +188,7 @@ where
                 _ = &mut stop => return Ok(()),
             }
         }
+        let busy = parked_at.is_some_and(|at| at.elapsed() < http1.parking.busy_gap);
         let since = shared.started.load(Ordering::Acquire);
         let service = {
             let shared = Arc::clone(&shared);
@@ -211,8 +223,8 @@ where
                 match conn.poll_without_shutdown(cx) {
                     Poll::Ready(done) => return Poll::Ready(done.map_err(BoxError::from)),
                     Poll::Pending if !parking && !stopping && shared.all_answered(since) => {
-                        let crowded = OPEN.load(Ordering::Relaxed) > http1.parking.at_once_above;
-                        if !crowded && quiet.as_mut().poll(cx).is_pending() {
+                        let at_once = !busy && OPEN.load(Ordering::Relaxed) > http1.parking.at_once_above;
+                        if !at_once && quiet.as_mut().poll(cx).is_pending() {
                             return Poll::Pending;
                         }
                         parking = true;
@@ -232,6 +244,7 @@ where
         let parts = (*conn).into_parts();
         io = parts.io.into_inner();
         io.unread(parts.read_buf);
+        parked_at = Some(Instant::now());
         #[cfg(test)]
         tests::PARKED.fetch_add(1, Ordering::Relaxed);
     }
@@ -319,9 +332,11 @@ impl<I> Rewind<I> {
         !self.unread.is_empty()
     }
 
+    /// Keeps `bytes` to be read first. They are copied out: hyper hands
+    /// back its whole 8 KiB read buffer, even when nothing is left in it.
     fn unread(&mut self, bytes: Bytes) {
         debug_assert!(self.unread.is_empty(), "a new connection reads what the last left first");
-        self.unread = bytes;
+        self.unread = if bytes.is_empty() { Bytes::new() } else { Bytes::copy_from_slice(&bytes) };
     }
 
     fn get_ref(&self) -> &I {
@@ -374,6 +389,8 @@ pub(super) mod tests {
     use std::sync::atomic::AtomicUsize;
     use std::time::Duration;
 
+    use tokio::time::Instant;
+
     use http::header::CONTENT_LENGTH;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
@@ -387,9 +404,14 @@ pub(super) mod tests {
     static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
     /// Parked as soon as every request is answered.
-    const AT_ONCE: Parking = Parking { idle_after: Duration::from_secs(3600), at_once_above: 0 };
+    const AT_ONCE: Parking =
+        Parking { idle_after: Duration::from_secs(3600), at_once_above: 0, busy_gap: Duration::ZERO };
     /// Parked after 300 ms of silence, however few connections are open.
-    const WHEN_IDLE: Parking = Parking { idle_after: Duration::from_millis(300), at_once_above: usize::MAX };
+    const WHEN_IDLE: Parking =
+        Parking { idle_after: Duration::from_millis(300), at_once_above: usize::MAX, busy_gap: Duration::ZERO };
+    /// Parked at once, unless the next request came within 50 ms.
+    const AT_ONCE_UNLESS_BUSY: Parking =
+        Parking { idle_after: Duration::from_millis(300), at_once_above: 0, busy_gap: Duration::from_millis(50) };
 
     /// A server on loopback: `/file/<start>-<end>` answers that range of
     /// `file` (sent by sendfile where the connection allows), any other
@@ -552,5 +574,22 @@ pub(super) mod tests {
         parked_since(parked, 1).await;
         client.write_all(b"GET /after HTTP/1.1\r\nhost: a\r\n\r\n").await.unwrap();
         assert_eq!(response(&mut client, &mut buffered).await.1, b"/after");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn when_crowded_a_quiet_connection_parks_at_once_and_a_busy_one_once_idle() {
+        let _serial = SERIAL.lock().await;
+        let (mut client, mut buffered, parked, _stop) = client(AT_ONCE_UNLESS_BUSY).await;
+        client.write_all(b"GET /first HTTP/1.1\r\nhost: a\r\n\r\n").await.unwrap();
+        assert_eq!(response(&mut client, &mut buffered).await.1, b"/first");
+        parked_since(parked, 1).await;
+        // Requests right after one another: busy, kept until 300 ms of silence.
+        for i in 0..5 {
+            let path = format!("/busy{i}");
+            client.write_all(format!("GET {path} HTTP/1.1\r\nhost: a\r\n\r\n").as_bytes()).await.unwrap();
+            assert_eq!(response(&mut client, &mut buffered).await.1, path.as_bytes());
+        }
+        assert_eq!(PARKED.load(Ordering::Relaxed), parked + 1, "one park, after the first request only");
+        parked_since(parked, 2).await;
     }
 }
