@@ -389,8 +389,6 @@ pub(super) mod tests {
     use std::sync::atomic::AtomicUsize;
     use std::time::Duration;
 
-    use tokio::time::Instant;
-
     use http::header::CONTENT_LENGTH;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
