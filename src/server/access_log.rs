@@ -101,20 +101,25 @@ impl Line<'_> {
     fn text(&self, out: &mut Vec<u8>, now: SystemTime) {
         let _ = write!(
             out,
-            "{}  INFO request{{id={}}}: larder::server: request",
+            "{}  INFO request{{id={}}}: larder::server: request method={} path=",
             humantime::format_rfc3339_micros(now),
-            self.id
+            self.id,
+            self.method
         );
-        let _ =
-            write!(out, " method={} path={:?} route={:?} status={}", self.method, self.path, self.route, self.status);
+        debug_str(out, self.path);
+        out.extend_from_slice(b" route=");
+        debug_str(out, self.route);
+        let _ = write!(out, " status={}", self.status);
         if let Some(bytes) = self.bytes {
             let _ = write!(out, " bytes={bytes}");
         }
         if let Some(cache) = self.cache {
-            let _ = write!(out, " cache={cache:?}");
+            out.extend_from_slice(b" cache=");
+            debug_str(out, cache);
         }
         if let Some(error) = self.error {
-            let _ = write!(out, " error={error:?}");
+            out.extend_from_slice(b" error=");
+            debug_str(out, error);
         }
         let _ = writeln!(out, " ms={}", self.ms);
     }
@@ -146,6 +151,20 @@ impl Line<'_> {
             self.ms,
             id = self.id
         );
+    }
+}
+
+/// `s` as Rust's `Debug` writes a string (what tracing-subscriber's text
+/// format does with string fields): quoted, escaped. Paths and the fixed
+/// words are plain printable ASCII, which needs no escaping and is copied
+/// as is; anything else goes through `Debug`.
+fn debug_str(out: &mut Vec<u8>, s: &str) {
+    if s.bytes().all(|b| (b' '..=b'~').contains(&b) && b != b'"' && b != b'\\') {
+        out.push(b'"');
+        out.extend_from_slice(s.as_bytes());
+        out.push(b'"');
+    } else {
+        let _ = write!(out, "{s:?}");
     }
 }
 
@@ -244,7 +263,7 @@ mod tests {
         let bare = Line {
             id: "fedcba9876543210",
             method: "PUT",
-            path: "/v2/\"odd\"/path",
+            path: "/v2/\"odd\"/pa'th",
             route: "invalid",
             status: 405,
             bytes: None,
