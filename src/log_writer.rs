@@ -7,10 +7,11 @@
 //! message per line; its writer thread, woken for nearly every line,
 //! and the wake-ups themselves were a quarter of larder's CPU serving
 //! warm manifests with the request log on (`perf`, benches/README.md).
-//! Here a thread that logs wakes the writer only when it is idle; once
-//! woken, the writer waits [`BATCH_WINDOW`] for more lines and writes all
-//! of them at once, so under load it wakes at most 1/[`BATCH_WINDOW`]
-//! times a second and a line waits at most that long.
+//! Here a thread that logs wakes the writer only when it is idle; the
+//! writer writes what is queued, then lets lines gather for
+//! [`BATCH_WINDOW`] before it writes again, so under load it wakes at
+//! most 1/[`BATCH_WINDOW`] times a second and a line waits at most that
+//! long (a line after a quiet spell goes out at once).
 //!
 //! Each `write` call is one whole line (tracing-subscriber writes each
 //! event with one call; the request log does too), so lines are never
@@ -116,8 +117,11 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogWriter {
     }
 }
 
-/// The writer thread: waits for lines, lets more gather for
-/// [`BATCH_WINDOW`], writes them all, until closed and drained.
+/// The writer thread: waits for lines, writes what is queued, then lets
+/// more gather for [`BATCH_WINDOW`] before it looks again; only a look
+/// that finds nothing makes it idle (and the next line wakes it). A line
+/// after a quiet spell goes out at once; under load the writer wakes by
+/// itself, at most 1/[`BATCH_WINDOW`] times a second.
 fn write_lines(shared: &Shared, mut out: impl Write) {
     let mut batch = Vec::new();
     loop {
@@ -130,12 +134,8 @@ fn write_lines(shared: &Shared, mut out: impl Write) {
         if queue.lines.is_empty() {
             return; // closed, and everything written
         }
-        if !queue.closed {
-            drop(queue);
-            std::thread::sleep(BATCH_WINDOW);
-            queue = shared.queue();
-        }
         std::mem::swap(&mut queue.lines, &mut batch);
+        let closed = queue.closed;
         drop(queue);
         // A failed write (stderr closed) loses these lines; there is
         // nowhere else to report it.
@@ -143,6 +143,9 @@ fn write_lines(shared: &Shared, mut out: impl Write) {
         batch.clear();
         if batch.capacity() > KEEP_CAPACITY {
             batch = Vec::new();
+        }
+        if !closed {
+            std::thread::sleep(BATCH_WINDOW);
         }
     }
 }

@@ -35,7 +35,7 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::Watcher;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 
 use super::HEADER_READ_TIMEOUT;
@@ -236,13 +236,15 @@ where
         })
         .await;
         ended?;
-        if stopping || !parking || !sink.is_empty() {
-            // The client closed, the server is stopping, or (never expected)
-            // file bytes were handed to hyper and not sent: close.
-            return Ok(());
-        }
         let parts = (*conn).into_parts();
         io = parts.io.into_inner();
+        if stopping || !parking || !sink.is_empty() {
+            // The client closed, the server is stopping, or (never expected)
+            // file bytes were handed to hyper and not sent: close, with
+            // the write side shut down first as hyper's own connection does.
+            let _ = io.shutdown().await;
+            return Ok(());
+        }
         io.unread(parts.read_buf);
         parked_at = Some(Instant::now());
         #[cfg(test)]

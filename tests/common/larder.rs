@@ -338,9 +338,10 @@ impl Larder {
         self.dir.path().join("cache")
     }
 
-    /// Everything larder logged, across restarts.
+    /// Everything larder logged, across restarts, once its log writer has
+    /// caught up (it writes in batches).
     pub fn log(&self) -> String {
-        super::process::read_lossy(&self.log_path)
+        super::process::read_settled(&self.log_path)
     }
 
     /// Prints the last lines of larder's log to the test's output.

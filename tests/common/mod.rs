@@ -30,6 +30,7 @@ pub mod larder;
 pub mod metrics;
 pub mod origin;
 pub mod process;
+pub mod settle;
 pub mod skopeo;
 pub mod tls_front;
 pub mod token_server;

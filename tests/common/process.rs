@@ -71,9 +71,9 @@ impl LoggedChild {
         append_marker(&self.log_path, marker);
     }
 
-    /// The whole log so far (lossy UTF-8).
+    /// The whole log so far (lossy UTF-8), once the writer caught up.
     pub fn log(&self) -> String {
-        read_lossy(&self.log_path)
+        read_settled(&self.log_path)
     }
 
     /// The last `lines` lines of the log.
@@ -124,6 +124,13 @@ pub fn append_marker(path: &Path, marker: &str) {
     if let Ok(mut log) = OpenOptions::new().create(true).append(true).open(path) {
         let _ = writeln!(log, "----- test harness: {marker} -----");
     }
+}
+
+/// A log's text once larder's writer has caught up with what it queued
+/// (see [`super::settle`]), so that a line logged just before is in it.
+pub fn read_settled(path: &Path) -> String {
+    super::settle::settled(|| std::fs::metadata(path).map_or(0, |m| m.len()));
+    read_lossy(path)
 }
 
 pub fn read_lossy(path: &Path) -> String {

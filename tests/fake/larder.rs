@@ -8,7 +8,6 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::sync::oneshot;
 
@@ -66,7 +65,12 @@ impl LarderBuilder {
         let logs = Arc::new(Mutex::new(String::new()));
         let (addr_tx, addr_rx) = oneshot::channel();
         let stderr = child.stderr.take().expect("piped stderr");
-        tokio::spawn(collect_logs(stderr, Arc::clone(&logs), addr_tx));
+        // A thread of its own, not a task: `logs()` waits for the log to
+        // settle with blocking sleeps, which would stall a task on the
+        // test's single-threaded runtime.
+        let stderr = std::fs::File::from(stderr.into_owned_fd().expect("a blocking stderr pipe"));
+        let collected = Arc::clone(&logs);
+        std::thread::spawn(move || collect_logs(stderr, collected, addr_tx));
 
         let mut larder = Larder { addr: None, child, cache_dir, logs, _dir: dir };
         let addr = match tokio::time::timeout(PATIENCE, addr_rx).await {
@@ -81,14 +85,11 @@ impl LarderBuilder {
 
 /// Copies larder's stderr into `logs`, and sends the address from the
 /// "larder listening" line (larder is configured with port 0).
-async fn collect_logs(
-    stderr: tokio::process::ChildStderr,
-    logs: Arc<Mutex<String>>,
-    addr_tx: oneshot::Sender<SocketAddr>,
-) {
+fn collect_logs(stderr: std::fs::File, logs: Arc<Mutex<String>>, addr_tx: oneshot::Sender<SocketAddr>) {
+    use std::io::BufRead as _;
     let mut addr_tx = Some(addr_tx);
-    let mut lines = BufReader::new(stderr).lines();
-    while let Ok(Some(line)) = lines.next_line().await {
+    for line in std::io::BufReader::new(stderr).lines() {
+        let Ok(line) = line else { break };
         let line = strip_ansi(&line);
         if line.contains("larder listening") {
             let addr = line.split_whitespace().find_map(|w| w.strip_prefix("addr=")).and_then(|a| a.parse().ok());
@@ -167,9 +168,13 @@ impl Larder {
         kib * 1024
     }
 
-    /// Everything larder wrote to stderr so far.
+    /// Everything larder wrote to stderr so far, once its log writer has
+    /// caught up (it writes in batches: a line logged just before a call
+    /// may not be out yet).
     pub fn logs(&self) -> String {
-        self.logs.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        let read = || self.logs.lock().unwrap_or_else(|p| p.into_inner());
+        super::settle::settled(|| read().len() as u64);
+        read().clone()
     }
 
     /// Where larder keeps a committed blob.

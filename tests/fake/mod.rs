@@ -9,6 +9,11 @@
 
 pub mod client;
 mod larder;
+// The same file as `common::settle`: some test binaries include `fake`
+// without `common`, and those that include both compile it twice.
+#[allow(clippy::duplicate_mod)]
+#[path = "../common/settle.rs"]
+mod settle;
 mod upstream;
 
 use std::time::Duration;
