@@ -46,6 +46,11 @@ command -v busybox >/dev/null || need+=(busybox)
 command -v shellcheck >/dev/null || need+=(shellcheck)
 # The chart tests make a peer-TLS test certificate with the openssl CLI.
 command -v openssl >/dev/null || need+=(openssl)
+# The load and connection benchmarks' smoke run (below): nginx as the
+# reference server, wrk as the load generator.
+command -v nginx >/dev/null || need+=(nginx)
+command -v wrk >/dev/null || need+=(wrk)
+command -v curl >/dev/null || need+=(curl)
 if ((${#need[@]})); then
   echo "tests/run.sh: installing ${need[*]}"
   sudo=""
@@ -77,3 +82,10 @@ LARDER_BIN=target/debug/larder python3 charts/test_chart.py
 # library and its example parent chart.
 LARDER_BIN=target/debug/larder python3 charts/test_operator_chart.py
 LARDER_BIN=target/debug/larder python3 charts/test_nodesetup.py
+# The issue-13 benchmark scripts once each at toy scale with the debug
+# build (benches/scale.rs runs at 10^4 blobs under `cargo test` above), so
+# they cannot rot; the figures of this run mean nothing.
+bench_out="$(mktemp -d)"
+python3 benches/load.py --reps 1 --duration 1 --no-latency --larder-bin target/debug/larder --out "$bench_out/load"
+python3 benches/connections.py --reps 1 --duration 1 --idle 300 --larder-bin target/debug/larder --out "$bench_out/connections"
+rm -rf "$bench_out"
