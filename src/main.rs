@@ -122,11 +122,7 @@ fn init_logs(config: &LogConfig, cli: Option<CliLogFormat>) -> std::io::Result<F
     // Request lines are formatted by larder itself into the same writer,
     // in the same layout; coloured terminal lines stay tracing's.
     if !ansi {
-        let layout = match format {
-            LogFormat::Text => access_log::Format::Text,
-            LogFormat::Json => access_log::Format::Json,
-        };
-        access_log::install(writer.clone(), layout);
+        access_log::install(writer.clone(), format);
     }
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer);
     match format {

@@ -459,13 +459,6 @@ struct Reader {
 }
 
 impl Reader {
-    /// Whether the next chunk (up to `limit`) is in the page cache, so
-    /// that sendfile cannot wait for the disk.
-    fn sendable(&self, limit: u64) -> bool {
-        let len = (limit - self.offset).min(sendfile::MAX_CHUNK as u64);
-        super::residency::cached(&self.file, self.offset, len)
-    }
-
     /// The next chunk, `None` at the end of the range. While the fill is
     /// not verified, a range that reaches the blob's end is held back by
     /// its final byte: an HTTP/1 client that got all `Content-Length`
@@ -493,10 +486,12 @@ impl Reader {
                 limit = limit.saturating_sub(1);
             }
             if self.offset < limit {
+                // With a sink, a chunk wholly in the page cache goes by
+                // sendfile (which would otherwise wait for the disk).
+                let sendable = (limit - self.offset).min(sendfile::MAX_CHUNK as u64);
                 let bytes = match &self.sink {
-                    Some(sink) if self.sendable(limit) => {
-                        let len = (limit - self.offset).min(sendfile::MAX_CHUNK as u64) as usize;
-                        sink.chunk(&self.file, self.offset, len)
+                    Some(sink) if super::residency::cached(&self.file, self.offset, sendable) => {
+                        sink.chunk(&self.file, self.offset, sendable as usize)
                     }
                     _ => {
                         let len = (limit - self.offset).min(READ_CHUNK as u64) as usize;

@@ -15,27 +15,19 @@ use std::io::Write as _;
 use std::sync::OnceLock;
 use std::time::SystemTime;
 
+use crate::config::LogFormat;
 use crate::log_writer::LogWriter;
-
-/// The layout of installed request lines.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Format {
-    /// tracing-subscriber's default text line, without colour.
-    Text,
-    /// tracing-subscriber's JSON line (`current_span` and `span_list` on).
-    Json,
-}
 
 struct Installed {
     writer: LogWriter,
-    format: Format,
+    format: LogFormat,
 }
 
 static INSTALLED: OnceLock<Installed> = OnceLock::new();
 
 /// Writes request lines straight to `writer` from now on (once per
 /// process; a second call changes nothing).
-pub fn install(writer: LogWriter, format: Format) {
+pub fn install(writer: LogWriter, format: LogFormat) {
     let _ = INSTALLED.set(Installed { writer, format });
 }
 
@@ -63,8 +55,8 @@ pub fn log(line: &Line<'_>) {
     LINE.with_borrow_mut(|text| {
         text.clear();
         match installed.format {
-            Format::Text => line.text(text, SystemTime::now()),
-            Format::Json => line.json(text, SystemTime::now()),
+            LogFormat::Text => line.text(text, SystemTime::now()),
+            LogFormat::Json => line.json(text, SystemTime::now()),
         }
         // A full queue drops the line and counts it.
         installed.writer.line(text);
@@ -207,12 +199,12 @@ mod tests {
 
     /// The line as tracing-subscriber writes it, inside a `request` span
     /// made as `server::handle` makes it.
-    fn through_tracing(line: &Line<'_>, format: Format) -> String {
+    fn through_tracing(line: &Line<'_>, format: LogFormat) -> String {
         let captured = Captured::default();
         let builder = tracing_subscriber::fmt().with_writer(captured.clone()).with_ansi(false);
         let dispatch = match format {
-            Format::Text => tracing::Dispatch::new(builder.finish()),
-            Format::Json => tracing::Dispatch::new(builder.json().finish()),
+            LogFormat::Text => tracing::Dispatch::new(builder.finish()),
+            LogFormat::Json => tracing::Dispatch::new(builder.json().finish()),
         };
         tracing::dispatcher::with_default(&dispatch, || {
             let span = tracing::info_span!(target: "larder::server", "request", id = %line.id);
@@ -223,11 +215,11 @@ mod tests {
         String::from_utf8(written).unwrap()
     }
 
-    fn formatted(line: &Line<'_>, format: Format) -> String {
+    fn formatted(line: &Line<'_>, format: LogFormat) -> String {
         let mut out = Vec::new();
         match format {
-            Format::Text => line.text(&mut out, SystemTime::now()),
-            Format::Json => line.json(&mut out, SystemTime::now()),
+            LogFormat::Text => line.text(&mut out, SystemTime::now()),
+            LogFormat::Json => line.json(&mut out, SystemTime::now()),
         }
         String::from_utf8(out).unwrap()
     }
@@ -272,13 +264,13 @@ mod tests {
             ms: 0,
         };
         for line in [&full, &bare] {
-            for format in [Format::Text, Format::Json] {
+            for format in [LogFormat::Text, LogFormat::Json] {
                 let ours = formatted(line, format);
                 let theirs = through_tracing(line, format);
                 assert!(ours.ends_with('\n') && ours.matches('\n').count() == 1, "one line: {ours:?}");
                 assert_eq!(untimed(&ours), untimed(&theirs), "{format:?}");
             }
         }
-        assert!(formatted(&full, Format::Text).contains(" bytes=1048576 cache=\"coalesced\" error="));
+        assert!(formatted(&full, LogFormat::Text).contains(" bytes=1048576 cache=\"coalesced\" error="));
     }
 }

@@ -126,12 +126,17 @@ struct Shared<H> {
     activity: Arc<Activity>,
     /// Given to each request when its blob bytes may go by sendfile.
     sink: Option<FileSink>,
-    /// Requests received and answered over the connection's life.
+    requests: Arc<Requests>,
+}
+
+/// Requests received and answered over a connection's life.
+#[derive(Default)]
+struct Requests {
     started: AtomicUsize,
     answered: AtomicUsize,
 }
 
-impl<H> Shared<H> {
+impl Requests {
     /// Every request received since `since` (the started count when the
     /// current hyper connection began) is answered, and there was one.
     fn all_answered(&self, since: usize) -> bool {
@@ -169,8 +174,7 @@ where
         handler,
         activity: Arc::clone(&activity),
         sink: sendfile.then(|| sink.clone()),
-        started: AtomicUsize::new(0),
-        answered: AtomicUsize::new(0),
+        requests: Arc::default(),
     });
     let mut io = Rewind::new(Tracked::new(FileStream::new(tcp, sink.clone()), Arc::clone(&activity)));
     // One deadline and one shutdown watch for the connection's whole life,
@@ -189,21 +193,22 @@ where
             }
         }
         let busy = parked_at.is_some_and(|at| at.elapsed() < http1.parking.busy_gap);
-        let since = shared.started.load(Ordering::Acquire);
+        let since = shared.requests.started.load(Ordering::Acquire);
         let service = {
             let shared = Arc::clone(&shared);
             service_fn(move |mut req: Request<Incoming>| {
                 shared.activity.request();
-                shared.started.fetch_add(1, Ordering::AcqRel);
+                shared.requests.started.fetch_add(1, Ordering::AcqRel);
                 if let Some(sink) = &shared.sink {
                     req.extensions_mut().insert(sink.clone());
                 }
                 let response = (shared.handler)(req);
-                let answered = Answered::counting(Arc::clone(&shared) as Arc<dyn AnswerCount>);
+                let answer = Answer(Arc::clone(&shared.requests));
                 // Boxed per request: unboxed, hyper's slot for the in-flight
                 // future is the whole handler state machine (about 10 KiB).
-                Box::pin(async move { Ok::<_, Infallible>(response.await.map(|body| answered.body(body))) })
-                    as Pin<Box<dyn Future<Output = Result<Response<Answered>, Infallible>> + Send>>
+                Box::pin(
+                    async move { Ok::<_, Infallible>(response.await.map(|body| Answered { body, _answer: answer })) },
+                ) as Pin<Box<dyn Future<Output = Result<Response<Answered>, Infallible>> + Send>>
             })
         };
         // Boxed: hyper's connection state lives on the heap only while a
@@ -222,7 +227,7 @@ where
             loop {
                 match conn.poll_without_shutdown(cx) {
                     Poll::Ready(done) => return Poll::Ready(done.map_err(BoxError::from)),
-                    Poll::Pending if !parking && !stopping && shared.all_answered(since) => {
+                    Poll::Pending if !parking && !stopping && shared.requests.all_answered(since) => {
                         let at_once = !busy && OPEN.load(Ordering::Relaxed) > http1.parking.at_once_above;
                         if !at_once && quiet.as_mut().poll(cx).is_pending() {
                             return Poll::Pending;
@@ -252,53 +257,21 @@ where
     }
 }
 
-/// A response body that counts its request as answered when hyper drops it
-/// (after its last byte, or with the connection).
+/// A request, counted as answered when dropped: with its response body
+/// (after its last byte, or with the connection), or with the handler's
+/// future if that is dropped first.
+struct Answer(Arc<Requests>);
+
+impl Drop for Answer {
+    fn drop(&mut self) {
+        self.0.answered.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+/// A response body that carries its request's [`Answer`].
 struct Answered {
     body: Body,
-    count: Arc<dyn AnswerCount>,
-}
-
-/// The connection's answered-request counter, whatever its handler type.
-trait AnswerCount: Send + Sync {
-    fn answered(&self);
-}
-
-impl<H: Send + Sync> AnswerCount for Shared<H> {
-    fn answered(&self) {
-        self.answered.fetch_add(1, Ordering::AcqRel);
-    }
-}
-
-/// A request's answer to come: counted as answered once its body is
-/// dropped (or at once, if the handler's future is dropped first).
-struct Pending(Option<Arc<dyn AnswerCount>>);
-
-impl Answered {
-    fn counting(count: Arc<dyn AnswerCount>) -> Pending {
-        Pending(Some(count))
-    }
-}
-
-impl Pending {
-    fn body(mut self, body: Body) -> Answered {
-        let count = self.0.take().expect("taken once");
-        Answered { body, count }
-    }
-}
-
-impl Drop for Pending {
-    fn drop(&mut self) {
-        if let Some(count) = self.0.take() {
-            count.answered();
-        }
-    }
-}
-
-impl Drop for Answered {
-    fn drop(&mut self) {
-        self.count.answered();
-    }
+    _answer: Answer,
 }
 
 impl hyper::body::Body for Answered {
@@ -482,6 +455,12 @@ pub(super) mod tests {
         (head, body)
     }
 
+    /// Asks for `path` and checks the server answered with it (its echo).
+    async fn echo(client: &mut TcpStream, buffered: &mut Vec<u8>, path: &str) {
+        client.write_all(format!("GET {path} HTTP/1.1\r\nhost: a\r\n\r\n").as_bytes()).await.unwrap();
+        assert_eq!(response(client, buffered).await.1, path.as_bytes(), "GET {path}");
+    }
+
     /// Waits until the server has parked `more` connections since `before`.
     async fn parked_since(before: usize, more: usize) {
         for _ in 0..600 {
@@ -542,16 +521,14 @@ pub(super) mod tests {
         tokio::time::sleep(Duration::from_millis(50)).await;
         client.write_all(b"ee HTTP/1.1\r\nhost: a\r\n\r\n").await.unwrap();
         assert_eq!(response(&mut client, &mut buffered).await.1, b"/three");
-        client.write_all(b"GET /four HTTP/1.1\r\nhost: a\r\n\r\n").await.unwrap();
-        assert_eq!(response(&mut client, &mut buffered).await.1, b"/four");
+        echo(&mut client, &mut buffered, "/four").await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_parked_connection_closes_at_shutdown() {
         let _serial = SERIAL.lock().await;
         let (mut client, mut buffered, parked, stop) = client(AT_ONCE).await;
-        client.write_all(b"GET /x HTTP/1.1\r\nhost: a\r\n\r\n").await.unwrap();
-        assert_eq!(response(&mut client, &mut buffered).await.1, b"/x");
+        echo(&mut client, &mut buffered, "/x").await;
         parked_since(parked, 1).await;
         stop.send(()).unwrap();
         let mut rest = Vec::new();
@@ -565,29 +542,23 @@ pub(super) mod tests {
         let (mut client, mut buffered, parked, _stop) = client(WHEN_IDLE).await;
         // Requests 100 ms apart: never 300 ms of silence, never parked.
         for i in 0..6 {
-            let path = format!("/busy{i}");
-            client.write_all(format!("GET {path} HTTP/1.1\r\nhost: a\r\n\r\n").as_bytes()).await.unwrap();
-            assert_eq!(response(&mut client, &mut buffered).await.1, path.as_bytes());
+            echo(&mut client, &mut buffered, &format!("/busy{i}")).await;
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         assert_eq!(PARKED.load(Ordering::Relaxed), parked, "a busy connection keeps its hyper connection");
         parked_since(parked, 1).await;
-        client.write_all(b"GET /after HTTP/1.1\r\nhost: a\r\n\r\n").await.unwrap();
-        assert_eq!(response(&mut client, &mut buffered).await.1, b"/after");
+        echo(&mut client, &mut buffered, "/after").await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn when_crowded_a_quiet_connection_parks_at_once_and_a_busy_one_once_idle() {
         let _serial = SERIAL.lock().await;
         let (mut client, mut buffered, parked, _stop) = client(AT_ONCE_UNLESS_BUSY).await;
-        client.write_all(b"GET /first HTTP/1.1\r\nhost: a\r\n\r\n").await.unwrap();
-        assert_eq!(response(&mut client, &mut buffered).await.1, b"/first");
+        echo(&mut client, &mut buffered, "/first").await;
         parked_since(parked, 1).await;
         // Requests right after one another: busy, kept until 300 ms of silence.
         for i in 0..5 {
-            let path = format!("/busy{i}");
-            client.write_all(format!("GET {path} HTTP/1.1\r\nhost: a\r\n\r\n").as_bytes()).await.unwrap();
-            assert_eq!(response(&mut client, &mut buffered).await.1, path.as_bytes());
+            echo(&mut client, &mut buffered, &format!("/busy{i}")).await;
         }
         assert_eq!(PARKED.load(Ordering::Relaxed), parked + 1, "one park, after the first request only");
         parked_since(parked, 2).await;

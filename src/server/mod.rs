@@ -78,8 +78,9 @@ pub async fn serve(
 pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
     let id = RequestId(rand::random());
     let span = tracing::info_span!("request", id = %id);
-    let mut resp = handle_request(app, req, id).instrument(span).await;
-    if let Ok(value) = http::HeaderValue::from_bytes(&id.hex()) {
+    let hex = id.hex();
+    let mut resp = handle_request(app, req, &hex).instrument(span).await;
+    if let Ok(value) = http::HeaderValue::from_bytes(&hex) {
         resp.headers_mut().insert("x-request-id", value);
     }
     resp
@@ -104,7 +105,8 @@ impl std::fmt::Display for RequestId {
     }
 }
 
-async fn handle_request(app: Arc<App>, req: Request<Incoming>, id: RequestId) -> Response<Body> {
+/// `id`: the request's id as its 16 hex digits.
+async fn handle_request(app: Arc<App>, req: Request<Incoming>, id: &[u8; 16]) -> Response<Body> {
     let started = Instant::now();
     let (parts, _body) = req.into_parts();
     let head = parts.method == http::Method::HEAD;
@@ -139,9 +141,8 @@ async fn handle_request(app: Arc<App>, req: Request<Incoming>, id: RequestId) ->
     // The body is still to be sent: its length is what will be sent, unless
     // the connection is aborted (a failed fill) or the client goes away.
     let bytes = resp.headers().get(http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-    let id = id.hex();
     access_log::log(&access_log::Line {
-        id: std::str::from_utf8(&id).unwrap_or_default(),
+        id: std::str::from_utf8(id).unwrap_or_default(),
         method: parts.method.as_str(),
         path: parts.uri.path(),
         route,

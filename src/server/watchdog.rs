@@ -55,29 +55,28 @@ impl Activity {
         self.start + Duration::from_millis(self.last_ms.load(Ordering::Relaxed))
     }
 
-    /// Resolves once no byte has moved for `quiet`. The timer is set once
-    /// and moved on only when it fires, never per byte.
+    /// Resolves once no byte has moved for `quiet`.
     pub async fn quiet_for(&self, quiet: Duration) {
-        loop {
-            let deadline = self.last() + quiet;
-            if Instant::now() >= deadline {
-                return;
-            }
-            tokio::time::sleep_until(deadline).await;
-        }
+        until(|| self.last() + quiet).await
     }
 
     /// Resolves when the connection should be closed.
     pub async fn expired(&self) {
         let first_deadline = self.start + FIRST_REQUEST_TIMEOUT;
-        loop {
-            let deadline =
-                if self.requested.load(Ordering::Relaxed) { self.last() + IDLE_TIMEOUT } else { first_deadline };
-            if Instant::now() >= deadline {
-                return;
-            }
-            tokio::time::sleep_until(deadline).await;
+        until(|| if self.requested.load(Ordering::Relaxed) { self.last() + IDLE_TIMEOUT } else { first_deadline }).await
+    }
+}
+
+/// Resolves once `deadline()`, read again whenever the timer fires, has
+/// passed: the timer is set once and moved on only when it fires, never
+/// per byte.
+async fn until(deadline: impl Fn() -> Instant) {
+    loop {
+        let at = deadline();
+        if Instant::now() >= at {
+            return;
         }
+        tokio::time::sleep_until(at).await;
     }
 }
 
