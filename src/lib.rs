@@ -16,6 +16,7 @@ pub mod cluster;
 pub mod coalesce;
 pub mod config;
 pub mod error;
+pub mod log_filter;
 pub mod log_writer;
 pub mod metrics;
 pub mod oci;

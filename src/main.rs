@@ -9,8 +9,11 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use larder::cli::Target;
 use larder::config::{Config, LogConfig, LogFormat};
+use larder::log_filter::LogFilter;
 use larder::log_writer::{Flush, LogWriter};
 use larder::server::access_log;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
 
 #[derive(Parser)]
 #[command(version, about = "A pull-through caching proxy for OCI/Docker registries")]
@@ -108,8 +111,7 @@ const DESCRIPTOR_RESERVE: u64 = 1024;
 /// are dropped and counted. The returned guard writes what is queued when
 /// `main` returns.
 fn init_logs(config: &LogConfig, cli: Option<CliLogFormat>) -> std::io::Result<Flush> {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&config.level));
+    let filter = LogFilter::from_env_or(&config.level).into_layer();
     let format = match cli {
         Some(CliLogFormat::Text) => LogFormat::Text,
         Some(CliLogFormat::Json) => LogFormat::Json,
@@ -124,10 +126,11 @@ fn init_logs(config: &LogConfig, cli: Option<CliLogFormat>) -> std::io::Result<F
     if !ansi {
         access_log::install(writer.clone(), format);
     }
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer);
+    let logs = tracing_subscriber::registry().with(filter);
+    let layer = tracing_subscriber::fmt::layer().with_writer(writer);
     match format {
-        LogFormat::Text => builder.with_ansi(ansi).init(),
-        LogFormat::Json => builder.json().with_ansi(false).init(),
+        LogFormat::Text => logs.with(layer.with_ansi(ansi)).init(),
+        LogFormat::Json => logs.with(layer.json().with_ansi(false)).init(),
     }
     Ok(flush)
 }
