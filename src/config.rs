@@ -692,7 +692,7 @@ impl Validator<'_> {
         }
         let rl = raw.log.unwrap_or_default();
         let level = rl.level.unwrap_or_else(|| DEFAULT_LOG_LEVEL.to_owned());
-        tracing_subscriber::EnvFilter::try_new(&level)
+        crate::log_filter::LogFilter::parse(&level)
             .map_err(|e| self.err("log.level", format!("{level:?} is not a log filter like \"info\": {e}")))?;
         let format = match rl.format.as_deref() {
             None | Some("text") => LogFormat::Text,

@@ -11,7 +11,7 @@
 //! worker threads; measured on warm manifest GETs (benches/README.md,
 //! "The log filter"), the static filter is the cheaper one.
 
-use tracing_subscriber::filter::{EnvFilter, Targets};
+use tracing_subscriber::filter::{EnvFilter, ParseError, Targets};
 use tracing_subscriber::{Layer, Registry};
 
 /// A parsed filter, static when the directives allow it (made once, at
@@ -24,23 +24,25 @@ pub enum LogFilter {
 
 impl LogFilter {
     /// `RUST_LOG` when it is set and parses, else `config_level` (validated
-    /// when the config was loaded; if it still fails here, `warn`).
+    /// by this same parser when the config was loaded; if it still fails
+    /// here, `warn`).
     pub fn from_env_or(config_level: &str) -> LogFilter {
         std::env::var(EnvFilter::DEFAULT_ENV)
             .ok()
-            .and_then(|env| LogFilter::parse(&env))
-            .or_else(|| LogFilter::parse(config_level))
+            .and_then(|env| LogFilter::parse(&env).ok())
+            .or_else(|| LogFilter::parse(config_level).ok())
             .unwrap_or_else(|| LogFilter::Static(Box::new(Targets::new().with_default(tracing::Level::WARN))))
     }
 
-    /// `None` if `EnvFilter` would refuse the directives.
-    pub fn parse(directives: &str) -> Option<LogFilter> {
+    /// The config's `log.level` and `RUST_LOG` both go through here: an
+    /// error is `EnvFilter`'s, for the directives it refuses.
+    pub fn parse(directives: &str) -> Result<LogFilter, ParseError> {
         if is_static(directives)
             && let Ok(targets) = directives.parse::<Targets>()
         {
-            return Some(LogFilter::Static(Box::new(targets)));
+            return Ok(LogFilter::Static(Box::new(targets)));
         }
-        EnvFilter::try_new(directives).ok().map(|env| LogFilter::Dynamic(Box::new(env)))
+        EnvFilter::try_new(directives).map(|env| LogFilter::Dynamic(Box::new(env)))
     }
 
     pub fn into_layer(self) -> Box<dyn Layer<Registry> + Send + Sync> {
@@ -55,12 +57,11 @@ impl LogFilter {
 /// of Rust paths: anything else (spans, fields, spaces, empty directives)
 /// is left to `EnvFilter`, whose reading of it `Targets` does not share.
 fn is_static(directives: &str) -> bool {
-    directives.split(',').all(|d| {
-        let (target, level) = d.split_once('=').unwrap_or((d, "a"));
-        !target.is_empty()
-            && target.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | ':' | '-'))
-            && !level.is_empty()
-            && level.chars().all(|c| c.is_ascii_alphanumeric())
+    let word =
+        |s: &str, also: &[char]| !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || also.contains(&c));
+    directives.split(',').all(|d| match d.split_once('=') {
+        Some((target, level)) => word(target, &['_', ':', '-']) && word(level, &[]),
+        None => word(d, &['_', ':', '-']),
     })
 }
 
@@ -72,7 +73,7 @@ mod tests {
 
     fn targets(directives: &str) -> tracing_subscriber::filter::Targets {
         match LogFilter::parse(directives) {
-            Some(LogFilter::Static(t)) => *t,
+            Ok(LogFilter::Static(t)) => *t,
             other => panic!("{directives:?} should be static, got {other:?}"),
         }
     }
@@ -95,11 +96,11 @@ mod tests {
     fn spans_fields_and_odd_spellings_go_to_env_filter() {
         for directives in ["larder[request]=debug", "[{id=1}]=trace", "warn, larder=info", "warn,", "=info"] {
             assert!(
-                !matches!(LogFilter::parse(directives), Some(LogFilter::Static(_))),
+                !matches!(LogFilter::parse(directives), Ok(LogFilter::Static(_))),
                 "{directives:?} must not be read as a static filter"
             );
         }
-        assert!(matches!(LogFilter::parse("larder[request]=debug"), Some(LogFilter::Dynamic(_))));
-        assert!(LogFilter::parse("larder=loud").is_none(), "refused, as EnvFilter refuses it");
+        assert!(matches!(LogFilter::parse("larder[request]=debug"), Ok(LogFilter::Dynamic(_))));
+        assert!(LogFilter::parse("larder=loud").is_err(), "refused, as EnvFilter refuses it");
     }
 }
