@@ -193,7 +193,7 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// `/metrics`, `/healthz`, `/readyz`; none when not configured.
     pub admin_listen: Option<SocketAddr>,
-    /// After SIGTERM, how long in-flight responses may take to finish.
+    /// After SIGTERM, how long in-flight responses, then the fills in flight, may take in all.
     pub shutdown_grace: Duration,
     /// Open client connections at most; further clients wait in the
     /// kernel's accept queue until one closes.

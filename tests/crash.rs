@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use bytes::Bytes;
-use common::metrics::{ADMIN_LISTEN, metric};
+use common::metrics::{ADMIN_LISTEN, metric, wait_for_commits};
 use common::{Larder, Upstream};
 use fake::client::{self, End};
 use fake::{FakeUpstream, KIB, MIB, UPSTREAM_NAME, blob_path, digest, random_bytes, wait_until};
@@ -74,7 +74,7 @@ async fn killed_mid_fill(at: usize) {
     assert_eq!(up.blob_gets(&layer_digest), 2, "fetched again from the start");
     assert!(blob_file(&larder, &layer_digest).exists());
 
-    larder.stop();
+    stop_once_committed(&mut larder).await;
     let report = verify(&larder, false);
     assert_eq!((report.ok, report.bad, report.code), (1, 0, Some(0)), "larder verify:\n{}", report.output);
 }
@@ -87,10 +87,11 @@ async fn killed_right_after_a_commit() {
     let up = FakeUpstream::builder().blob(layer.clone()).start().await;
     let mut larder = start_larder(&up).await;
 
-    // The last byte reaches a client only after the fill is committed.
+    // The last byte reaches a client once the digest matched; the commit
+    // (fsyncs, index row) follows, and the kill comes right after it.
     let (len, end, first_difference) = client::open(address(&larder), &path).await.compare_to_end(&layer).await;
     assert_eq!((len, end, first_difference), (LAYER as u64, End::Complete, None));
-    larder.stop();
+    stop_once_committed(&mut larder).await;
 
     larder.restart().await;
     assert_eq!(files_in(&larder.cache_dir().join("tmp")), Vec::<PathBuf>::new());
@@ -98,6 +99,38 @@ async fn killed_right_after_a_commit() {
     assert_eq!((len, end, first_difference), (LAYER as u64, End::Complete, None), "GET after the restart");
     assert_eq!(up.blob_gets(&layer_digest), 1, "served from the cache: the commit survived the kill");
 
+    stop_once_committed(&mut larder).await;
+    let report = verify(&larder, false);
+    assert_eq!((report.ok, report.bad, report.code), (1, 0, Some(0)), "larder verify:\n{}", report.output);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_graceful_stop_lets_a_fill_in_flight_commit_before_the_exit() {
+    let layer = random_bytes(LAYER, 5);
+    let layer_digest = digest(&layer);
+    let path = blob_path(&layer_digest);
+    let up = FakeUpstream::builder().blob(layer.clone()).stall_after(LAYER / 2).start().await;
+    let mut larder = start_larder(&up).await;
+    let tmp = larder.cache_dir().join("tmp");
+
+    // A client starts the fill and goes away; the fill goes on for nobody.
+    let reader = client::open(address(&larder), &path).await;
+    assert_eq!(reader.status(), 200, "GET {path}");
+    wait_until("the fill has written half the blob", || bytes_in(&tmp) == (LAYER / 2) as u64).await;
+    drop(reader);
+
+    // SIGTERM: no connection is left to drain, yet larder waits for the
+    // fill, which upstream lets finish only once the stop has begun.
+    larder.send_sigterm();
+    wait_until("larder stops accepting", || std::net::TcpStream::connect(address(&larder)).is_err()).await;
+    up.release(&layer_digest);
+    let status = larder.wait_exit(std::time::Duration::from_secs(30)).await;
+    assert!(status.is_some_and(|s| s.success()), "exit after SIGTERM: {status:?}\n{}", larder.log());
+    assert!(blob_file(&larder, &layer_digest).exists(), "committed before the exit\n{}", larder.log());
+
+    larder.restart().await;
+    assert_served(&larder, &layer).await;
+    assert_eq!(up.blob_gets(&layer_digest), 1, "served from the cache after the restart");
     larder.stop();
     let report = verify(&larder, false);
     assert_eq!((report.ok, report.bad, report.code), (1, 0, Some(0)), "larder verify:\n{}", report.output);
@@ -116,7 +149,7 @@ async fn blob_files_deleted_or_truncated_while_stopped_are_dropped_and_fetched_a
     for blob in &blobs {
         assert_served(&larder, blob).await;
     }
-    larder.stop();
+    stop_once_committed(&mut larder).await;
 
     remove(&blob_file(&larder, &deleted));
     truncate(&blob_file(&larder, &truncated), 100 * KIB as u64);
@@ -144,7 +177,7 @@ async fn blob_files_deleted_or_truncated_while_stopped_are_dropped_and_fetched_a
     assert_eq!(on_disk, 3 * 256 * KIB as u64);
     assert_eq!(metric(&larder, "larder_cache_size_bytes").await, on_disk as f64, "usage is exact");
 
-    larder.stop();
+    stop_once_committed(&mut larder).await;
     let report = verify(&larder, false);
     assert_eq!((report.ok, report.bad, report.code), (3, 0, Some(0)), "larder verify:\n{}", report.output);
 }
@@ -158,7 +191,7 @@ async fn verify_finds_a_corrupted_blob_and_repair_removes_it() {
     for blob in &blobs {
         assert_served(&larder, blob).await;
     }
-    larder.stop();
+    stop_once_committed(&mut larder).await;
 
     // Same length, one byte changed: only re-hashing can tell.
     flip_a_byte(&blob_file(&larder, &corrupted));
@@ -210,7 +243,7 @@ async fn files_without_an_index_row_are_adopted_when_they_match_their_name_and_r
     assert_eq!(up.blob_gets(&orphan), 0, "the adopted blob is served from the cache");
     assert_eq!(up.blob_gets(&impostor), 1, "the removed one is fetched");
 
-    larder.stop();
+    stop_once_committed(&mut larder).await;
     let report = verify(&larder, false);
     assert_eq!((report.ok, report.bad, report.code), (2, 0, Some(0)), "larder verify:\n{}", report.output);
 }
@@ -224,7 +257,17 @@ async fn fake_serving(blobs: &[Bytes]) -> FakeUpstream {
 /// larder in front of the fake, via the harness that can stop (SIGKILL)
 /// and restart it on the same cache folder.
 async fn start_larder(up: &FakeUpstream) -> Larder {
-    Larder::builder().upstream(Upstream::new(UPSTREAM_NAME, &up.url()).default(true)).start().await
+    Larder::builder()
+        .upstream(Upstream::new(UPSTREAM_NAME, &up.url()).default(true))
+        .server_line(ADMIN_LISTEN)
+        .start()
+        .await
+}
+
+/// Kills larder once what it served is committed.
+async fn stop_once_committed(larder: &mut Larder) {
+    wait_for_commits(larder).await;
+    larder.stop();
 }
 
 fn address(larder: &Larder) -> SocketAddr {

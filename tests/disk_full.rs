@@ -17,7 +17,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::metrics::{ADMIN_LISTEN, metric};
+use common::metrics::{ADMIN_LISTEN, metric, wait_for_commits};
 use common::{Larder, Upstream};
 use fake::client::{self, End};
 use fake::{FakeUpstream, KIB, MIB, UPSTREAM_NAME, blob_path, digest, random_bytes};
@@ -63,6 +63,7 @@ async fn a_fill_that_hits_enospc_fails_cleanly_and_makes_room_for_the_next() {
         let r = client::get(addr, &blob_path(&digest(blob))).await;
         assert!(r.status() == 200 && r.end == End::Complete && r.body == *blob, "caching {}", digest(blob));
     }
+    wait_for_commits(&larder).await;
     let free = disk.free_bytes();
     assert!(free < TOO_BIG as u64, "test setup: {free} bytes free, the big blob must not fit");
     assert!(free < FITS_AFTER_EVICTION as u64, "test setup: {free} bytes free, the last blob must need room");
@@ -90,6 +91,7 @@ async fn a_fill_that_hits_enospc_fails_cleanly_and_makes_room_for_the_next() {
     let r = client::get(addr, &blob_path(&fits_digest)).await;
     assert_eq!((r.status(), &r.end), (200, &End::Complete), "a blob that fits now");
     assert!(r.body == fits, "exact bytes");
+    wait_for_commits(&larder).await;
     assert!(blob_file(&larder, &fits_digest).exists(), "committed");
 
     // What was not evicted is still served from the cache.

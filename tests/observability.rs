@@ -7,6 +7,7 @@ mod common;
 use std::collections::HashMap;
 use std::time::Duration;
 
+use common::metrics::wait_for_commits;
 use common::{ImageBuilder, KIB, Larder, MIB, Origin, free_port, http, skopeo};
 use sha2::{Digest, Sha256};
 
@@ -54,6 +55,8 @@ async fn metrics_count_misses_then_hits_and_upstream_bytes_once() {
 
     // Cold: one miss per blob, and upstream bytes = the image's blob bytes.
     skopeo::pull(&larder.image_ref("team/app:v1"), false).await.expect("cold pull");
+    // The last blob's commit may still be landing when skopeo is done.
+    wait_for_commits(&larder).await;
     let cold = scrape(&admin).await;
     assert_eq!(get(&cold, "larder_cache_requests_total{kind=blob,result=miss}"), blobs);
     assert_eq!(get(&cold, "larder_cache_requests_total{kind=manifest,result=miss}"), 1.0);
@@ -129,4 +132,8 @@ async fn sigterm_lets_a_large_download_finish_then_exits_zero() {
     let status = status.unwrap_or_else(|| panic!("larder still running 30 s after SIGTERM\n{}", larder.log()));
     assert_eq!(status.code(), Some(0), "exit status after SIGTERM\n{}", larder.log());
     assert!(larder.log().contains("all connections drained"), "{}", larder.log());
+    // The blob's commit, which follows its last byte, landed before the exit.
+    let hex = layer.digest.strip_prefix("sha256:").expect("a sha256 digest");
+    let file = larder.cache_dir().join("blobs/sha256").join(&hex[..2]).join(hex);
+    assert!(file.exists(), "the blob served during the stop is cached\n{}", larder.log());
 }

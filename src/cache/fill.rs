@@ -41,6 +41,11 @@ pub enum Progress {
     /// Bytes `0..written` of the temp file are final; `size` is upstream's
     /// `Content-Length` if it sent one.
     Streaming { file: Arc<File>, size: Option<u64>, written: u64 },
+    /// Every byte is written and the digest matched; the commit (fsync,
+    /// rename, index row) is under way. Readers may send the last byte,
+    /// and one that has seen this reads on to its end whatever the commit
+    /// does (`Failed` after this only fails readers that had not looked).
+    Verified { file: Arc<File>, size: u64 },
     /// Verified and committed.
     Complete { file: Arc<File>, size: u64 },
     /// Nothing was committed; readers abort their responses.
@@ -171,7 +176,9 @@ pub async fn wait_for_headers(rx: &mut watch::Receiver<Progress>) -> Result<(Arc
         match &*rx.borrow_and_update() {
             Progress::Connecting => {}
             Progress::Streaming { file, size, .. } => return Ok((Arc::clone(file), *size)),
-            Progress::Complete { file, size } => return Ok((Arc::clone(file), Some(*size))),
+            Progress::Verified { file, size } | Progress::Complete { file, size } => {
+                return Ok((Arc::clone(file), Some(*size)));
+            }
             Progress::Failed(e) => return Err(e.clone()),
         }
         if rx.changed().await.is_err() {
@@ -186,7 +193,7 @@ pub async fn wait_until_committed(rx: &mut watch::Receiver<Progress>) -> Result<
         match &*rx.borrow_and_update() {
             Progress::Complete { size, .. } => return Ok(*size),
             Progress::Failed(e) => return Err(e.clone()),
-            Progress::Connecting | Progress::Streaming { .. } => {}
+            Progress::Connecting | Progress::Streaming { .. } | Progress::Verified { .. } => {}
         }
         if rx.changed().await.is_err() {
             return Err(Error::Internal("fill ended without a result".into()));
@@ -463,7 +470,9 @@ impl Reader {
     /// not verified, a range that reaches the blob's end is held back by
     /// its final byte: an HTTP/1 client that got all `Content-Length`
     /// bytes would take the blob as complete even if the connection is
-    /// then aborted, so the last byte goes out only after the digest matched.
+    /// then aborted, so the last byte goes out only after the digest
+    /// matched. It does not wait for the commit's fsyncs (see
+    /// [`Progress::Verified`]).
     async fn next(&mut self) -> Result<Option<Bytes>, crate::body::BoxError> {
         loop {
             let (available, total, verified) = match &mut self.progress {
@@ -471,10 +480,17 @@ impl Reader {
                 Some(rx) => match &*rx.borrow_and_update() {
                     Progress::Connecting => (0, None, false),
                     Progress::Streaming { written, size, .. } => (*written, *size, false),
-                    Progress::Complete { size, .. } => (*size, Some(*size), true),
+                    Progress::Verified { size, .. } | Progress::Complete { size, .. } => (*size, Some(*size), true),
                     Progress::Failed(e) => return Err(Box::new(e.clone())),
                 },
             };
+            if verified && self.progress.is_some() {
+                // The bytes are final: a commit that fails from here on
+                // (the disk, the index) does not make them wrong, so the
+                // reader stops following the fill and reads to its end.
+                self.end = Some(self.end.unwrap_or(available));
+                self.progress = None;
+            }
             let end = self.end.or(total);
             let reaches_blob_end = end.is_none() || end == total;
             let done = end.is_some_and(|e| self.offset >= e);
@@ -507,7 +523,8 @@ impl Reader {
                 // validated against the size first, but never spin on it.
                 return Err("blob ended before the requested range".into());
             };
-            let terminal = |p: &Progress| matches!(p, Progress::Complete { .. } | Progress::Failed(_));
+            let terminal =
+                |p: &Progress| matches!(p, Progress::Verified { .. } | Progress::Complete { .. } | Progress::Failed(_));
             if rx.changed().await.is_err() && !terminal(&rx.borrow()) {
                 return Err("fill ended without a result".into());
             }
@@ -559,10 +576,26 @@ mod tests {
         let mut body = read_body(Arc::clone(&fill.file), Some(rx), 0, Some(10), None);
         fill.write(b"0123456789");
         assert_eq!(next_frame(&mut body).await.unwrap().unwrap(), "012345678");
-        assert!(next_frame(&mut body).await.is_none(), "the final byte must wait for Complete");
-        fill.tx.send_replace(Progress::Complete { file: Arc::clone(&fill.file), size: 10 });
-        assert_eq!(next_frame(&mut body).await.unwrap().unwrap(), "9");
+        assert!(next_frame(&mut body).await.is_none(), "the final byte must wait for the digest");
+        fill.tx.send_replace(Progress::Verified { file: Arc::clone(&fill.file), size: 10 });
+        assert_eq!(next_frame(&mut body).await.unwrap().unwrap(), "9", "not for the commit");
         assert!(body.frame().await.is_none(), "then the body ends cleanly");
+    }
+
+    #[tokio::test]
+    async fn a_reader_that_saw_the_digest_match_finishes_even_if_the_commit_then_fails() {
+        let size = 2 * READ_CHUNK as u64 + 10;
+        let (mut fill, rx) = FakeFill::new(size);
+        let mut body = read_body(Arc::clone(&fill.file), Some(rx), 0, None, None);
+        fill.write(&vec![b'x'; size as usize]);
+        let mut got = next_frame(&mut body).await.unwrap().unwrap().len() as u64;
+        fill.tx.send_replace(Progress::Verified { file: Arc::clone(&fill.file), size });
+        got += next_frame(&mut body).await.unwrap().unwrap().len() as u64;
+        fill.tx.send_replace(Progress::Failed(Error::Internal("fsync failed".into())));
+        while let Some(frame) = next_frame(&mut body).await {
+            got += frame.expect("verified bytes are not aborted by the commit's failure").len() as u64;
+        }
+        assert_eq!(got, size);
     }
 
     #[tokio::test]

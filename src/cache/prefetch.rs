@@ -156,6 +156,7 @@ async fn follow_fill(
         let (written, outcome) = match &*rx.borrow_and_update() {
             Progress::Connecting => (0, None),
             Progress::Streaming { written, .. } => (*written, None),
+            Progress::Verified { size, .. } => (*size, None),
             Progress::Complete { size, .. } => (*size, Some(Ok(*size))),
             Progress::Failed(e) => (counted, Some(Err(e.clone()))),
         };

@@ -64,10 +64,17 @@ pub async fn serve(
     })
     .await;
     drop(listener);
+    let stopped = Instant::now();
     tracing::info!(grace_secs = grace.as_secs_f64(), "stopped accepting; draining connections");
     match tokio::time::timeout(grace, graceful.shutdown()).await {
         Ok(()) => tracing::info!("all connections drained"),
         Err(_) => tracing::warn!("grace period over; closing the remaining connections"),
+    }
+    // What is left of the grace goes to the fills still committing blobs
+    // clients already have (or still streaming for nobody).
+    let left = app.cache.finish_fills(grace.saturating_sub(stopped.elapsed())).await;
+    if left > 0 {
+        tracing::warn!(fills = left, "grace period over; fills in flight are abandoned (nothing of them is kept)");
     }
 }
 

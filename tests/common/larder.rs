@@ -26,6 +26,9 @@ use super::tools::free_port;
 
 /// How many log lines a failing test prints.
 const LOG_LINES_ON_FAILURE: usize = 300;
+/// Longest a graceful restart waits for larder to exit: more than its
+/// default `server.shutdown_grace` (25 s), which bounds its own stop.
+const GRACEFUL_EXIT: std::time::Duration = std::time::Duration::from_secs(40);
 
 /// The path of the binary cargo built for this test run.
 pub fn binary() -> &'static str {
@@ -406,9 +409,17 @@ impl Larder {
         }
     }
 
-    /// Kills larder and starts it again on the same config, port and cache dir.
+    /// Restarts larder on the same config, port and cache dir: a graceful
+    /// stop (SIGTERM, which lets the fills of blobs already served commit)
+    /// if it is running, then a start. After [`Larder::stop`] (a kill) or
+    /// an exit, it only starts it: the restart after a crash.
     pub async fn restart(&mut self) {
-        self.stop();
+        if self.process.as_mut().is_some_and(|p| p.exit_status().is_none()) {
+            self.send_sigterm();
+            let status = self.wait_exit(GRACEFUL_EXIT).await;
+            assert!(status.is_some_and(|s| s.success()), "larder did not exit cleanly on SIGTERM: {status:?}");
+        }
+        self.process = None;
         self.spawn_and_wait().await;
     }
 

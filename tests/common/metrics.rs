@@ -26,6 +26,18 @@ pub async fn metric(larder: &Larder, series: &str) -> f64 {
         .map_or(0.0, |(_, value)| value.parse().unwrap_or_else(|e| panic!("{series} = {value:?}: {e}")))
 }
 
+/// Waits until no blob fill is in flight. A client gets a blob's last
+/// byte once its digest matched, and the commit (fsyncs, rename, index
+/// row) follows: a test that looks at the cache's files or index, or kills
+/// larder, right after a cold GET waits for that commit first.
+pub async fn wait_for_commits(larder: &Larder) {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    while metric(larder, "larder_fills_in_flight").await != 0.0 {
+        assert!(tokio::time::Instant::now() < deadline, "gave up waiting for the fills to commit");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
 /// The admin address the latest start of larder logged it listens on
 /// (`larder listening addr=… admin=Some(127.0.0.1:PORT)`).
 pub fn admin_address(larder: &Larder) -> String {
