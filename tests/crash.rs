@@ -74,9 +74,7 @@ async fn killed_mid_fill(at: usize) {
     assert_eq!(up.blob_gets(&layer_digest), 2, "fetched again from the start");
     assert!(blob_file(&larder, &layer_digest).exists());
 
-    stop_once_committed(&mut larder).await;
-    let report = verify(&larder, false);
-    assert_eq!((report.ok, report.bad, report.code), (1, 0, Some(0)), "larder verify:\n{}", report.output);
+    stop_and_verify_clean(&mut larder, 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -99,9 +97,7 @@ async fn killed_right_after_a_commit() {
     assert_eq!((len, end, first_difference), (LAYER as u64, End::Complete, None), "GET after the restart");
     assert_eq!(up.blob_gets(&layer_digest), 1, "served from the cache: the commit survived the kill");
 
-    stop_once_committed(&mut larder).await;
-    let report = verify(&larder, false);
-    assert_eq!((report.ok, report.bad, report.code), (1, 0, Some(0)), "larder verify:\n{}", report.output);
+    stop_and_verify_clean(&mut larder, 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -131,9 +127,7 @@ async fn a_graceful_stop_lets_a_fill_in_flight_commit_before_the_exit() {
     larder.restart().await;
     assert_served(&larder, &layer).await;
     assert_eq!(up.blob_gets(&layer_digest), 1, "served from the cache after the restart");
-    larder.stop();
-    let report = verify(&larder, false);
-    assert_eq!((report.ok, report.bad, report.code), (1, 0, Some(0)), "larder verify:\n{}", report.output);
+    stop_and_verify_clean(&mut larder, 1).await;
 }
 
 #[tokio::test]
@@ -177,9 +171,7 @@ async fn blob_files_deleted_or_truncated_while_stopped_are_dropped_and_fetched_a
     assert_eq!(on_disk, 3 * 256 * KIB as u64);
     assert_eq!(metric(&larder, "larder_cache_size_bytes").await, on_disk as f64, "usage is exact");
 
-    stop_once_committed(&mut larder).await;
-    let report = verify(&larder, false);
-    assert_eq!((report.ok, report.bad, report.code), (3, 0, Some(0)), "larder verify:\n{}", report.output);
+    stop_and_verify_clean(&mut larder, 3).await;
 }
 
 #[tokio::test]
@@ -243,9 +235,7 @@ async fn files_without_an_index_row_are_adopted_when_they_match_their_name_and_r
     assert_eq!(up.blob_gets(&orphan), 0, "the adopted blob is served from the cache");
     assert_eq!(up.blob_gets(&impostor), 1, "the removed one is fetched");
 
-    stop_once_committed(&mut larder).await;
-    let report = verify(&larder, false);
-    assert_eq!((report.ok, report.bad, report.code), (2, 0, Some(0)), "larder verify:\n{}", report.output);
+    stop_and_verify_clean(&mut larder, 2).await;
 }
 
 // ---- helpers ----------------------------------------------------------------
@@ -262,6 +252,14 @@ async fn start_larder(up: &FakeUpstream) -> Larder {
         .server_line(ADMIN_LISTEN)
         .start()
         .await
+}
+
+/// Kills larder once what it served is committed, then `larder verify`
+/// must find `ok` good blobs and nothing bad.
+async fn stop_and_verify_clean(larder: &mut Larder, ok: u64) {
+    stop_once_committed(larder).await;
+    let report = verify(larder, false);
+    assert_eq!((report.ok, report.bad, report.code), (ok, 0, Some(0)), "larder verify:\n{}", report.output);
 }
 
 /// Kills larder once what it served is committed.
