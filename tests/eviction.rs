@@ -9,7 +9,7 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::metrics::{ADMIN_LISTEN, metric};
+use common::metrics::{ADMIN_LISTEN, metric, wait_for_commits};
 use common::{AccessLog, ImageBuilder, KIB, Larder, Origin, PulledImage, PushedImage, skopeo};
 
 const MAX_SIZE: u64 = 4 << 20;
@@ -153,9 +153,12 @@ fn bytes_under(dir: &Path) -> u64 {
         .sum()
 }
 
-/// Waits until `larder_cache_size_bytes` is at or under the high
-/// watermark: no eviction is due, or the due one has finished.
+/// Waits until the fills of what was pulled have committed (their sizes
+/// are counted at the commit, which follows the client's last byte), then
+/// until `larder_cache_size_bytes` is at or under the high watermark: no
+/// eviction is due, or the due one has finished.
 async fn wait_for_eviction(larder: &Larder) {
+    wait_for_commits(larder).await;
     let started = Instant::now();
     loop {
         let size = metric(larder, "larder_cache_size_bytes").await as u64;
