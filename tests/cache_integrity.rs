@@ -42,6 +42,22 @@ fn lowest_free_fd(pid: u32) -> u32 {
     (0..).find(|fd| !used.contains(fd)).expect("a free descriptor")
 }
 
+/// Sets `pid`'s open-files limit to its lowest free descriptor, and checks
+/// a moment later that none below it was freed meanwhile (a connection
+/// the test just dropped is closed by larder a little later), else again.
+async fn limit_to_descriptors_in_use(pid: u32) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let lowest = lowest_free_fd(pid);
+        set_open_files_limit(pid, u64::from(lowest));
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        if lowest_free_fd(pid) == lowest {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "larder's descriptors kept changing");
+    }
+}
+
 /// The soft open-files limit of `pid`, from `/proc/<pid>/limits`.
 fn open_files_limit(pid: u32) -> u64 {
     let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("read /proc/<pid>/limits");
@@ -100,7 +116,7 @@ async fn a_blob_that_cannot_be_opened_for_now_is_a_503_that_changes_nothing() {
     assert_eq!(http.get(format!("{}/v2/", larder.url())).send().await.expect("GET /v2/").status(), 200);
     let pid = larder.pid();
     let normal = open_files_limit(pid);
-    set_open_files_limit(pid, u64::from(lowest_free_fd(pid)));
+    limit_to_descriptors_in_use(pid).await;
     let refused = http.get(&url).send().await.expect("an answer on the open connection");
     set_open_files_limit(pid, normal);
     assert_eq!(refused.status(), 503, "EMFILE is a retryable failure");
