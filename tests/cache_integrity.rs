@@ -8,7 +8,7 @@ mod common;
 mod fake;
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use common::metrics::{ADMIN_LISTEN, metric};
@@ -21,11 +21,6 @@ use fake::{
 
 fn address(larder: &Larder) -> SocketAddr {
     larder.host_port().parse().expect("larder's address")
-}
-
-fn blob_file(larder: &Larder, digest: &str) -> PathBuf {
-    let hex = digest.strip_prefix("sha256:").expect("a sha256 digest");
-    larder.cache_dir().join("blobs/sha256").join(&hex[..2]).join(hex)
 }
 
 fn files_in(dir: &Path) -> usize {
@@ -159,7 +154,7 @@ async fn verify_refuses_a_folder_a_running_larder_holds_and_touches_nothing() {
     up.release(&d);
     let (len, end, first_difference) = reader.compare_to_end(&layer).await;
     assert_eq!((len, end, first_difference), (layer.len() as u64, End::Complete, None));
-    wait_until("the blob is committed", || blob_file(&larder, &d).exists()).await;
+    wait_until("the blob is committed", || larder.blob_file(&d).exists()).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -183,19 +178,19 @@ async fn eviction_goes_on_past_a_file_it_cannot_remove_and_counts_exactly() {
     }
     // The least recently used blob's file becomes something unlink(2)
     // refuses: a folder with a file in it.
-    let stuck = blob_file(&larder, &digest(&blobs[0]));
+    let stuck = larder.blob_file(&digest(&blobs[0]));
     std::fs::remove_file(&stuck).expect("remove the first blob's file");
     std::fs::create_dir(&stuck).expect("a folder in its place");
     std::fs::write(stuck.join("pinned"), b"x").expect("a file in the folder");
 
     // 5 MiB now: the two least recently used blobs must go.
     assert_serves(&url(&big), &big).await;
-    let second = blob_file(&larder, &digest(&blobs[1]));
+    let second = larder.blob_file(&digest(&blobs[1]));
     wait_until("the second blob's file is removed", || !second.exists()).await;
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     assert!(stuck.is_dir(), "the folder could not be removed");
     for kept in [&blobs[2], &big] {
-        assert!(blob_file(&larder, &digest(kept)).is_file(), "nothing more recent was evicted");
+        assert!(larder.blob_file(&digest(kept)).is_file(), "nothing more recent was evicted");
         assert_serves(&url(kept), kept).await;
         assert_eq!(up.blob_gets(&digest(kept)), 1, "served from the cache");
     }
@@ -219,7 +214,7 @@ async fn a_chunked_blob_longer_than_max_blob_size_is_cut_off_and_not_kept() {
     assert!(received <= MIB, "never more than the limit reaches a client ({received} bytes)");
     assert!(up.bytes_sent(&d) < blob.len() as u64, "larder stopped reading upstream");
     wait_until("the temp file is removed", || files_in(&larder.cache_dir().join("tmp")) == 0).await;
-    assert!(!blob_file(&larder, &d).exists(), "nothing committed");
+    assert!(!larder.blob_file(&d).exists(), "nothing committed");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -236,7 +231,7 @@ async fn a_blob_whose_declared_length_is_over_max_blob_size_is_refused_before_it
     assert_eq!(resp.status(), 502, "refused on its Content-Length");
     assert!(up.bytes_sent(&d) < blob.len() as u64, "larder did not read the body");
     assert_eq!(files_in(&larder.cache_dir().join("tmp")), 0, "no temp file");
-    assert!(!blob_file(&larder, &d).exists(), "nothing committed");
+    assert!(!larder.blob_file(&d).exists(), "nothing committed");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -260,5 +255,5 @@ async fn a_chunked_blob_longer_than_its_manifest_says_is_cut_off() {
     assert!(!clean, "aborted, not ended, after {received} bytes");
     assert!(received <= MIB, "never more than the declared size reaches a client ({received} bytes)");
     wait_until("the temp file is removed", || files_in(&larder.cache_dir().join("tmp")) == 0).await;
-    assert!(!blob_file(&larder, &ld).exists(), "nothing committed");
+    assert!(!larder.blob_file(&ld).exists(), "nothing committed");
 }

@@ -62,17 +62,17 @@ async fn killed_mid_fill(at: usize) {
     assert!(received < LAYER as u64, "the client never got the whole blob ({received} bytes)");
     assert_eq!(first_difference, None, "what the client got is the blob's beginning");
     assert_eq!(files_in(&tmp).len(), 1, "the kill left the partial temp file behind");
-    assert!(!blob_file(&larder, &layer_digest).exists(), "nothing was committed");
+    assert!(!larder.blob_file(&layer_digest).exists(), "nothing was committed");
 
     up.release(&layer_digest);
     larder.restart().await;
     assert_eq!(files_in(&tmp), Vec::<PathBuf>::new(), "start-up removed the temp file");
-    assert!(!blob_file(&larder, &layer_digest).exists(), "the partial fill was not adopted");
+    assert!(!larder.blob_file(&layer_digest).exists(), "the partial fill was not adopted");
 
     let (len, end, first_difference) = client::open(address(&larder), &path).await.compare_to_end(&layer).await;
     assert_eq!((len, end, first_difference), (LAYER as u64, End::Complete, None), "GET after the restart");
     assert_eq!(up.blob_gets(&layer_digest), 2, "fetched again from the start");
-    assert!(blob_file(&larder, &layer_digest).exists());
+    assert!(larder.blob_file(&layer_digest).exists());
 
     stop_and_verify_clean(&mut larder, 1).await;
 }
@@ -122,7 +122,7 @@ async fn a_graceful_stop_lets_a_fill_in_flight_commit_before_the_exit() {
     up.release(&layer_digest);
     let status = larder.wait_exit(std::time::Duration::from_secs(30)).await;
     assert!(status.is_some_and(|s| s.success()), "exit after SIGTERM: {status:?}\n{}", larder.log());
-    assert!(blob_file(&larder, &layer_digest).exists(), "committed before the exit\n{}", larder.log());
+    assert!(larder.blob_file(&layer_digest).exists(), "committed before the exit\n{}", larder.log());
 
     larder.restart().await;
     assert_served(&larder, &layer).await;
@@ -145,8 +145,8 @@ async fn blob_files_deleted_or_truncated_while_stopped_are_dropped_and_fetched_a
     }
     stop_once_committed(&mut larder).await;
 
-    remove(&blob_file(&larder, &deleted));
-    truncate(&blob_file(&larder, &truncated), 100 * KIB as u64);
+    remove(&larder.blob_file(&deleted));
+    truncate(&larder.blob_file(&truncated), 100 * KIB as u64);
     let report = verify(&larder, false);
     assert_eq!((report.ok, report.bad, report.code), (1, 2, Some(1)), "larder verify:\n{}", report.output);
     assert!(report.names_bad(&deleted) && report.names_bad(&truncated), "larder verify:\n{}", report.output);
@@ -167,7 +167,7 @@ async fn blob_files_deleted_or_truncated_while_stopped_are_dropped_and_fetched_a
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     let on_disk: u64 =
-        blobs.iter().map(|b| std::fs::metadata(blob_file(&larder, &digest(b))).expect("blob file").len()).sum();
+        blobs.iter().map(|b| std::fs::metadata(larder.blob_file(&digest(b))).expect("blob file").len()).sum();
     assert_eq!(on_disk, 3 * 256 * KIB as u64);
     assert_eq!(metric(&larder, "larder_cache_size_bytes").await, on_disk as f64, "usage is exact");
 
@@ -186,15 +186,15 @@ async fn verify_finds_a_corrupted_blob_and_repair_removes_it() {
     stop_once_committed(&mut larder).await;
 
     // Same length, one byte changed: only re-hashing can tell.
-    flip_a_byte(&blob_file(&larder, &corrupted));
+    flip_a_byte(&larder.blob_file(&corrupted));
     let report = verify(&larder, false);
     assert_eq!((report.ok, report.bad, report.code), (1, 1, Some(1)), "larder verify:\n{}", report.output);
     assert!(report.names_bad(&corrupted), "larder verify:\n{}", report.output);
-    assert!(blob_file(&larder, &corrupted).exists(), "verify without --repair changes nothing");
+    assert!(larder.blob_file(&corrupted).exists(), "verify without --repair changes nothing");
 
     let repaired = verify(&larder, true);
     assert_eq!(repaired.code, Some(0), "larder verify --repair:\n{}", repaired.output);
-    assert!(!blob_file(&larder, &corrupted).exists(), "--repair removed the bad blob");
+    assert!(!larder.blob_file(&corrupted).exists(), "--repair removed the bad blob");
     let report = verify(&larder, false);
     assert_eq!((report.ok, report.bad, report.code), (1, 0, Some(0)), "after --repair:\n{}", report.output);
 
@@ -217,8 +217,8 @@ async fn files_without_an_index_row_are_adopted_when_they_match_their_name_and_r
     // A correct blob without its index row is what a kill between the
     // rename and the index write leaves; the other file is not its name's
     // content; and a fill's temp file is left in tmp/.
-    plant(&blob_file(&larder, &orphan), &blobs[0]);
-    plant(&blob_file(&larder, &impostor), &random_bytes(256 * KIB, 8));
+    plant(&larder.blob_file(&orphan), &blobs[0]);
+    plant(&larder.blob_file(&impostor), &random_bytes(256 * KIB, 8));
     plant(&larder.cache_dir().join("tmp/fill-left-by-a-crash"), &blobs[1][..KIB]);
 
     larder.restart().await;
@@ -226,8 +226,8 @@ async fn files_without_an_index_row_are_adopted_when_they_match_their_name_and_r
     // Serving already; the files are checked against the index meanwhile.
     wait_until("the background check reports", || larder.log().contains("reconciled the index with the blob files"))
         .await;
-    assert!(blob_file(&larder, &orphan).exists(), "the correct file is kept");
-    assert!(!blob_file(&larder, &impostor).exists(), "the wrong file is removed");
+    assert!(larder.blob_file(&orphan).exists(), "the correct file is kept");
+    assert!(!larder.blob_file(&impostor).exists(), "the wrong file is removed");
 
     for blob in &blobs {
         assert_served(&larder, blob).await;
@@ -277,12 +277,6 @@ async fn assert_served(larder: &Larder, blob: &Bytes) {
     let path = blob_path(&digest(blob));
     let (len, end, first_difference) = client::open(address(larder), &path).await.compare_to_end(blob).await;
     assert_eq!((len, end, first_difference), (blob.len() as u64, End::Complete, None), "GET {path}");
-}
-
-/// Where larder keeps a committed blob.
-fn blob_file(larder: &Larder, digest: &str) -> PathBuf {
-    let hex = digest.strip_prefix("sha256:").unwrap_or_else(|| panic!("not a sha256 digest: {digest}"));
-    larder.cache_dir().join("blobs/sha256").join(&hex[..2]).join(hex)
 }
 
 /// The files in `dir` (none if it does not exist).

@@ -78,12 +78,12 @@ async fn a_fill_that_hits_enospc_fails_cleanly_and_makes_room_for_the_next() {
         r.end
     );
     assert!(r.body.len() < TOO_BIG, "the client never got the whole blob");
-    assert!(!blob_file(&larder, &too_big_digest).exists(), "nothing was committed");
+    assert!(!larder.blob_file(&too_big_digest).exists(), "nothing was committed");
     wait_for("tmp/ to be empty", || files_in(&tmp).is_empty()).await;
 
     // The ENOSPC made an eviction round run, under the watermarks.
     wait_for_metric(&larder, EVICTED_BLOBS, 1.0).await;
-    let evicted: Vec<&Bytes> = cached.iter().filter(|b| !blob_file(&larder, &digest(b)).exists()).collect();
+    let evicted: Vec<&Bytes> = cached.iter().filter(|b| !larder.blob_file(&digest(b)).exists()).collect();
     assert!(!evicted.is_empty(), "some cached blob file was removed");
     assert!(evicted.contains(&&cached[0]), "the least recently used blob is among those evicted");
 
@@ -92,7 +92,7 @@ async fn a_fill_that_hits_enospc_fails_cleanly_and_makes_room_for_the_next() {
     assert_eq!((r.status(), &r.end), (200, &End::Complete), "a blob that fits now");
     assert!(r.body == fits, "exact bytes");
     wait_for_commits(&larder).await;
-    assert!(blob_file(&larder, &fits_digest).exists(), "committed");
+    assert!(larder.blob_file(&fits_digest).exists(), "committed");
 
     // What was not evicted is still served from the cache.
     for blob in cached.iter().filter(|b| !evicted.contains(b)) {
@@ -155,12 +155,6 @@ impl Drop for Tmpfs {
             let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
         }
     }
-}
-
-/// Where larder keeps a committed blob.
-fn blob_file(larder: &Larder, digest: &str) -> PathBuf {
-    let hex = digest.strip_prefix("sha256:").unwrap_or_else(|| panic!("not a sha256 digest: {digest}"));
-    larder.cache_dir().join("blobs/sha256").join(&hex[..2]).join(hex)
 }
 
 fn files_in(dir: &Path) -> Vec<PathBuf> {

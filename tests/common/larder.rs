@@ -341,6 +341,12 @@ impl Larder {
         self.dir.path().join("cache")
     }
 
+    /// Where larder keeps a committed blob (`sha256:<hex>`).
+    pub fn blob_file(&self, digest: &str) -> PathBuf {
+        let hex = digest.strip_prefix("sha256:").unwrap_or_else(|| panic!("not a sha256 digest: {digest}"));
+        self.cache_dir().join("blobs/sha256").join(&hex[..2]).join(hex)
+    }
+
     /// Everything larder logged, across restarts, once its log writer has
     /// caught up (it writes in batches).
     pub fn log(&self) -> String {
