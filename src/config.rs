@@ -269,8 +269,9 @@ pub struct UpstreamConfig {
     pub url: http::Uri,
     /// Further URLs from `urls = [primary, fallback…]`, tried in order when
     /// the ones before fail to connect or answer 5xx. They are the
-    /// upstream's own origins, as trusted as `url`.
-    pub fallback_urls: Vec<http::Uri>,
+    /// upstream's own origins (dialled whatever their address), but only
+    /// those marked so get its credentials.
+    pub fallback_urls: Vec<FallbackUrl>,
     /// Another larder (a cluster's hub) this upstream's requests go to
     /// instead, with `?ns=<name>`: node → hub → registry, one upstream
     /// fetch for the whole cluster. `url` is then never dialed.
@@ -284,6 +285,10 @@ pub struct UpstreamConfig {
     /// credentials (`trusted_realms`): scheme, host and port must match, and
     /// the path too unless the entry has none.
     pub trusted_realms: Vec<http::Uri>,
+    /// Networks that redirect targets and token realms of this upstream
+    /// may be in although they are loopback, link-local, private or
+    /// otherwise not public (`trusted_networks`); see `crate::upstream::dial`.
+    pub trusted_networks: Vec<ipnet::IpNet>,
     pub tag_ttl: Option<Duration>,
     pub immutable_tags: Vec<Regex>,
     /// Open upstream requests allowed at once; further requests wait in order.
@@ -292,6 +297,16 @@ pub struct UpstreamConfig {
     pub connect_timeout: Duration,
     pub response_timeout: Duration,
     pub body_idle_timeout: Duration,
+}
+
+/// A fallback of `urls`, and whether it gets the upstream's credentials:
+/// by default only when it is on the site of the first URL
+/// ([`crate::site`]); `{ url = "…", credentials = true }` sends them to
+/// another site, `false` keeps them from one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FallbackUrl {
+    pub url: http::Uri,
+    pub credentials: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -438,7 +453,7 @@ struct RawCache {
 struct RawUpstream {
     name: String,
     url: Option<String>,
-    urls: Option<Vec<String>>,
+    urls: Option<Vec<RawUrl>>,
     via: Option<String>,
     #[serde(default)]
     default: bool,
@@ -452,6 +467,8 @@ struct RawUpstream {
     credential_helper: Option<String>,
     #[serde(default)]
     trusted_realms: Vec<String>,
+    #[serde(default)]
+    trusted_networks: Vec<String>,
     tag_ttl: Option<String>,
     #[serde(default)]
     immutable_tags: Vec<String>,
@@ -460,6 +477,39 @@ struct RawUpstream {
     connect_timeout: Option<String>,
     response_timeout: Option<String>,
     body_idle_timeout: Option<String>,
+}
+
+/// One entry of `urls`: `"https://host"`, or
+/// `{ url = "https://host", credentials = true|false }`.
+struct RawUrl {
+    url: String,
+    credentials: Option<bool>,
+}
+
+impl<'de> Deserialize<'de> for RawUrl {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<RawUrl, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Table {
+            url: String,
+            credentials: Option<bool>,
+        }
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = RawUrl;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a URL, or a table { url = \"…\", credentials = true|false }")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<RawUrl, E> {
+                Ok(RawUrl { url: v.to_owned(), credentials: None })
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<RawUrl, A::Error> {
+                let t = Table::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
+                Ok(RawUrl { url: t.url, credentials: t.credentials })
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
 }
 
 impl Config {
@@ -490,13 +540,48 @@ impl Config {
         base_dir: Option<&Path>,
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Config, ConfigError> {
-        let raw: RawConfig =
-            toml::from_str(text).map_err(|e| ConfigError::Parse { file: file.to_owned(), message: e.to_string() })?;
+        let raw: RawConfig = toml::from_str(text)
+            .map_err(|e| ConfigError::Parse { file: file.to_owned(), message: describe_parse_error(text, &e) })?;
         Validator { file, base_dir, env }.config(raw)
     }
 
     pub fn default_upstream(&self) -> Option<&UpstreamConfig> {
         self.upstreams.iter().find(|u| u.default)
+    }
+
+    /// What is valid but worth an operator's second look, one line each,
+    /// naming the key: `check-config` prints these, and larder logs them
+    /// at start. Today: where an upstream's credentials go across sites,
+    /// or where a fallback on another site pulls without them.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings = Vec::new();
+        for (i, u) in self.upstreams.iter().enumerate() {
+            if u.credentials.is_none() {
+                continue;
+            }
+            let primary = crate::site::host_of(&u.url);
+            for (j, f) in u.fallback_urls.iter().enumerate() {
+                let host = crate::site::host_of(&f.url);
+                if crate::site::same_site(&primary, &host) {
+                    continue;
+                }
+                let key = format!("upstream[{i}].urls[{}]", j + 1);
+                warnings.push(match f.credentials {
+                    true => format!(
+                        "`{key}`: upstream {:?} sends its credentials to {host:?} as well as to {primary:?}, \
+                         another site (credentials = true)",
+                        u.name
+                    ),
+                    false => format!(
+                        "`{key}`: {host:?} is not on the site of {primary:?}, so pulls through it are anonymous; \
+                         write {{ url = \"{}\", credentials = true }} to send upstream {:?}'s credentials there",
+                        f.url.to_string().trim_end_matches('/'),
+                        u.name
+                    ),
+                });
+            }
+        }
+        warnings
     }
 }
 
@@ -970,14 +1055,37 @@ impl Validator<'_> {
                 return Err(self.err(key(k), format!("{host:?} is not a registry host name like \"ghcr.io\"")));
             }
         }
-        let (url, fallback_urls) = self.upstream_urls(&key, u.url.as_deref(), u.urls.as_deref())?;
+        let (url, fallbacks) = self.upstream_urls(&key, u.url.as_deref(), u.urls.as_deref())?;
         let via = match u.via.as_deref() {
             None => None,
             Some(text) => {
                 let (via, more) = self.upstream_urls(&|_| key("via"), Some(text), None)?;
                 debug_assert!(more.is_empty());
-                if !fallback_urls.is_empty() {
+                if !fallbacks.is_empty() {
                     return Err(self.err(key("via"), "`via` sends every request to one larder: drop `urls`"));
+                }
+                // The hub is this upstream's only origin: credentials here
+                // would go to the hub (over cleartext HTTP, as the chart
+                // wires it) whenever it answers 401. The hub's own upstream
+                // holds the registry credentials.
+                let credential_keys = [
+                    ("username", u.username.is_some()),
+                    ("password", u.password.is_some()),
+                    ("password_file", u.password_file.is_some()),
+                    ("password_env", u.password_env.is_some()),
+                    ("credential_helper", u.credential_helper.is_some()),
+                ];
+                if let Some((set, _)) = credential_keys.iter().find(|(_, set)| *set) {
+                    return Err(self.err(
+                        key("via"),
+                        format!(
+                            "an upstream with `via` sends every request to the hub larder, so it cannot have \
+                             credentials: drop `{}` here and set the registry's credentials on the hub's \
+                             upstream {:?}",
+                            key(set),
+                            u.name
+                        ),
+                    ));
                 }
                 Some(via)
             }
@@ -990,6 +1098,27 @@ impl Validator<'_> {
             .library_namespace
             .unwrap_or(is_docker_hub(&host) || is_docker_hub(&u.name) || u.aliases.iter().any(|a| is_docker_hub(a)));
         let credentials = self.credentials(&key, &u)?;
+        let primary_host = crate::site::host_of(&url);
+        let fallback_urls = fallbacks
+            .into_iter()
+            .map(|(url, credentials)| {
+                let same_site = crate::site::same_site(&primary_host, &crate::site::host_of(&url));
+                FallbackUrl { credentials: credentials.unwrap_or(same_site), url }
+            })
+            .collect();
+        let trusted_networks = u
+            .trusted_networks
+            .iter()
+            .enumerate()
+            .map(|(j, n)| {
+                n.parse::<ipnet::IpNet>().map(|n| n.trunc()).map_err(|_| {
+                    self.err(
+                        format!("upstream[{i}].trusted_networks[{j}]"),
+                        format!("{n:?} is not a network like \"10.20.0.0/16\" or \"fd12:3456::/48\""),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let trusted_realms = u
             .trusted_realms
             .iter()
@@ -1024,6 +1153,7 @@ impl Validator<'_> {
             library_namespace,
             credentials,
             trusted_realms,
+            trusted_networks,
             tag_ttl: u
                 .tag_ttl
                 .as_deref()
@@ -1051,6 +1181,94 @@ impl Validator<'_> {
     }
 }
 
+/// A TOML or schema error as "line L, column C, key `K`: message", and
+/// the line with its value blanked. Never the value itself: a typo such as
+/// `pasword = "hunter2"` must not put the secret into a pod's log. toml's
+/// own rendering quotes the whole line, and serde's messages quote the
+/// value that had the wrong type (`invalid type: string "hunter2"`), so
+/// both are rebuilt here.
+fn describe_parse_error(text: &str, e: &toml::de::Error) -> String {
+    let message = blank_values(e.message().trim_end());
+    let Some(span) = e.span() else { return message };
+    let at = span.start.min(text.len());
+    let line_start = text[..at].rfind('\n').map_or(0, |i| i + 1);
+    let line_no = text[..at].matches('\n').count() + 1;
+    let column = text[line_start..at].chars().count() + 1;
+    let line = text[line_start..].lines().next().unwrap_or_default();
+    let key = key_at(&text[..line_start], line).map(|k| format!(", key `{k}`")).unwrap_or_default();
+    format!("line {line_no}, column {column}{key}: {message}\n  {line_no} | {}", blank_line(line))
+}
+
+/// Replaces what serde and toml quote of a value with `…`: strings, and
+/// numbers, booleans and characters in backticks. Field names in
+/// backticks (`unknown field `pasword``) stay.
+fn blank_values(message: &str) -> String {
+    static QUOTED: std::sync::LazyLock<Regex> = std::sync::LazyLock::new(|| {
+        Regex::new(r#""(?:[^"\\]|\\.)*"|'[^']*'|((?:integer|floating point|boolean|character) )`[^`]*`"#)
+            .expect("a valid pattern")
+    });
+    QUOTED
+        .replace_all(message, |c: &regex::Captures<'_>| match c.get(1) {
+            Some(kind) => format!("{}`…`", kind.as_str()),
+            None => "\"…\"".to_owned(),
+        })
+        .into_owned()
+}
+
+/// A config line as it may be shown: a table header as it is, a
+/// `key = value` line with the value blanked, anything else (a line inside
+/// a multi-line value) blanked whole.
+fn blank_line(line: &str) -> String {
+    let trimmed = line.trim();
+    if trimmed.starts_with('[') && !trimmed.contains('=') {
+        return trimmed.to_owned();
+    }
+    match line.split_once('=') {
+        Some((key, _)) => format!("{} = …", key.trim()),
+        None => "…".to_owned(),
+    }
+}
+
+/// The dotted key of `line`, given the text before it: its table (with
+/// the index of an array of tables, `upstream[1]`) and the key it sets, or
+/// the key of the multi-line value it continues.
+fn key_at(before: &str, line: &str) -> Option<String> {
+    let header = |l: &str| -> Option<(String, bool)> {
+        let l = l.trim();
+        let (inner, array) = match l.strip_prefix("[[") {
+            Some(rest) => (rest.split("]]").next()?, true),
+            None => (l.strip_prefix('[')?.split(']').next()?, false),
+        };
+        Some((inner.trim().to_owned(), array)).filter(|_| !l.contains('='))
+    };
+    let key_of = |l: &str| l.split_once('=').map(|(k, _)| k.trim().to_owned()).filter(|k| !k.is_empty());
+    let mut table: Option<String> = None;
+    let mut arrays: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    let mut last_key: Option<String> = None;
+    for l in before.lines() {
+        if let Some((name, array)) = header(l) {
+            table = Some(match array {
+                true => {
+                    let n = arrays.entry(name.clone()).and_modify(|n| *n += 1).or_insert(0);
+                    format!("{name}[{n}]")
+                }
+                false => name,
+            });
+            last_key = None;
+        } else if let Some(k) = key_of(l) {
+            last_key = Some(k);
+        }
+    }
+    if let Some((name, _)) = header(line) {
+        return Some(name);
+    }
+    let key = key_of(line).or(last_key)?;
+    Some(match table {
+        Some(t) => format!("{t}.{key}"),
+        None => key,
+    })
+}
+
 /// An S3 bucket name: 3-63 lowercase letters, digits, dots and hyphens,
 /// starting and ending with a letter or digit.
 fn valid_bucket(s: &str) -> bool {
@@ -1060,25 +1278,29 @@ fn valid_bucket(s: &str) -> bool {
         && s.bytes().last().is_some_and(|b| b.is_ascii_alphanumeric())
 }
 
+/// The fallbacks of `urls`, each with its `credentials` setting if it has one.
+type Fallbacks = Vec<(http::Uri, Option<bool>)>;
+
 impl Validator<'_> {
     /// `url`, or `urls = [primary, fallback…]`: exactly one of the two.
+    /// The primary, and each fallback with its `credentials` setting.
     fn upstream_urls(
         &self,
         key: &dyn Fn(&str) -> String,
         url: Option<&str>,
-        urls: Option<&[String]>,
-    ) -> Result<(http::Uri, Vec<http::Uri>), ConfigError> {
-        let (k, list): (String, Vec<&str>) = match (url, urls) {
-            (Some(u), None) => (key("url"), vec![u]),
-            (None, Some(list)) => (key("urls"), list.iter().map(String::as_str).collect()),
+        urls: Option<&[RawUrl]>,
+    ) -> Result<(http::Uri, Fallbacks), ConfigError> {
+        let (k, list): (String, Vec<(&str, Option<bool>)>) = match (url, urls) {
+            (Some(u), None) => (key("url"), vec![(u, None)]),
+            (None, Some(list)) => (key("urls"), list.iter().map(|u| (u.url.as_str(), u.credentials)).collect()),
             (None, None) => return Err(self.err(key("url"), "required (or `urls` for a primary and fallbacks)")),
             (Some(_), Some(_)) => return Err(self.err(key("urls"), "set either `url` or `urls`, not both")),
         };
         if list.is_empty() || list.len() > MAX_UPSTREAM_URLS {
             return Err(self.err(k, format!("must list between 1 and {MAX_UPSTREAM_URLS} URLs")));
         }
-        let mut parsed: Vec<http::Uri> = Vec::with_capacity(list.len());
-        for text in list {
+        let mut parsed: Vec<(http::Uri, Option<bool>)> = Vec::with_capacity(list.len());
+        for (text, credentials) in list {
             let uri: http::Uri = text.parse().map_err(|e| self.err(&k, format!("{text:?} is not a URL: {e}")))?;
             let scheme_ok = matches!(uri.scheme_str(), Some("http" | "https"));
             let path_ok = matches!(uri.path(), "" | "/") && uri.query().is_none();
@@ -1086,12 +1308,19 @@ impl Validator<'_> {
             if !scheme_ok || uri.authority().is_none() || !path_ok || userinfo {
                 return Err(self.err(&k, format!("{text:?} must be http(s)://host[:port] with no path")));
             }
-            if parsed.iter().any(|p| p.scheme() == uri.scheme() && p.authority() == uri.authority()) {
+            if parsed.iter().any(|(p, _)| p.scheme() == uri.scheme() && p.authority() == uri.authority()) {
                 return Err(self.err(&k, format!("{text:?} is listed twice")));
             }
-            parsed.push(uri);
+            parsed.push((uri, credentials));
         }
-        let primary = parsed.remove(0);
+        let (primary, credentials) = parsed.remove(0);
+        if credentials.is_some() {
+            return Err(self.err(
+                format!("{k}[0].credentials"),
+                "the first URL is the registry itself and always gets the upstream's credentials; \
+                 `credentials` chooses for the fallbacks after it",
+            ));
+        }
         Ok((primary, parsed))
     }
 
@@ -1128,7 +1357,11 @@ impl Validator<'_> {
                 let path = self.path(f);
                 let text = std::fs::read_to_string(&path)
                     .map_err(|e| self.err(key("password_file"), format!("cannot read {}: {e}", path.display())))?;
-                Some(Ok((path, Secret::new(text.trim_end_matches(['\r', '\n'])))))
+                let password = text.trim_end_matches(['\r', '\n']);
+                if password.is_empty() {
+                    return Err(self.err(key("password_file"), format!("{} is empty", path.display())));
+                }
+                Some(Ok((path, Secret::new(password))))
             }
             (None, None, Some(var)) => Some(Err(Secret::new(
                 (self.env)(var)
@@ -1274,6 +1507,37 @@ mod tests {
     }
 
     #[test]
+    fn parse_errors_name_line_column_and_key_but_never_a_value() {
+        let cases = [
+            // A typo of a secret's key: serde's "unknown field".
+            (
+                "[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\npasword = \"hunter2\"\n",
+                4,
+                "upstream[0].pasword",
+            ),
+            // The wrong type: serde quotes the value it got.
+            ("[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nusername = 12345678\n", 4, "upstream[0].username"),
+            ("[cache]\nmax_size = \"1GiB\"\n[server]\nlisten = [\"hunter2\"]\n", 4, "server.listen"),
+            // Not TOML at all: an unquoted value.
+            ("[[upstream]]\nname = \"q.io\"\npassword = hunter2\n", 3, "upstream[0].password"),
+            (
+                "[[upstream]]\nname = \"a.io\"\nurl = \"https://a.io\"\n[[upstream]]\nname = \"q.io\"\npassword = 'hunter2\n",
+                6,
+                "upstream[1].password",
+            ),
+        ];
+        for (text, line, key) in cases {
+            let e = parse(text).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("test.toml: line {line}, column ")), "{text}: {e}");
+            assert!(e.contains(&format!("key `{key}`")), "{text}: {e}");
+            assert!(!e.contains("hunter2") && !e.contains("12345678"), "{text}: {e}");
+        }
+        let e = parse("[[upstream]]\nname = \"q.io\"\npasword = \"hunter2\"\n").unwrap_err().to_string();
+        assert!(e.contains("unknown field `pasword`"), "field names stay: {e}");
+        assert!(e.ends_with("  3 | pasword = …"), "{e}");
+    }
+
+    #[test]
     fn bad_values_name_their_key() {
         let cases = [
             ("[cache]\ntag_ttl = \"soon\"\n", "cache.tag_ttl"),
@@ -1406,7 +1670,10 @@ mod tests {
         let ecr = &c.upstreams[1];
         assert!(matches!(&ecr.credentials, Some(CredentialSource::Helper(n)) if n == "ecr-login"));
         assert_eq!(ecr.url.to_string(), "https://a.example/");
-        assert_eq!(ecr.fallback_urls.iter().map(|u| u.to_string()).collect::<Vec<_>>(), ["https://b.example:8443/"]);
+        assert_eq!(
+            ecr.fallback_urls.iter().map(|u| (u.url.to_string(), u.credentials)).collect::<Vec<_>>(),
+            [("https://b.example:8443/".to_owned(), false)]
+        );
 
         let cases = [
             (
@@ -1439,6 +1706,76 @@ mod tests {
         // An http upstream may name http realms.
         let c = parse("[[upstream]]\nname = \"q.io\"\nurl = \"http://q.io\"\ntrusted_realms = [\"http://a.q.io\"]\n");
         assert!(c.is_ok(), "{c:?}");
+    }
+
+    #[test]
+    fn credentials_go_to_fallbacks_on_the_first_urls_site_unless_told() {
+        let c = parse(
+            "[[upstream]]\nname = \"docker.io\"\nusername = \"u\"\npassword = \"p\"\nurls = [\"https://registry-1.docker.io\", \
+             \"https://registry-2.docker.io\", \"https://mirror.gcr.io\", \
+             { url = \"https://hub.example\", credentials = true }, { url = \"https://index.docker.io\", credentials = false }]\n",
+        )
+        .unwrap();
+        let sent: Vec<(String, bool)> =
+            c.upstreams[0].fallback_urls.iter().map(|f| (f.url.host().unwrap().to_owned(), f.credentials)).collect();
+        let expected = [
+            ("registry-2.docker.io", true),
+            ("mirror.gcr.io", false),
+            ("hub.example", true),
+            ("index.docker.io", false),
+        ];
+        assert_eq!(sent, expected.map(|(h, c)| (h.to_owned(), c)));
+        let warnings = c.warnings();
+        assert_eq!(warnings.len(), 2, "{warnings:?}");
+        assert!(warnings[0].starts_with("`upstream[0].urls[2]`: \"mirror.gcr.io\" is not on the site"), "{warnings:?}");
+        assert!(warnings[0].contains("{ url = \"https://mirror.gcr.io\", credentials = true }"), "{warnings:?}");
+        assert!(
+            warnings[1]
+                .starts_with("`upstream[0].urls[3]`: upstream \"docker.io\" sends its credentials to \"hub.example\"")
+        );
+        // Without credentials there is nothing to warn about.
+        let anonymous = parse("[[upstream]]\nname = \"q.io\"\nurls = [\"https://q.io\", \"https://mirror.example\"]\n");
+        assert!(anonymous.unwrap().warnings().is_empty());
+        let e = parse("[[upstream]]\nname = \"q.io\"\nurls = [{ url = \"https://q.io\", credentials = false }]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`upstream[0].urls[0].credentials`"), "{e}");
+        let e = parse(
+            "[[upstream]]\nname = \"q.io\"\nurls = [\"https://q.io\", { url = \"https://m.q.io\", creds = true }]\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("unknown field `creds`"), "{e}");
+    }
+
+    #[test]
+    fn via_refuses_credentials_naming_both_keys() {
+        for (line, key) in [
+            ("username = \"u\"\npassword = \"p\"", "username"),
+            ("credential_helper = \"ecr-login\"", "credential_helper"),
+            ("password_env = \"HOME\"", "password_env"),
+        ] {
+            let text = format!(
+                "[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nvia = \"http://larder-hub:5000\"\n{line}\n"
+            );
+            let e = parse(&text).unwrap_err().to_string();
+            assert!(e.contains("`upstream[0].via`") && e.contains(&format!("`upstream[0].{key}`")), "{e}");
+        }
+        assert!(parse("[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nvia = \"http://hub:5000\"\n").is_ok());
+    }
+
+    #[test]
+    fn trusted_networks_are_networks() {
+        let c = parse(
+            "[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\ntrusted_networks = [\"10.20.0.0/16\", \"fd12::1/48\"]\n",
+        )
+        .unwrap();
+        let nets: Vec<String> = c.upstreams[0].trusted_networks.iter().map(|n| n.to_string()).collect();
+        assert_eq!(nets, ["10.20.0.0/16", "fd12::/48"]);
+        let e = parse("[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\ntrusted_networks = [\"10.20.0.0\"]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`upstream[0].trusted_networks[0]`"), "{e}");
     }
 
     #[test]

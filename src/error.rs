@@ -70,8 +70,21 @@ pub enum UpstreamError {
     Protocol(String),
     #[error("upstream content does not match digest {expected} (got {actual})")]
     DigestMismatch { expected: Digest, actual: String },
+    /// Authentication with upstream failed. The text is for larder's log
+    /// (it may name realms, files or helpers); a client is told only
+    /// that authentication failed ([`Error::into_response`]).
     #[error("upstream authentication failed: {0}")]
     Auth(String),
+    /// The upstream's credentials could not be read (a credential helper or
+    /// `password_file` failed). What failed is logged where it failed;
+    /// this text is all a client sees.
+    #[error("credentials for upstream {upstream:?} are unavailable")]
+    CredentialsUnavailable { upstream: String },
+    /// A redirect target or token realm larder refused to dial: a
+    /// downgrade to http, or an address that is not public
+    /// (`crate::upstream::dial`). `reason` is the metric label.
+    #[error("upstream sent larder to where it does not follow ({reason})")]
+    Refused { reason: &'static str },
 }
 
 impl From<std::io::Error> for Error {
@@ -117,7 +130,9 @@ impl Error {
                 UpstreamError::Status { .. }
                 | UpstreamError::Protocol(_)
                 | UpstreamError::DigestMismatch { .. }
-                | UpstreamError::Auth(_) => (S::BAD_GATEWAY, "UNAVAILABLE", None),
+                | UpstreamError::Auth(_)
+                | UpstreamError::CredentialsUnavailable { .. }
+                | UpstreamError::Refused { .. } => (S::BAD_GATEWAY, "UNAVAILABLE", None),
             },
             Error::Unauthorized { realm } => {
                 (S::UNAUTHORIZED, "UNAUTHORIZED", Some((header::WWW_AUTHENTICATE, format!("Basic realm=\"{realm}\""))))
@@ -145,6 +160,18 @@ impl Error {
         self.classify().0
     }
 
+    /// What a client is told. The same as `Display` (what the log says),
+    /// except for upstream authentication failures, whose details (realms,
+    /// helper messages, file names) stay in larder's log.
+    fn client_message(&self) -> String {
+        match self {
+            Error::Upstream(UpstreamError::Auth(_)) => {
+                "upstream authentication failed (details in larder's log)".into()
+            }
+            _ => self.to_string(),
+        }
+    }
+
     /// The response for this error. `head` omits the body (HEAD requests).
     pub fn into_response(self, head: bool) -> Response<Body> {
         let (status, code, extra) = self.classify();
@@ -154,7 +181,7 @@ impl Error {
             _ => serde_json::Value::Null,
         };
         let envelope = serde_json::json!({
-            "errors": [{ "code": code, "message": self.to_string(), "detail": detail }]
+            "errors": [{ "code": code, "message": self.client_message(), "detail": detail }]
         });
         let bytes = Bytes::from(envelope.to_string());
         let mut builder = Response::builder()

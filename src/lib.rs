@@ -23,6 +23,7 @@ pub mod oci;
 pub mod sendfile;
 pub mod server;
 pub mod shutdown;
+pub mod site;
 pub mod state;
 pub mod upstream;
 

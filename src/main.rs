@@ -201,6 +201,9 @@ fn main() -> ExitCode {
     };
     if let Some(Command::CheckConfig) = cli.command {
         let source = cli.config.as_ref().map_or("embedded default config".to_owned(), |p| p.display().to_string());
+        for warning in config.warnings() {
+            eprintln!("larder: {source}: warning: {warning}");
+        }
         println!("{source}: ok ({} upstreams)", config.upstreams.len());
         return ExitCode::SUCCESS;
     }
@@ -214,6 +217,9 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    for warning in config.warnings() {
+        tracing::warn!("config: {warning}");
+    }
     // Each client connection and each blob being read holds a descriptor;
     // the usual soft limit of 1024 is far below the connection limit.
     let wanted = config.server.max_connections as u64 + DESCRIPTOR_RESERVE;

@@ -94,6 +94,15 @@ pub struct Metrics {
     /// `upstream_tokens_cached{upstream}`: tokens held in the (bounded) token
     /// cache, as of the last token request.
     pub upstream_tokens_cached: IntGaugeVec,
+    /// `upstream_redirects_refused_total{reason}`: redirect targets and
+    /// token realms larder refused to dial. reason: `downgrade` (https to
+    /// http), or the class of the address (`loopback|link_local|metadata|
+    /// private|unspecified|multicast|reserved`).
+    pub upstream_redirects_refused: IntCounterVec,
+    /// `upstream_listings_refused_total{upstream,listing}`: `tags/list` or
+    /// `referrers` answers that were not a tag list or an image index
+    /// (answered 502, never relayed).
+    pub upstream_listings_refused: IntCounterVec,
 }
 
 const PREFIX: &str = "larder";
@@ -239,6 +248,16 @@ fn build() -> Result<Metrics, prometheus::Error> {
             "upstream_tokens_cached",
             "Tokens held in the token cache, as of the last token request",
             &["upstream"],
+        )?,
+        upstream_redirects_refused: counter_vec(
+            "upstream_redirects_refused_total",
+            "Redirect targets and token realms refused: https-to-http downgrades, or addresses that are not public",
+            &["reason"],
+        )?,
+        upstream_listings_refused: counter_vec(
+            "upstream_listings_refused_total",
+            "Upstream tags/list or referrers answers that were not a tag list or an image index",
+            &["upstream", "listing"],
         )?,
         registry,
     })

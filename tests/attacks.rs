@@ -34,17 +34,16 @@ mod fake;
 use std::future::Future;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use base64::Engine as _;
 use bytes::Bytes;
 use common::{Credentials, ImageBuilder, KIB, Origin, Upstream, skopeo};
 use fake::client::{self, End};
+use fake::recorder::Recorder;
 use fake::{FakeUpstream, Larder, MIB, OCI_MANIFEST, REPO, blob_path, digest, image_manifest, manifest_path};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::task::JoinHandle;
+use tokio::net::TcpStream;
 
 /// The second "host": larder must never dial it unless configured to.
 const OTHER_HOST: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
@@ -55,118 +54,6 @@ const PASSWORD: &str = "hunter2-must-never-leave";
 const NO_HANG: Duration = Duration::from_secs(30);
 
 const DOCKER_MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
-
-// ---- a host that only records ---------------------------------------------
-
-/// A listener that counts every connection it accepts and keeps every
-/// request head it reads, answering each with the same canned response.
-/// Stops when dropped.
-struct Recorder {
-    addr: SocketAddr,
-    seen: Arc<Mutex<Seen>>,
-    task: JoinHandle<()>,
-}
-
-#[derive(Default)]
-struct Seen {
-    connections: usize,
-    heads: Vec<String>,
-}
-
-impl Recorder {
-    /// Listens on `ip` (a free port) and answers every request with
-    /// `response` (a whole HTTP/1.1 response, head and body).
-    async fn start(ip: Ipv4Addr, response: Vec<u8>) -> Recorder {
-        let listener = TcpListener::bind((ip, 0)).await.unwrap_or_else(|e| panic!("bind a recorder on {ip}: {e}"));
-        let addr = listener.local_addr().expect("recorder address");
-        let seen = Arc::new(Mutex::new(Seen::default()));
-        let response = Arc::new(response);
-        let task = tokio::spawn({
-            let seen = Arc::clone(&seen);
-            async move {
-                while let Ok((stream, _)) = listener.accept().await {
-                    lock(&seen).connections += 1;
-                    tokio::spawn(answer(stream, Arc::clone(&seen), Arc::clone(&response)));
-                }
-            }
-        });
-        Recorder { addr, seen, task }
-    }
-
-    /// A "token service" that would hand any caller a token.
-    async fn token_service(ip: Ipv4Addr) -> Recorder {
-        Recorder::start(ip, http_response("200 OK", "application/json", br#"{"token":"stolen","expires_in":300}"#))
-            .await
-    }
-
-    /// A "CDN" that serves `blob` at any path.
-    async fn cdn(ip: Ipv4Addr, blob: &[u8]) -> Recorder {
-        Recorder::start(ip, http_response("200 OK", "application/octet-stream", blob)).await
-    }
-
-    fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    fn connections(&self) -> usize {
-        lock(&self.seen).connections
-    }
-
-    /// Every request head read so far (request line and headers).
-    fn heads(&self) -> Vec<String> {
-        lock(&self.seen).heads.clone()
-    }
-
-    /// Values of header `name` (case-insensitive) over every request.
-    fn header_values(&self, name: &str) -> Vec<String> {
-        self.heads()
-            .iter()
-            .flat_map(|head| head.split("\r\n").skip(1).map(str::to_owned).collect::<Vec<_>>())
-            .filter_map(|line| {
-                let (n, v) = line.split_once(':')?;
-                n.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
-            })
-            .collect()
-    }
-}
-
-impl Drop for Recorder {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-async fn answer(mut stream: TcpStream, seen: Arc<Mutex<Seen>>, response: Arc<Vec<u8>>) {
-    let mut head = Vec::new();
-    let mut buf = [0u8; 4096];
-    let read = async {
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 64 * KIB {
-            match stream.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => head.extend_from_slice(&buf[..n]),
-            }
-        }
-    };
-    let _ = tokio::time::timeout(NO_HANG, read).await;
-    let end = head.windows(4).position(|w| w == b"\r\n\r\n").unwrap_or(head.len());
-    lock(&seen).heads.push(String::from_utf8_lossy(&head[..end]).into_owned());
-    let _ = stream.write_all(&response).await;
-    let _ = stream.shutdown().await;
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn http_response(status: &str, content_type: &str, body: &[u8]) -> Vec<u8> {
-    let mut out = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    )
-    .into_bytes();
-    out.extend_from_slice(body);
-    out
-}
 
 // ---- helpers ----------------------------------------------------------------
 

@@ -7,6 +7,7 @@ pub mod headers;
 mod manifest;
 mod media;
 mod reference;
+pub mod referrers;
 pub mod tag_list;
 
 pub use digest::{Digest, DigestError, Hasher, Hex};

@@ -40,6 +40,15 @@ fn null_as_empty<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, 
     Ok(Option::<Vec<String>>::deserialize(d)?.unwrap_or_default())
 }
 
+/// Upstream's `tags/list` answer, checked and written anew (`name` and
+/// `tags`, nothing else), so that whatever else a body holds (an answer
+/// from somewhere a redirect led) never reaches a client; an error says why
+/// it is not a tag list.
+pub fn reserialize(body: &[u8]) -> Result<Vec<u8>, String> {
+    let list: TagList = serde_json::from_slice(body).map_err(|e| format!("not a tag list: {e}"))?;
+    serde_json::to_vec(&list).map_err(|e| e.to_string())
+}
+
 /// A page larder built from upstream's answer.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Paginated {
@@ -121,6 +130,17 @@ mod tests {
         assert_eq!(paginate(sorted, &Pagination::default()), None);
         assert_eq!(paginate(br#"{"name":"a","tags":null}"#, &Pagination::default()), None);
         assert_eq!(paginate(b"not json", &Pagination::from_query(Some("n=1"))), None);
+    }
+
+    #[test]
+    fn a_tag_list_is_written_anew_and_anything_else_refused() {
+        let out = reserialize(br#"{"name":"team/app","tags":["v1"],"child":["x"],"note":"dropped"}"#).unwrap();
+        assert_eq!(out, br#"{"name":"team/app","tags":["v1"]}"#);
+        assert_eq!(reserialize(br#"{"name":"a","tags":null}"#).unwrap(), br#"{"name":"a","tags":[]}"#);
+        let metadata = br#"{"Code":"Success","AccessKeyId":"ASIA","SecretAccessKey":"s3cret","Token":"t"}"#;
+        for body in [&metadata[..], b"not json", br#"{"name":"a","tags":[1]}"#, br#"{"tags":["v1"]}"#, b"[]"] {
+            assert!(reserialize(body).is_err(), "{}", String::from_utf8_lossy(body));
+        }
     }
 
     #[test]

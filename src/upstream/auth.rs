@@ -43,6 +43,9 @@ pub struct Hop<'a> {
     pub url: &'a Uri,
     /// One of the upstream's configured origins (`url`, `urls`).
     pub own: bool,
+    /// An own origin the upstream's credentials go to: `url`, and the
+    /// fallbacks of `urls` on its site or marked `credentials = true`.
+    pub credentials: bool,
     /// The repository the client asked for, the scope of last resort for the
     /// upstream's own origin when the path names none.
     pub requested: &'a RepoName,
@@ -62,7 +65,7 @@ impl Hop<'_> {
     }
 
     fn identity(&self) -> Identity {
-        if self.own { Identity::Upstream } else { Identity::Anonymous }
+        if self.credentials { Identity::Upstream } else { Identity::Anonymous }
     }
 }
 
@@ -111,7 +114,7 @@ impl Auth {
             return Ok((None, Presented::Nothing));
         };
         match challenge {
-            Challenge::Basic => match (&self.credentials, hop.own) {
+            Challenge::Basic => match (&self.credentials, hop.credentials) {
                 (Some(store), true) => {
                     let c = store.current().await?;
                     Ok((Some(basic(&c)?), Presented::Basic(c)))
@@ -162,6 +165,7 @@ impl Auth {
         };
         let realm_uri = checked.map_err(|refused| {
             self.failed("realm_refused");
+            tracing::warn!(upstream = self.upstream, why = refused.0, "refused a token realm");
             UpstreamError::Auth(refused.0)
         })?;
         self.challenges.insert(hop.origin(), challenge);
@@ -169,8 +173,8 @@ impl Auth {
         if let Some(token) = self.tokens.get(&key) {
             return bearer(&token);
         }
-        if !hop.own {
-            tracing::debug!(upstream = self.upstream, target = hop.origin(), "anonymous token for a redirect target");
+        if !hop.credentials {
+            tracing::debug!(upstream = self.upstream, target = hop.origin(), "anonymous token for this host");
         }
         let fetch = {
             let (http, tokens, key) = (http.clone(), self.tokens.clone(), key.clone());
@@ -191,13 +195,14 @@ impl Auth {
         }
     }
 
-    /// Basic credentials go only to the upstream's own origin.
+    /// Basic credentials go only to the upstream's own origins that get them.
     async fn answer_basic(&self, hop: &Hop<'_>) -> Result<HeaderValue, UpstreamError> {
-        if !hop.own {
+        if !hop.credentials {
             tracing::info!(
                 upstream = self.upstream,
                 target = hop.origin(),
-                "a redirect target asks for Basic credentials; larder sends credentials only to the upstream itself"
+                "a host asks for Basic credentials that larder does not send there (only to the upstream's url, \
+                 and to fallbacks of its urls on the same site or marked credentials = true)"
             );
             self.failed("denied");
             return Err(UpstreamError::Denied);
@@ -306,7 +311,7 @@ mod tests {
         let rewritten: Uri =
             "https://us-docker.pkg.dev/v2/k8s-artifacts-prod/images/pause/manifests/3.9".parse().unwrap();
         let cdn: Uri = "https://cdn.example/blob/abc".parse().unwrap();
-        let hop = |url, own| Hop { url, own, requested: &requested };
+        let hop = |url, own| Hop { url, own, credentials: own, requested: &requested };
         assert_eq!(hop(&own, true).repository(), Some(requested.clone()));
         assert_eq!(hop(&rewritten, false).repository().unwrap().as_str(), "k8s-artifacts-prod/images/pause");
         assert_eq!(hop(&cdn, false).repository(), None, "a redirect target's path names no repository");

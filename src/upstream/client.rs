@@ -1,6 +1,10 @@
 //! The HTTP client larder dials upstreams with: hyper-util's pooled client
 //! over rustls (web PKI roots plus an optional CA file), ALPN h2/http1.1,
 //! with the connect and response-header timeouts applied to every request.
+//!
+//! Two pools: one for the upstream's own origins (the operator named them),
+//! one for hosts the upstream named (redirect targets, token realms), whose
+//! connector dials only addresses [`super::dial`] allows.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,6 +18,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
+use super::dial::{DialPolicy, GuardedConnector};
 use crate::config::UpstreamConfig;
 use crate::error::UpstreamError;
 
@@ -29,47 +34,81 @@ const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 const UPSTREAM_H2_STREAM_WINDOW: u32 = 16 << 20;
 const UPSTREAM_H2_CONNECTION_WINDOW: u32 = 32 << 20;
 
+/// Who named the host a request goes to, which decides the pool it uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Named {
+    /// The operator: one of the upstream's `url`/`urls`.
+    ByOperator,
+    /// The upstream: a redirect target or a token realm, dialled only at
+    /// addresses [`super::dial::DialPolicy`] allows.
+    ByUpstream,
+}
+
 #[derive(Clone)]
 pub struct HttpClient {
-    inner: Client<HttpsConnector<HttpConnector>, Empty<Bytes>>,
+    upstream: Arc<str>,
+    own: Client<HttpsConnector<HttpConnector>, Empty<Bytes>>,
+    guarded: Client<HttpsConnector<GuardedConnector>, Empty<Bytes>>,
     response_timeout: Duration,
     body_idle_timeout: Duration,
 }
 
 impl HttpClient {
-    pub fn new(config: &UpstreamConfig) -> Result<HttpClient, String> {
+    pub fn new(config: &UpstreamConfig, policy: Arc<DialPolicy>) -> Result<HttpClient, String> {
         let tls = client_tls(config.ca_file.as_deref())?;
+        let connect_timeout = Some(config.connect_timeout);
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_nodelay(true);
-        http.set_connect_timeout(Some(config.connect_timeout));
-        let https = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
-            .https_or_http()
-            .enable_http1()
-            .enable_http2()
-            .wrap_connector(http);
-        let inner = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-            .http2_initial_stream_window_size(UPSTREAM_H2_STREAM_WINDOW)
-            .http2_initial_connection_window_size(UPSTREAM_H2_CONNECTION_WINDOW)
-            .build(https);
-        Ok(HttpClient { inner, response_timeout: config.response_timeout, body_idle_timeout: config.body_idle_timeout })
+        http.set_connect_timeout(connect_timeout);
+        let guarded = GuardedConnector::new(policy, |http| {
+            http.enforce_http(false);
+            http.set_nodelay(true);
+            http.set_connect_timeout(connect_timeout);
+        });
+        Ok(HttpClient {
+            upstream: config.name.as_str().into(),
+            own: pooled(https(tls.clone(), http)),
+            guarded: pooled(https(tls, guarded)),
+            response_timeout: config.response_timeout,
+            body_idle_timeout: config.body_idle_timeout,
+        })
     }
 
     pub fn body_idle_timeout(&self) -> Duration {
         self.body_idle_timeout
     }
 
-    /// Sends a request and waits for the response headers, at most the
-    /// configured response timeout.
-    pub async fn send(&self, req: Request<Empty<Bytes>>) -> Result<Response<Incoming>, UpstreamError> {
-        match tokio::time::timeout(self.response_timeout, self.inner.request(req)).await {
+    /// Sends a request to a host named by `named` and waits for the
+    /// response headers, at most the configured response timeout. A dial
+    /// refused by the guard is counted and logged here.
+    pub async fn send(&self, req: Request<Empty<Bytes>>, named: Named) -> Result<Response<Incoming>, UpstreamError> {
+        let sent = match named {
+            Named::ByOperator => tokio::time::timeout(self.response_timeout, self.own.request(req)).await,
+            Named::ByUpstream => tokio::time::timeout(self.response_timeout, self.guarded.request(req)).await,
+        };
+        match sent {
             Err(_) => Err(UpstreamError::Timeout("response headers")),
-            Ok(Err(e)) if e.is_connect() => Err(UpstreamError::Connect(error_chain(&e))),
-            Ok(Err(e)) => Err(UpstreamError::Protocol(error_chain(&e))),
+            Ok(Err(e)) => {
+                if let Some(refused) = super::dial::refusal_in(&e) {
+                    return Err(self.refused(refused.class.label(), &refused.to_string()));
+                }
+                match e.is_connect() {
+                    true => Err(UpstreamError::Connect(error_chain(&e))),
+                    false => Err(UpstreamError::Protocol(error_chain(&e))),
+                }
+            }
             Ok(Ok(resp)) => Ok(resp),
         }
+    }
+
+    /// Counts and logs a refused redirect target or realm (`reason` is a
+    /// label of `larder_upstream_redirects_refused_total`), and returns the
+    /// error the client gets.
+    pub fn refused(&self, reason: &'static str, why: &str) -> UpstreamError {
+        crate::metrics::metrics().upstream_redirects_refused.with_label_values(&[reason]).inc();
+        tracing::warn!(upstream = %self.upstream, reason, why, "refused to follow the upstream");
+        UpstreamError::Refused { reason }
     }
 
     /// Reads a whole (small) body, refusing more than `limit` bytes and
@@ -92,6 +131,29 @@ impl HttpClient {
             }
         }
     }
+}
+
+fn https<C>(tls: rustls::ClientConfig, connector: C) -> HttpsConnector<C> {
+    hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .enable_http2()
+        .wrap_connector(connector)
+}
+
+fn pooled<C>(connector: HttpsConnector<C>) -> Client<HttpsConnector<C>, Empty<Bytes>>
+where
+    C: tower_service::Service<http::Uri> + Clone + Send + Sync + 'static,
+    C::Response: hyper::rt::Read + hyper::rt::Write + hyper_util::client::legacy::connect::Connection + Send + Unpin,
+    C::Future: Send + Unpin + 'static,
+    C::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+        .http2_initial_stream_window_size(UPSTREAM_H2_STREAM_WINDOW)
+        .http2_initial_connection_window_size(UPSTREAM_H2_CONNECTION_WINDOW)
+        .build(connector)
 }
 
 /// The TLS settings larder dials with (upstreams, peers): the web PKI

@@ -19,6 +19,11 @@ use crate::metrics::metrics;
 
 /// How often a `password_file` is read again while it is in use.
 pub const PASSWORD_FILE_RECHECK: Duration = Duration::from_secs(2);
+/// A changed `password_file` is used only once two reads this far apart
+/// agree: a file rewritten in place (rather than by Kubernetes' symlink
+/// swap) can be read half-written, and a prefix of the new password sent
+/// upstream is a refused login that counts towards a lockout.
+pub const PASSWORD_FILE_SETTLE: Duration = Duration::from_millis(250);
 /// How long a credential helper's answer is used before the helper runs
 /// again. Docker's helpers say nothing about expiry; ECR's passwords last
 /// 12 h, and a refused password makes larder run the helper at once.
@@ -95,7 +100,10 @@ impl CredentialStore {
         match result {
             Ok(c) => Ok(c),
             Err(Error::Upstream(e)) => Err(e),
-            Err(e) => Err(UpstreamError::Auth(e.to_string())),
+            Err(e) => {
+                tracing::warn!(upstream = self.upstream, error = %e, "reading the upstream's credentials failed");
+                Err(UpstreamError::CredentialsUnavailable { upstream: self.upstream.clone() })
+            }
         }
     }
 
@@ -137,7 +145,12 @@ impl CredentialStore {
                                 tracing::warn!(upstream, error = %e, "credential helper failed; keeping its last answer");
                                 c
                             }
-                            None => return Err(Error::Upstream(UpstreamError::Auth(e.to_string()))),
+                            // The error quotes at most the first line of
+                            // the helper's stderr; it goes to the log only.
+                            None => {
+                                tracing::warn!(upstream, error = %e, "credential helper failed");
+                                return Err(Error::Upstream(UpstreamError::CredentialsUnavailable { upstream }));
+                            }
                         }
                     }
                 },
@@ -151,7 +164,9 @@ impl CredentialStore {
 }
 
 /// Reads a `password_file` again on the blocking pool. A file that cannot
-/// be read (a Secret mid-rotation) keeps the password read before.
+/// be read or is empty (a Secret mid-rotation, a file truncated to be
+/// rewritten) keeps the password read before, and so does a file still
+/// changing ([`PASSWORD_FILE_SETTLE`]).
 async fn read_password_file(
     upstream: &str,
     username: String,
@@ -159,24 +174,46 @@ async fn read_password_file(
     kept: Option<Credentials>,
 ) -> Result<Credentials, Error> {
     let shown = path.display().to_string();
-    let read = crate::blocking::blocking(move || Ok(std::fs::read_to_string(&path)?)).await;
+    let mut read = read_password(path.clone()).await;
+    let changed = |text: &String| kept.as_ref().is_some_and(|c| c.password.expose() != text);
+    if let (Ok(text), Some(_)) = (&read, &kept) {
+        if changed(text) {
+            tokio::time::sleep(PASSWORD_FILE_SETTLE).await;
+            if read_password(path).await.as_ref().ok() != Some(text) {
+                read = Err("it is still being written".to_owned());
+            }
+        }
+    }
     match (read, kept) {
         (Ok(text), kept) => {
-            let password = Secret::new(text.trim_end_matches(['\r', '\n']));
-            if kept.is_some_and(|c| c.password != password) {
+            if kept.is_some_and(|c| c.password.expose() != text) {
                 tracing::info!(upstream, file = shown, "password_file changed; using the new password");
             }
-            Ok(Credentials { username, password })
+            Ok(Credentials { username, password: Secret::new(text) })
         }
-        (Err(e), Some(c)) => {
+        (Err(why), Some(c)) => {
             metrics().upstream_auth_failures.with_label_values(&[upstream, "password_file"]).inc();
-            tracing::warn!(upstream, file = shown, error = %e, "cannot read password_file; keeping the password read before");
+            tracing::warn!(upstream, file = shown, why, "cannot use password_file; keeping the password read before");
             Ok(c)
         }
-        (Err(e), None) => {
+        (Err(why), None) => {
             metrics().upstream_auth_failures.with_label_values(&[upstream, "password_file"]).inc();
-            Err(Error::Upstream(UpstreamError::Auth(format!("cannot read password_file {shown}: {e}"))))
+            tracing::warn!(upstream, file = shown, why, "cannot use password_file");
+            Err(Error::Upstream(UpstreamError::CredentialsUnavailable { upstream: upstream.to_owned() }))
         }
+    }
+}
+
+/// The password in a `password_file`: its text without the trailing line
+/// break; an empty file is an error, as an unreadable one.
+async fn read_password(path: PathBuf) -> Result<String, String> {
+    let read = crate::blocking::blocking(move || Ok(std::fs::read_to_string(&path)?)).await;
+    match read {
+        Ok(text) => match text.trim_end_matches(['\r', '\n']) {
+            "" => Err("the file is empty".to_owned()),
+            password => Ok(password.to_owned()),
+        },
+        Err(e) => Err(e.to_string()),
     }
 }
 
@@ -220,10 +257,11 @@ mod tests {
         std::fs::remove_file(&secret).unwrap();
         store.slot.lock().unwrap().read = Instant::now().checked_sub(HELPER_ANSWER_LIFETIME);
         assert_eq!(store.current().await.unwrap(), second);
-        // Refused, and the helper fails: a clear error.
+        // Refused, and the helper fails: an error that names the upstream
+        // and nothing of the helper (its message goes to the log).
         store.refused(&second);
         let e = store.current().await.unwrap_err().to_string();
-        assert!(e.contains("docker-credential-test failed") && e.contains("no secret"), "{e}");
+        assert_eq!(e, "credentials for upstream \"credentials-test\" are unavailable");
     }
 
     /// How many times the helper of [`helper_store`] ran.
@@ -281,5 +319,47 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         store.refused(&new);
         assert_eq!(store.current().await.unwrap(), new, "an unreadable file keeps the password read before");
+        std::fs::write(&path, "").unwrap();
+        store.refused(&new);
+        assert_eq!(store.current().await.unwrap(), new, "an empty file keeps the password read before");
+        std::fs::write(&path, "\n").unwrap();
+        store.refused(&new);
+        assert_eq!(store.current().await.unwrap(), new, "so does a file of one line break");
+    }
+
+    #[tokio::test]
+    async fn a_password_file_still_being_written_is_not_used_until_it_settles() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("password");
+        std::fs::write(&path, "old\n").unwrap();
+        let source = CredentialSource::File { username: "u".into(), path: path.clone(), loaded: Secret::new("old") };
+        let store = Arc::new(CredentialStore::new("credentials-test", "r.example", &source));
+        let old = store.current().await.unwrap();
+        // An in-place rewrite, caught half-way: the reader sees a prefix,
+        // and the rest lands while it waits to read again.
+        std::fs::write(&path, "new-pass").unwrap();
+        store.refused(&old);
+        let reading = tokio::spawn({
+            let store = Arc::clone(&store);
+            async move { store.current().await }
+        });
+        tokio::time::sleep(PASSWORD_FILE_SETTLE / 5).await;
+        std::fs::write(&path, "new-password-whole\n").unwrap();
+        assert_eq!(reading.await.unwrap().unwrap(), old, "the prefix was never used");
+        store.refused(&old);
+        assert_eq!(store.current().await.unwrap().password.expose(), "new-password-whole", "settled: used");
+    }
+
+    #[tokio::test]
+    async fn an_unavailable_helper_is_a_general_error_for_the_client() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, _secret) = helper_store(dir.path());
+        // The helper prints its answer and then fails.
+        let Source::Helper(program) = &store.source else { unreachable!("a helper store") };
+        std::fs::write(program, "#!/bin/sh\necho '{\"Username\":\"u\",\"Secret\":\"s3cret\"}'\nexit 1\n").unwrap();
+        let e = store.current().await.unwrap_err();
+        assert!(matches!(&e, UpstreamError::CredentialsUnavailable { upstream } if upstream == "credentials-test"));
+        let shown = crate::error::Error::Upstream(e).to_string();
+        assert_eq!(shown, "credentials for upstream \"credentials-test\" are unavailable");
     }
 }

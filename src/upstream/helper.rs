@@ -2,9 +2,11 @@
 //! `docker-credential-<name> get`, writes the registry host to its stdin,
 //! and reads `{"ServerURL","Username","Secret"}` from its stdout (what
 //! `docker-credential-ecr-login`, `-gcr`, `-acr-env` and the desktop
-//! keychain helpers speak). The helper is bounded in time and output, its
-//! output is never logged (only a failing helper's message is quoted), and
-//! it is killed if it outlives its timeout.
+//! keychain helpers speak). The helper is bounded in time and output, and
+//! killed if it outlives its timeout. Its stdout is never quoted anywhere,
+//! not even when it fails: a helper may print its answer, secret included,
+//! and then exit non-zero. Only the first line of its stderr, bounded,
+//! goes into the error, which larder logs and never shows a client.
 
 use std::process::Stdio;
 use std::time::Duration;
@@ -20,7 +22,8 @@ use crate::config::{Credentials, Secret};
 pub const HELPER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most bytes read from a helper's stdout or stderr; more is an error.
 const MAX_HELPER_OUTPUT: u64 = 64 << 10;
-/// Longest part of a failing helper's message quoted in errors.
+/// Longest part of a failing helper's stderr quoted in errors (and so in
+/// larder's log).
 const MAX_QUOTED_MESSAGE: usize = 200;
 
 /// How running a helper failed; each names the program.
@@ -98,8 +101,9 @@ async fn run(program: &str, server: &str) -> Result<Credentials, HelperError> {
     let status = status.map_err(|e| failed(format!("waiting for it: {e}")))?;
     let (out, err) = (out.map_err(|e| failed(e.to_string()))?, err.map_err(|e| failed(e.to_string()))?);
     if !status.success() {
-        // docker's helpers print their error on stdout, others on stderr.
-        let message = quote(if err.trim().is_empty() { &out } else { &err });
+        // docker's own helpers print their error on stdout, where a secret
+        // may stand too: only stderr is quoted.
+        let message = quote(&err);
         return Err(HelperError::Failed { program: program.to_owned(), status: status.to_string(), message });
     }
     // The output holds the secret: it is parsed, never quoted.
@@ -124,13 +128,13 @@ async fn read_bounded(stream: impl AsyncRead + Unpin) -> std::io::Result<String>
     Ok(String::from_utf8_lossy(&buf).into_owned())
 }
 
-/// A failing helper's message, one line, printable, bounded.
-fn quote(message: &str) -> String {
-    let line = message.trim().lines().next().unwrap_or_default();
+/// The first line of a failing helper's stderr, printable, bounded.
+fn quote(stderr: &str) -> String {
+    let line = stderr.trim().lines().next().unwrap_or_default();
     let mut quoted: String =
         line.chars().filter(|c| !c.is_control()).take(MAX_QUOTED_MESSAGE).collect::<String>().trim().to_owned();
     if quoted.is_empty() {
-        quoted = "no message".into();
+        quoted = "nothing on stderr".into();
     }
     quoted
 }
@@ -156,7 +160,14 @@ mod tests {
             "echo",
             r#"read host; printf '{"ServerURL":"%s","Username":"AWS","Secret":"s3cret-%s"}' "$host" "$host""#,
         );
-        helper(dir.path(), "fails", "echo 'credentials not found in native keychain'; exit 1");
+        helper(dir.path(), "fails", "echo 'credentials not found in native keychain' >&2; exit 1");
+        // Prints its whole answer, then fails: nothing of stdout may show.
+        helper(
+            dir.path(),
+            "leaks",
+            r#"echo '{"Username":"AWS","Secret":"s3cret-leaked"}'; echo 'session expired' >&2; exit 1"#,
+        );
+        helper(dir.path(), "quiet", r#"echo '{"Username":"AWS","Secret":"s3cret-leaked"}'; exit 3"#);
         helper(dir.path(), "junk", "echo not json");
         helper(dir.path(), "identity", r#"echo '{"Username":"<token>","Secret":"refresh"}'"#);
 
@@ -172,6 +183,11 @@ mod tests {
         let e = run_in("fails").await.unwrap_err();
         assert_eq!(e.reason(), "helper_failed");
         assert!(e.to_string().contains("credentials not found in native keychain"), "{e}");
+        for (name, says) in [("leaks", "session expired"), ("quiet", "nothing on stderr")] {
+            let e = run_in(name).await.unwrap_err().to_string();
+            assert!(e.contains(says), "{e}");
+            assert!(!e.contains("s3cret") && !e.contains("Username"), "stdout is never quoted: {e}");
+        }
         let e = run_in("junk").await.unwrap_err();
         assert!(e.to_string().contains("not JSON"), "{e}");
         assert!(!e.to_string().contains("not json"), "the output itself is never quoted: {e}");

@@ -12,6 +12,7 @@ mod backoff;
 mod challenge;
 mod client;
 mod credentials;
+pub mod dial;
 pub mod health;
 mod helper;
 mod ratelimit;
@@ -40,7 +41,7 @@ use crate::error::{Error, UpstreamError};
 use crate::metrics::metrics;
 use crate::oci::{Digest, MAX_MANIFEST_SIZE, ManifestRefs, MediaType, Reference, RepoName};
 use auth::{Auth, Hop, Presented};
-use client::HttpClient;
+use client::{HttpClient, Named};
 use ratelimit::RateLimit;
 use tokio::time::Instant;
 
@@ -63,12 +64,18 @@ pub struct Upstream {
     /// Last error, last success and rate-limit headroom, for operators.
     pub health: health::Health,
     /// `url` and the fallbacks of `urls`, in order: the upstream's own origins.
-    origins: Vec<Uri>,
+    origins: Vec<Origin>,
     /// Per origin, until when it goes last after failing to connect.
     /// A std Mutex: never held across `.await`.
     demoted: Mutex<Vec<Option<Instant>>>,
     rate_limit: RateLimit,
     revalidation: Backoff,
+}
+
+/// One of the upstream's own origins, and whether its credentials go there.
+struct Origin {
+    uri: Uri,
+    credentials: bool,
 }
 
 /// An upstream response whose body is still open, with the concurrency
@@ -135,14 +142,19 @@ impl Upstream {
     /// Builds the client for one upstream (reads its `ca_file`: call it off
     /// the async threads).
     pub fn new(config: UpstreamConfig) -> Result<Upstream, String> {
-        let http = HttpClient::new(&config)?;
         let auth = Auth::new(&config);
         let permits = Arc::new(Semaphore::new(config.max_concurrency.get()));
-        // Through a hub larder (`via`), the hub is the only origin.
-        let origins: Vec<Uri> = match &config.via {
-            Some(hub) => vec![hub.clone()],
-            None => std::iter::once(&config.url).chain(&config.fallback_urls).cloned().collect(),
+        // Through a hub larder (`via`), the hub is the only origin (and
+        // such an upstream has no credentials: the config refuses them).
+        let origins: Vec<Origin> = match &config.via {
+            Some(hub) => vec![Origin { uri: hub.clone(), credentials: false }],
+            None => std::iter::once(Origin { uri: config.url.clone(), credentials: true })
+                .chain(config.fallback_urls.iter().map(|f| Origin { uri: f.url.clone(), credentials: f.credentials }))
+                .collect(),
         };
+        let own: Vec<&Uri> = origins.iter().map(|o| &o.uri).collect();
+        let policy = Arc::new(dial::DialPolicy::new(&own, &config.trusted_networks));
+        let http = HttpClient::new(&config, policy)?;
         if let Some(crate::config::CredentialSource::Helper(name)) = &config.credentials {
             let program = helper::program(name);
             let path = std::env::var_os("PATH").unwrap_or_default();
@@ -190,8 +202,9 @@ impl Upstream {
             .map_err(|e| UpstreamError::Protocol(format!("building upstream URL: {e}")))
     }
 
-    fn is_upstream_origin(&self, uri: &Uri) -> bool {
-        self.origins.iter().any(|o| uri.scheme() == o.scheme() && uri.authority() == o.authority())
+    /// The own origin `uri` is on, if it is on one.
+    fn own_origin(&self, uri: &Uri) -> Option<&Origin> {
+        self.origins.iter().find(|o| uri.scheme() == o.uri.scheme() && uri.authority() == o.uri.authority())
     }
 
     /// The origins in the order to try them: those not demoted first.
@@ -239,7 +252,7 @@ impl Upstream {
         };
         let mut order = self.origin_order().into_iter().peekable();
         while let Some(i) = order.next() {
-            let result = self.open_from(&self.origins[i], &method, path_and_query, repo, accept, from).await;
+            let result = self.open_from(&self.origins[i].uri, &method, path_and_query, repo, accept, from).await;
             let unreachable = matches!(result, Err(UpstreamError::Connect(_) | UpstreamError::Timeout(_)));
             self.demote(i, unreachable.then(|| Instant::now() + FAILOVER_PAUSE));
             let failed = unreachable || result.as_ref().is_ok_and(|r| r.status().is_server_error());
@@ -248,7 +261,7 @@ impl Upstream {
                     Ok(r) => r.status().to_string(),
                     Err(e) => e.to_string(),
                 };
-                tracing::warn!(upstream = self.name(), url = %self.origins[i], why, "trying the next of its urls");
+                tracing::warn!(upstream = self.name(), url = %self.origins[i].uri, why, "trying the next of its urls");
                 continue;
             }
             return result.map(|response| Opened { response, permit });
@@ -257,10 +270,11 @@ impl Upstream {
     }
 
     /// One request from one origin: a 401 is answered once per hop through
-    /// [`Auth`] (the upstream's credentials for its own origin, an anonymous
-    /// token for a redirect target), redirects are followed up to
-    /// [`MAX_REDIRECTS`]. `Authorization` only ever carries what [`Auth`]
-    /// chose for that hop's origin.
+    /// [`Auth`] (the upstream's credentials for its own origins that get
+    /// them, an anonymous token elsewhere), redirects are followed up to
+    /// [`MAX_REDIRECTS`], never from https to http, and a redirect target
+    /// is dialled only at an address [`dial`] allows. `Authorization` only
+    /// ever carries what [`Auth`] chose for that hop's origin.
     async fn open_from(
         &self,
         base: &Uri,
@@ -274,7 +288,13 @@ impl Upstream {
         let mut answer: Option<HeaderValue> = None;
         let mut redirects = 0;
         loop {
-            let hop = Hop { url: &url, own: self.is_upstream_origin(&url), requested: repo };
+            let origin = self.own_origin(&url);
+            let hop = Hop {
+                url: &url,
+                own: origin.is_some(),
+                credentials: origin.is_some_and(|o| o.credentials),
+                requested: repo,
+            };
             let (authorization, presented) = match answer.take() {
                 Some(fresh) => (Some(fresh), Presented::Fresh),
                 None => self.auth.up_front(&hop).await?,
@@ -293,7 +313,8 @@ impl Upstream {
             let req = req
                 .body(Empty::<Bytes>::new())
                 .map_err(|e| UpstreamError::Protocol(format!("building request: {e}")))?;
-            let resp = self.send(req, method).await?;
+            let named = if hop.own { Named::ByOperator } else { Named::ByUpstream };
+            let resp = self.send(req, method, named).await?;
             let status = resp.status();
             if hop.own {
                 self.rate_limit.observe(method, status, resp.headers());
@@ -315,7 +336,13 @@ impl Upstream {
                 if redirects > MAX_REDIRECTS {
                     return Err(UpstreamError::Protocol(format!("more than {MAX_REDIRECTS} redirects")));
                 }
-                url = resolve_location(&url, location)?;
+                let target = resolve_location(&url, location)?;
+                if url.scheme() == Some(&http::uri::Scheme::HTTPS) && target.scheme() != Some(&http::uri::Scheme::HTTPS)
+                {
+                    let why = format!("{} redirects to {}", without_query(&url), without_query(&target));
+                    return Err(self.http.refused("downgrade", &why));
+                }
+                url = target;
                 continue;
             }
             return Ok(resp);
@@ -323,9 +350,14 @@ impl Upstream {
     }
 
     /// Sends one request, counted and timed per upstream.
-    async fn send(&self, req: Request<Empty<Bytes>>, method: &Method) -> Result<Response<Incoming>, UpstreamError> {
+    async fn send(
+        &self,
+        req: Request<Empty<Bytes>>,
+        method: &Method,
+        named: Named,
+    ) -> Result<Response<Incoming>, UpstreamError> {
         let started = std::time::Instant::now();
-        let sent = self.http.send(req).await;
+        let sent = self.http.send(req, named).await;
         let m = metrics();
         m.upstream_duration.with_label_values(&[self.name()]).observe(started.elapsed().as_secs_f64());
         let status_label = sent.as_ref().map_or("error", |r| status_label(r.status()));
@@ -446,15 +478,29 @@ impl Upstream {
             StatusCode::NOT_FOUND => return Ok(None),
             status => return Err(failure(status, resp.headers()).into()),
         }
-        let default_type = match listing {
-            Listing::Tags => HeaderValue::from_static("application/json"),
-            Listing::Referrers(_) => HeaderValue::from_static(MediaType::OciIndex.as_str()),
-        };
-        let content_type = resp.headers().get(CONTENT_TYPE).cloned().unwrap_or(default_type);
         let link = resp.headers().get(LINK).cloned();
         let filters_applied = resp.headers().get("oci-filters-applied").cloned();
         let body = self.http.read_body(resp.into_body(), MAX_LIST_PAGE).await?;
-        Ok(Some(Page { body, content_type, link, filters_applied }))
+        // Parsed and written anew, never relayed: a body that is not a
+        // listing (an answer from wherever a redirect led) stops here.
+        // The parser's words may quote the body: they go to the log only.
+        let (checked, content_type, label, expected) = match listing {
+            Listing::Tags => (crate::oci::tag_list::reserialize(&body), "application/json", "tags", "a tag list"),
+            Listing::Referrers(_) => {
+                (crate::oci::referrers::reserialize(&body), MediaType::OciIndex.as_str(), "referrers", "an image index")
+            }
+        };
+        let body = checked.map_err(|why| {
+            metrics().upstream_listings_refused.with_label_values(&[self.name(), label]).inc();
+            tracing::warn!(upstream = self.name(), %repo, listing = label, why, "refused an upstream listing");
+            UpstreamError::Protocol(format!("the {label} answer is not {expected}"))
+        })?;
+        Ok(Some(Page {
+            body: Bytes::from(body),
+            content_type: HeaderValue::from_static(content_type),
+            link,
+            filters_applied,
+        }))
     }
 }
 
@@ -493,6 +539,12 @@ fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
 /// `Content-Length` of a response, if present and valid.
 pub fn content_length(headers: &HeaderMap) -> Option<u64> {
     header_str(headers, CONTENT_LENGTH.as_str()).and_then(|v| v.trim().parse().ok())
+}
+
+/// `scheme://authority/path` of a URL, for logs: a signed CDN URL's query
+/// is a credential of its own.
+fn without_query(uri: &Uri) -> String {
+    format!("{}://{}{}", uri.scheme_str().unwrap_or("?"), uri.authority().map_or("", |a| a.as_str()), uri.path())
 }
 
 /// Resolves a `Location` header (absolute or relative) against the request URL.

@@ -2,19 +2,21 @@
 //! rule 1 and 2). A realm is where larder sends credentials, so a realm
 //! named by a challenge is trusted only if it belongs to whoever challenged:
 //!
-//! - for the upstream itself: its host, or (for DNS names) the same
-//!   registrable domain per the public suffix list, or an entry of the
+//! - for the upstream itself: its host, or another host of its site
+//!   ([`crate::site`]: the same registrable domain, but never across
+//!   tenants of a cloud domain such as `azurecr.io`, or across namespaces
+//!   under `cluster.local`), or an entry of the
 //!   upstream's `trusted_realms` (nvcr.io and Scarf front-ends name realms
 //!   on other domains);
 //! - for a redirect target (which only ever gets anonymous token requests):
-//!   the target's host or registrable domain, nothing else.
+//!   the target's host or another host of its site, nothing else.
 //!
 //! https only, http only when whoever challenged is http itself; an IP
 //! literal or `localhost` only when it is exactly the challenger's host.
 
-use std::net::IpAddr;
-
 use http::Uri;
+
+use crate::site::{host_of, same_site};
 
 /// Why a realm was refused; the message names the realm and, for the
 /// upstream, the `trusted_realms` key that would allow it.
@@ -33,7 +35,7 @@ pub fn for_upstream(realm: &str, upstream_name: &str, challenger: &Uri, trusted:
         return Ok(uri);
     }
     Err(Refused(format!(
-        "token realm host {host:?} is not upstream {own:?} or its registrable domain; \
+        "token realm host {host:?} is not upstream {own:?} or another host of its site; \
          to send this upstream's credentials there, list it in `trusted_realms` of upstream {upstream_name:?}: \
          trusted_realms = [{:?}]",
         without_query(&uri)
@@ -50,8 +52,8 @@ pub fn for_redirect_target(realm: &str, target: &Uri) -> Result<Uri, Refused> {
         return Ok(uri);
     }
     Err(Refused(format!(
-        "token realm host {host:?} named by redirect target {own:?} is not on that host or its registrable \
-         domain; larder asks only a redirect target's own realm for an anonymous token"
+        "token realm host {host:?} named by redirect target {own:?} is not on that host or its site; \
+         larder asks only a redirect target's own realm for an anonymous token"
     )))
 }
 
@@ -68,20 +70,6 @@ fn scheme_allowed(realm: &str, uri: &Uri, challenger: &Uri) -> Result<(), Refuse
         (Some("https"), _) | (Some("http"), Some("http")) => Ok(()),
         _ => Err(Refused(format!("token realm {realm:?} is not https, and credentials never travel in clear text"))),
     }
-}
-
-/// The lowercase host of a URL, without IPv6 brackets.
-fn host_of(uri: &Uri) -> String {
-    uri.host().unwrap_or_default().trim_matches(['[', ']']).to_ascii_lowercase()
-}
-
-fn is_literal(host: &str) -> bool {
-    host.parse::<IpAddr>().is_ok() || host == "localhost"
-}
-
-/// The same host, or two DNS names under the same registrable domain.
-fn same_site(a: &str, b: &str) -> bool {
-    a == b || (!is_literal(a) && !is_literal(b) && psl::domain_str(a).is_some_and(|d| Some(d) == psl::domain_str(b)))
 }
 
 /// Whether `realm` is what a `trusted_realms` entry lists: the same scheme,
@@ -128,6 +116,19 @@ mod tests {
         assert!(upstream_ok("https://ghcr.io/token", "https://ghcr.io", &[]));
         // Different registrable domains under a public suffix.
         assert!(!upstream_ok("https://b.github.io/token", "https://a.github.io", &[]));
+        // Tenants of one cloud domain, and Services of one cluster, are
+        // not one site: another tenant's realm needs trusted_realms.
+        let ecr = "https://123456789012.dkr.ecr.us-east-1.amazonaws.com";
+        assert!(!upstream_ok("https://210987654321.dkr.ecr.us-east-1.amazonaws.com/token", ecr, &[]));
+        assert!(!upstream_ok("https://theirs.azurecr.io/oauth2/token", "https://mine.azurecr.io", &[]));
+        assert!(upstream_ok("https://mine.azurecr.io/oauth2/token", "https://mine.azurecr.io", &[]));
+        let svc = "http://registry.ns.svc.cluster.local:5000";
+        assert!(!upstream_ok("http://evil.other.svc.cluster.local/token", svc, &[]));
+        assert!(upstream_ok(
+            "http://evil.other.svc.cluster.local/token",
+            svc,
+            &["http://evil.other.svc.cluster.local"]
+        ));
         // IP literals and localhost only as exactly the upstream's host.
         assert!(upstream_ok("http://127.0.0.1:9999/token", "http://127.0.0.1:5000", &[]));
         assert!(!upstream_ok("http://127.0.0.2:9999/token", "http://127.0.0.1:5000", &[]));

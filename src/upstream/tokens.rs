@@ -178,7 +178,9 @@ pub async fn fetch(
     }
     let req =
         req.body(Empty::<Bytes>::new()).map_err(|e| UpstreamError::Auth(format!("building token request: {e}")))?;
-    let resp = http.send(req).await?;
+    // A realm is named by a challenge, not by the operator: dialled only
+    // at addresses the upstream's dial policy allows.
+    let resp = http.send(req, super::client::Named::ByUpstream).await?;
     let status = resp.status();
     match status.as_u16() {
         200 => {}

@@ -1,7 +1,8 @@
 //! Test kit for larder's fault-injection tests: a fake upstream registry
 //! with faults to inject ([`FakeUpstream`]), a larder process per test
-//! ([`Larder`]), and raw-TCP HTTP/1.1 clients that can read slowly, leave
-//! early, and tell an aborted body from a complete one ([`client`]).
+//! ([`Larder`]), raw-TCP HTTP/1.1 clients that can read slowly, leave
+//! early, and tell an aborted body from a complete one ([`client`]), and
+//! hosts that only record what reaches them ([`recorder`]).
 //!
 //! Each test file includes this folder with `mod fake;` and uses a part of
 //! it, so items one file does not use are expected.
@@ -9,6 +10,7 @@
 
 pub mod client;
 mod larder;
+pub mod recorder;
 // The same file as `common::settle`: some test binaries include `fake`
 // without `common`, and those that include both compile it twice.
 #[allow(clippy::duplicate_mod)]
