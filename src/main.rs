@@ -204,7 +204,8 @@ fn main() -> ExitCode {
         for warning in config.warnings() {
             eprintln!("larder: {source}: warning: {warning}");
         }
-        println!("{source}: ok ({} upstreams)", config.upstreams.len());
+        let n = config.upstreams.len();
+        println!("{source}: ok ({n} {})", if n == 1 { "upstream" } else { "upstreams" });
         return ExitCode::SUCCESS;
     }
     if let Some(Command::Verify { repair }) = cli.command {
