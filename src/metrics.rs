@@ -38,6 +38,9 @@ pub struct Metrics {
     /// `admin_auth_failures_total{endpoint,reason}`: admin operations
     /// refused; reason `missing|wrong|disabled`.
     pub admin_auth_failures: IntCounterVec,
+    /// `client_auth_throttled_total{reason}`: client password checks
+    /// answered 429 before bcrypt; reason `peer_limit|queue_wait`.
+    pub client_auth_throttled: IntCounterVec,
     /// `ready`: 1 when the last readiness check (on every `/readyz` and
     /// every scrape) passed, 0 when it failed.
     pub ready: IntGauge,
@@ -185,6 +188,11 @@ fn build() -> Result<Metrics, prometheus::Error> {
             "admin_auth_failures_total",
             "Admin operations refused for a missing or wrong token, or because they are disabled",
             &["endpoint", "reason"],
+        )?,
+        client_auth_throttled: counter_vec(
+            "client_auth_throttled_total",
+            "Client password checks answered 429 because bcrypt's queue was full for the address or overall",
+            &["reason"],
         )?,
         ready,
         cache_max_size,
