@@ -82,6 +82,11 @@ struct AdminArgs {
     /// File holding the admin token (or the token itself in LARDER_ADMIN_TOKEN).
     #[arg(long, env = "LARDER_ADMIN_TOKEN_FILE")]
     token_file: Option<PathBuf>,
+    /// CA certificates (PEM) to trust for an https admin listener, beside
+    /// the public roots (with --config, larder's own admin certificate is
+    /// trusted as it is).
+    #[arg(long, env = "LARDER_ADMIN_CA_FILE")]
+    ca_file: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -155,6 +160,7 @@ fn operator(command: Command, config_path: Option<&PathBuf>) -> ExitCode {
         admin: admin.admin.clone(),
         token_file: admin.token_file.clone(),
         token: std::env::var(larder::cli::TOKEN_ENV).ok().filter(|t| !t.is_empty()),
+        ca_file: admin.ca_file.clone(),
     };
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,
@@ -202,6 +208,9 @@ fn main() -> ExitCode {
     if let Some(Command::CheckConfig) = cli.command {
         let source = cli.config.as_ref().map_or("embedded default config".to_owned(), |p| p.display().to_string());
         println!("{source}: ok ({} upstreams)", config.upstreams.len());
+        for line in larder::server::admin::explain(&config) {
+            println!("{line}");
+        }
         return ExitCode::SUCCESS;
     }
     if let Some(Command::Verify { repair }) = cli.command {
