@@ -87,6 +87,10 @@ struct AdminArgs {
     /// trusted as it is).
     #[arg(long, env = "LARDER_ADMIN_CA_FILE")]
     ca_file: Option<PathBuf>,
+    /// Verify the admin certificate under this DNS name instead of the
+    /// URL's host (e.g. the Service's name through a port-forward).
+    #[arg(long, env = "LARDER_ADMIN_TLS_NAME")]
+    tls_name: Option<String>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -161,6 +165,7 @@ fn operator(command: Command, config_path: Option<&PathBuf>) -> ExitCode {
         token_file: admin.token_file.clone(),
         token: std::env::var(larder::cli::TOKEN_ENV).ok().filter(|t| !t.is_empty()),
         ca_file: admin.ca_file.clone(),
+        tls_name: admin.tls_name.clone(),
     };
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,

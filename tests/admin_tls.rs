@@ -77,6 +77,7 @@ fn cli(args: &[&str]) -> Output {
         .env_remove("LARDER_ADMIN_TOKEN")
         .env_remove("LARDER_ADMIN_TOKEN_FILE")
         .env_remove("LARDER_ADMIN_CA_FILE")
+        .env_remove("LARDER_ADMIN_TLS_NAME")
         .output()
         .expect("run larder")
 }
@@ -121,6 +122,13 @@ async fn with_server_tls_the_admin_listener_speaks_tls_and_the_cli_reaches_it() 
     let out = cli(&purge);
     assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
     assert!(stdout(&out).starts_with(&format!("purged {ORIGIN_NAME}: ")), "{}", stdout(&out));
+
+    // --tls-name: verified under another name the certificate carries (as through a
+    // port-forward to the Service); a name it does not carry fails.
+    let out = cli(&["status", "--admin", &url, "--ca-file", &path(&ca_file), "--tls-name", "localhost"]);
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    let out = cli(&["status", "--admin", &url, "--ca-file", &path(&ca_file), "--tls-name", "other.example"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
 
     // Without trust in the certificate, the CLI refuses to talk (and says why).
     let out = cli(&["status", "--admin", &url]);

@@ -56,6 +56,10 @@ pub struct Trust {
     /// larder's own admin certificate, read from its config: accepted as
     /// itself, whatever it names.
     pub pinned: Option<CertificateDer<'static>>,
+    /// The name the certificate is verified under (and sent as SNI)
+    /// instead of the URL's host (`--tls-name`): through a port-forward to
+    /// 127.0.0.1, the certificate names the Service, not 127.0.0.1.
+    pub name: Option<ServerName<'static>>,
 }
 
 /// The web PKI (plus `--ca-file`) verifier, and the pinned certificate.
@@ -134,7 +138,7 @@ impl AdminClient {
         let roots = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), Arc::clone(&provider))
             .build()
             .map_err(|e| CallError::Usage(format!("--ca-file: {e}")))?;
-        let verifier = PinnedOrRoots { pinned: trust.pinned, roots };
+        let verifier = PinnedOrRoots { pinned: trust.pinned.clone(), roots };
         let tls = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .map_err(|e| CallError::Usage(e.to_string()))?
@@ -144,11 +148,12 @@ impl AdminClient {
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_connect_timeout(Some(CONNECT_TIMEOUT));
-        let https = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(http);
+        let https = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls).https_or_http();
+        let https = match trust.name {
+            Some(name) => https.with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(name)),
+            None => https,
+        };
+        let https = https.enable_http1().wrap_connector(http);
         Ok(AdminClient { base, token, inner: Client::builder(TokioExecutor::new()).build(https) })
     }
 

@@ -38,6 +38,9 @@ pub struct Target {
     /// `--ca-file` (or `LARDER_ADMIN_CA_FILE`): CA certificates (PEM) to
     /// trust for an https admin listener, beside the web PKI roots.
     pub ca_file: Option<PathBuf>,
+    /// `--tls-name` (or `LARDER_ADMIN_TLS_NAME`): the DNS name the admin
+    /// certificate is verified under, instead of the URL's host.
+    pub tls_name: Option<String>,
 }
 
 /// The URL clients use for a listen address: a wildcard becomes loopback.
@@ -108,7 +111,16 @@ impl Target {
             (None, None, Some(path)) => Some(read_token(path)?),
             (None, None, None) => generated_token(config)?,
         };
+        let name = self
+            .tls_name
+            .as_deref()
+            .map(|n| {
+                rustls::pki_types::ServerName::try_from(n.to_owned())
+                    .map_err(|e| CallError::Usage(format!("--tls-name {n:?}: {e}")))
+            })
+            .transpose()?;
         let trust = Trust {
+            name,
             extra_roots: self.ca_file.as_deref().map(read_certs).transpose()?.unwrap_or_default(),
             // With --config, larder's own admin certificate is trusted as
             // itself, whatever names it carries (127.0.0.1 rarely is one).
