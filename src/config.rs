@@ -1498,6 +1498,52 @@ mod tests {
     }
 
     #[test]
+    fn admin_allowed_hosts_and_tls_are_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        for f in ["tls.crt", "tls.key", "admin.crt", "admin.key"] {
+            std::fs::write(dir.path().join(f), "pem").unwrap();
+        }
+        let parse_in = |text: &str| Config::parse(&format!("{text}\n{MINIMAL}"), "t.toml", Some(dir.path()));
+        let hosts =
+            parse_in("[admin]\nallowed_hosts = [\"Larder-Admin.larder.svc.\", \"*.larder.svc\", \"[fd00::5]\"]")
+                .unwrap()
+                .admin
+                .allowed_hosts;
+        assert_eq!(
+            hosts,
+            vec![
+                AdminHost::Name("larder-admin.larder.svc".into()),
+                AdminHost::Subdomains("larder.svc".into()),
+                AdminHost::Ip("fd00::5".parse().unwrap()),
+            ]
+        );
+        for bad in ["larder:9090", "http://larder", "*", "a/b", "*.*.x", ""] {
+            let e = parse_in(&format!("[admin]\nallowed_hosts = [{bad:?}]")).unwrap_err().to_string();
+            assert!(e.contains("`admin.allowed_hosts`"), "{bad}: {e}");
+        }
+
+        let server_tls = "[server]\ntls = { cert = \"tls.crt\", key = \"tls.key\", client_ca = \"tls.crt\" }";
+        let follows = parse_in(server_tls).unwrap().admin;
+        let tls = follows.tls.expect("[server.tls]'s certificate by default");
+        assert_eq!((tls.cert, tls.client_ca, follows.tls_is_server), (dir.path().join("tls.crt"), None, true));
+        assert!(parse_in(&format!("{server_tls}\n[admin]\ntls = \"off\"")).unwrap().admin.tls.is_none());
+        assert!(parse_in("").unwrap().admin.tls.is_none(), "no [server.tls]: plain");
+        let own = parse_in("[admin.tls]\ncert = \"admin.crt\"\nkey = \"admin.key\"").unwrap().admin;
+        assert_eq!((own.tls.unwrap().key, own.tls_is_server), (dir.path().join("admin.key"), false));
+        for (bad, says) in [
+            ("[admin]\ntls = \"server\"", "no [server.tls]"),
+            ("[admin]\ntls = \"on\"", "is not \"server\", \"off\""),
+            ("[admin]\ntls = true", "is not \"server\", \"off\""),
+            ("[admin.tls]\ncert = \"admin.crt\"", "missing field `key`"),
+            ("[admin.tls]\ncert = \"admin.crt\"\nkey = \"admin.key\"\nclient_ca = \"x\"", "unknown field"),
+            ("[admin.tls]\ncert = \"nope.crt\"\nkey = \"admin.key\"", "`admin.tls.cert`"),
+        ] {
+            let e = parse_in(bad).unwrap_err().to_string();
+            assert!(e.contains(says) && e.contains("admin.tls"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
     fn docker_io_by_name_or_alias_defaults_to_the_library_namespace() {
         let upstream = |extra: &str| {
             let c = parse(&format!("[[upstream]]\n{extra}\n")).unwrap();

@@ -18,7 +18,7 @@
 //! status page) stay open.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use http::HeaderMap;
@@ -100,11 +100,6 @@ impl AdminAuth {
             Rule::Token { file, generated } => Some((file, *generated)),
             Rule::Disabled => None,
         }
-    }
-
-    /// The token file's path, if any.
-    pub fn path(&self) -> Option<PathBuf> {
-        self.token_file().map(|(f, _)| f.path().to_owned())
     }
 
     /// Whether a request with `headers` (and `uri`) may run a mutating operation.

@@ -240,3 +240,26 @@ impl Admin {
         ready
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+
+    fn explained(extra: &str) -> String {
+        let text = format!("{extra}\n[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\n");
+        super::explain(&Config::parse(&text, "t.toml", None).unwrap()).join("\n")
+    }
+
+    #[test]
+    fn check_config_explains_who_may_operate_from_where() {
+        assert_eq!(explained(""), "", "no admin listener, nothing to say");
+        let loopback = explained("[server]\nadmin_listen = \"127.0.0.1:9090\"\n[cache]\ndir = \"/data\"");
+        assert!(loopback.contains("writes a new token to /data/admin-token"), "{loopback}");
+        assert!(loopback.contains("plain HTTP"), "{loopback}");
+        let reachable = explained(
+            "[server]\nadmin_listen = \"10.0.0.7:9090\"\n[admin]\nallowed_hosts = [\"a.example\", \"*.b.example\"]",
+        );
+        assert!(reachable.contains("are refused (403)"), "{reachable}");
+        assert!(reachable.contains("a loopback address, localhost, 10.0.0.7, a.example, *.b.example"), "{reachable}");
+    }
+}
