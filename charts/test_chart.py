@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import http.client
 import json
 import logging
 import os
@@ -332,8 +333,9 @@ def http_status(url: str, headers: dict[str, str] | None = None) -> int | str:
             return resp.status
     except urllib.error.HTTPError as e:
         return e.code
-    except OSError as e:
-        return str(e)
+    except (OSError, http.client.HTTPException) as e:
+        # HTTPException: not HTTP at all (e.g. a TLS alert from a TLS port).
+        return f"{type(e).__name__}: {e}"
 
 
 def wait_healthy(proc: subprocess.Popen, admin: str, timeout: float = 20.0) -> int | str:
@@ -343,6 +345,19 @@ def wait_healthy(proc: subprocess.Popen, admin: str, timeout: float = 20.0) -> i
     status: int | str = "not started"
     while time.monotonic() < deadline and proc.poll() is None:
         status = http_status(f"http://{admin}/healthz")
+        if status == 200:
+            break
+        time.sleep(0.05)
+    return status
+
+
+def wait_healthy_tls(proc: subprocess.Popen, port: int, ca: Path, name: str, timeout: float = 20.0) -> int | str:
+    """wait_healthy for an admin port that speaks TLS: `/healthz` over
+    https, the certificate verified under `name` with `ca`."""
+    deadline = time.monotonic() + timeout
+    status: int | str = "not started"
+    while time.monotonic() < deadline and proc.poll() is None:
+        status = _tls_status(port, ca, name, "/healthz", {})
         if status == 200:
             break
         time.sleep(0.05)
@@ -508,6 +523,7 @@ def check_mirror_pod(r: Rendered, node: bool, fullname: str = "larder") -> None:
     check(f"[{L}] RUST_LOG from logLevel", env.get("RUST_LOG") == "larder=info", env)
     ports = {p["name"]: p for p in c["ports"]}
     check(f"[{L}] admin port 9090", ports.get("admin", {}).get("containerPort") == 9090, ports)
+    admin_tls = r.toml(fullname).get("admin", {}).get("tls") == "server"
     for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz"), ("startupProbe", "/healthz")):
         g = c.get(probe, {}).get("httpGet", {})
         check(
@@ -515,6 +531,9 @@ def check_mirror_pod(r: Rendered, node: bool, fullname: str = "larder") -> None:
             g.get("path") == path and named_port(c, g.get("port")) == 9090,
             g,
         )
+        # The admin port speaks TLS exactly when larder.toml says so: the probe's scheme follows.
+        want = "HTTPS" if admin_tls else "HTTP"
+        check(f"[{L}] {probe} scheme {want} (admin TLS: {admin_tls})", g.get("scheme", "HTTP") == want, g)
     res = c["resources"]
     check(
         f"[{L}] resources 100m/320Mi requests, 512Mi limit",
@@ -1669,6 +1688,93 @@ def check_cluster_tls() -> None:
         check_config(L, r.toml_text(), env={"POD_IP": "fd00:10:244::7"})
 
 
+def check_admin_tls_and_hosts() -> None:
+    """Issue 23: with config.tls the admin port speaks TLS too: larder.toml
+    says `[admin] tls = "server"`, the probes use HTTPS and the
+    ServiceMonitor scrapes https (insecureSkipVerify unless a tlsConfig is
+    given); config.tls.admin=false keeps all three plain. `[admin]
+    allowed_hosts` lists the admin Service's names (and the headless
+    Service's pods in deployment mode) plus config.adminAllowedHosts."""
+    L = "default admin hosts"
+    r = render(L, {})
+    if r:
+        admin = r.toml()["admin"]
+        check(
+            f"[{L}] allowed_hosts: the admin Service's names and the pods under the headless Service",
+            admin.get("allowed_hosts")
+            == [
+                "larder-admin",
+                "larder-admin.cache",
+                "larder-admin.cache.svc",
+                "larder-admin.cache.svc.cluster.local",
+                "*.larder-headless.cache.svc",
+                "*.larder-headless.cache.svc.cluster.local",
+            ],
+            admin,
+        )
+        check(f"[{L}] no TLS on the admin port without config.tls", "tls" not in admin, admin)
+        check(f"[{L}] NOTES: the admin URL is http", "Admin:         http://larder-admin." in r.notes, r.notes)
+
+    L = "admin TLS"
+    values = {"config": {"tls": TLS_SECRET, "adminAllowedHosts": ["larder.example.internal"]}, "serviceMonitor": {"enabled": True}}
+    r = render(L, values)
+    if r:
+        check_mirror_pod(r, node=False)
+        admin = r.toml()["admin"]
+        check(f"[{L}] [admin] tls = \"server\"", admin.get("tls") == "server", admin)
+        check(f"[{L}] config.adminAllowedHosts appended", admin["allowed_hosts"][-1] == "larder.example.internal", admin)
+        ep = r.get("ServiceMonitor", "larder")["spec"]["endpoints"][0]
+        check(
+            f"[{L}] the ServiceMonitor scrapes https, not verifying (a scrape carries no credential)",
+            ep.get("scheme") == "https" and ep.get("tlsConfig") == {"insecureSkipVerify": True},
+            ep,
+        )
+        check(f"[{L}] NOTES: https admin URL and the CLI's --ca-file/--tls-name", "Admin:         https://" in r.notes and "--ca-file larder-ca.crt --tls-name larder.cache.svc" in r.notes, r.notes)
+        check_config(L, r.toml_text())
+    verify = {"ca": {"secret": {"name": "larder-tls", "key": "ca.crt"}}, "serverName": "larder.cache.svc"}
+    r = render(L + " verified", {**values, "serviceMonitor": {"enabled": True, "tlsConfig": verify}})
+    if r:
+        ep = r.get("ServiceMonitor", "larder")["spec"]["endpoints"][0]
+        check(f"[{L} verified] serviceMonitor.tlsConfig is used as given", ep.get("tlsConfig") == verify, ep)
+
+    L = "admin TLS off"
+    r = render(L, {"config": {"tls": dict(TLS_SECRET, admin=False)}, "serviceMonitor": {"enabled": True}})
+    if r:
+        check_mirror_pod(r, node=False)
+        check(f"[{L}] [admin] tls = \"off\"", r.toml()["admin"].get("tls") == "off", r.toml()["admin"])
+        ep = r.get("ServiceMonitor", "larder")["spec"]["endpoints"][0]
+        check(f"[{L}] the ServiceMonitor scrapes http", ep.get("scheme") == "http" and "tlsConfig" not in ep, ep)
+        check_config(L, r.toml_text())
+
+    L = "node hostNetwork no admin token"
+    r = render(L, {"mode": "node", "node": {"hostNetwork": True}, "adminToken": {"enabled": False}})
+    if r:
+        admin = r.toml().get("admin", {})
+        check(
+            f"[{L}] no token_file, but allowed_hosts: larder generates a token on the loopback admin port",
+            "token_file" not in admin and admin.get("allowed_hosts", [None])[0] == "larder-admin",
+            admin,
+        )
+        check(f"[{L}] NOTES say where the generated token is", "/var/lib/larder/admin-token" in r.notes, r.notes)
+        check_config(L, r.toml_text())
+    L = "no admin token"
+    r = render(L, {"adminToken": {"enabled": False}})
+    if r:
+        check(f"[{L}] no [admin]: operations are refused off loopback", "admin" not in r.toml(), r.toml_text())
+
+    L = "node hostNetwork admin TLS"
+    r = render(L, {"mode": "node", "node": {"hostNetwork": True}, "config": {"tls": TLS_SECRET}})
+    if r:
+        check_mirror_pod(r, node=True)
+        admin = r.toml()["admin"]
+        check(
+            f"[{L}] no headless-Service names in node mode",
+            not any("headless" in h for h in admin["allowed_hosts"]),
+            admin,
+        )
+        check_config(L, r.toml_text())
+
+
 def _openssl_certs(tmp: Path, names: list[str]) -> tuple[str, str, str] | str:
     """A CA and a certificate for DNS `names` only (no IP), signed by it,
     made with the openssl CLI: (ca.crt, tls.crt, tls.key) PEM, or an error."""
@@ -1742,11 +1848,17 @@ def run_larder_peer_tls(label: str, toml_text: str, args: list[str]) -> None:
         ca = Path(tmp) / "ca.crt"
         with open(log, "w") as log_file:
             proc = subprocess.Popen(argv, stdout=log_file, stderr=log_file, env={**os.environ, "POD_IP": "127.0.0.1"})
+        admin_port = int(admin.rsplit(":", 1)[1])
         try:
-            status = wait_healthy(proc, admin)
+            # The admin port speaks TLS too ([admin] tls = "server"): probed over https.
+            status = wait_healthy_tls(proc, admin_port, ca, "larder.cache.svc")
             started = status == 200
             if not check(f"[{label}] larder starts with the pod's args", started, (status, log.read_text()[-800:])):
                 return
+            status = _tls_status(admin_port, ca, "larder.cache.svc", "/metrics", {})
+            check(f"[{label}] the admin port serves /metrics over TLS with the same certificate: 200", status == 200, status)
+            status = http_status(f"http://{admin}/healthz")
+            check(f"[{label}] ... and gives plain HTTP no answer", not isinstance(status, int), status)
             port = int(peer.rsplit(":", 1)[1])
             secret = {"larder-cluster-secret": "chart-test-cluster-secret-0123456789"}
             status = _tls_status(port, ca, tls_name, "/v2/?ns=docker.io", secret)
@@ -2412,6 +2524,7 @@ def main() -> int:
         check_exposure,
         check_cluster,
         check_cluster_tls,
+        check_admin_tls_and_hosts,
         check_cluster_network_policy,
         check_hub,
         check_persistence,

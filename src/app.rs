@@ -30,6 +30,8 @@ pub enum StartError {
     Auth(String),
     #[error("admin.token_file: {0}")]
     AdminAuth(String),
+    #[error("admin.tls: {0}")]
+    AdminTls(String),
     #[error("shared: {0}")]
     Shared(String),
     #[error("cluster: {0}")]
@@ -86,9 +88,15 @@ pub async fn start(config: Config, shutdown: crate::shutdown::Shutdown) -> Resul
             let admin_auth = config
                 .server
                 .admin_listen
-                .map(|listen| AdminAuth::load(&config.admin, listen))
+                .map(|listen| AdminAuth::load(&config.admin, listen, &config.cache.dir))
                 .transpose()
                 .map_err(StartError::AdminAuth)?;
+            // The admin listener's certificate ([admin] tls): never asks
+            // for client certificates (Prometheus, the kubelet have none).
+            let admin_tls = match (&config.server.admin_listen, &config.admin.tls) {
+                (Some(_), Some(t)) => Some(crate::server::tls::acceptor(t).map_err(StartError::AdminTls)?),
+                _ => None,
+            };
             // https peers are served with the registry certificate, but
             // never asked for a client certificate: the secret is theirs.
             let peer_tls = match (&config.cluster, &config.server.tls) {
@@ -98,10 +106,10 @@ pub async fn start(config: Config, shutdown: crate::shutdown::Shutdown) -> Resul
                 }
                 _ => None,
             };
-            Ok((upstreams, tls, auth, admin_auth, peer_tls))
+            Ok((upstreams, tls, auth, admin_auth, admin_tls, peer_tls))
         })
     };
-    let (upstreams, tls, auth, admin_auth, peer_tls) =
+    let (upstreams, tls, auth, admin_auth, admin_tls, peer_tls) =
         setup.await.map_err(|e| StartError::Upstream(format!("start-up task failed: {e}")))??;
     // Each acceptor's certificate is re-read when its files change.
     let reloading = |what: &'static str, tls: Option<(TlsAcceptor, Arc<ReloadingCert>)>| {
@@ -113,6 +121,19 @@ pub async fn start(config: Config, shutdown: crate::shutdown::Shutdown) -> Resul
     };
     let tls = reloading("TLS certificate", tls);
     let peer_tls = reloading("peer TLS certificate", peer_tls);
+    // The admin certificate may be its own: its files are watched.
+    let admin_tls = admin_tls.zip(config.admin.tls.as_ref()).map(|((acceptor, cert), t)| {
+        let paths = vec![t.cert.clone(), t.key.clone()];
+        crate::server::reload::watch("admin TLS certificate", paths, shutdown.clone(), move || cert.reload());
+        acceptor
+    });
+    if let Some((file, true)) = admin_auth.as_ref().and_then(|a| a.token_file()) {
+        tracing::info!(
+            path = %file.path().display(),
+            "no [admin] token_file: POST /prefetch and /purge need the token written to this file (mode 0600, new \
+             at each start); larder prefetch/purge --config read it"
+        );
+    }
     if let Some(auth) = &auth {
         let watched = Arc::clone(auth);
         crate::server::reload::watch("htpasswd", vec![auth.path()], shutdown.clone(), move || watched.reload());
@@ -140,6 +161,7 @@ pub async fn start(config: Config, shutdown: crate::shutdown::Shutdown) -> Resul
     tracing::info!(
         %addr,
         admin = ?admin_addr,
+        admin_tls = admin_tls.is_some(),
         peers = ?peer_addr,
         shared = app.config.shared.is_some(),
         cache_dir = %app.config.cache.dir.display(),
@@ -158,7 +180,8 @@ pub async fn start(config: Config, shutdown: crate::shutdown::Shutdown) -> Resul
             };
             match admin {
                 Some((admin, admin_auth)) => {
-                    tokio::join!(api, peer, crate::server::admin::serve(admin, app, admin_auth, shutdown));
+                    let admin = crate::server::admin::serve(admin, app, admin_auth, admin_tls, shutdown);
+                    tokio::join!(api, peer, admin);
                 }
                 None => {
                     tokio::join!(api, peer);

@@ -43,6 +43,15 @@ pub enum Error {
     /// An admin operation on a non-loopback admin listener without `[admin] token_file`.
     #[error("admin operations are disabled: set [admin] token_file, or bind server.admin_listen to a loopback address")]
     AdminDisabled,
+    /// An admin operation refused whatever token it carries (a browser's
+    /// cross-site request, an unexpected `Host`, a revoked token file):
+    /// the message says why and what to change.
+    #[error("{0}")]
+    AdminForbidden(String),
+    /// larder itself is too busy for this request now (client password
+    /// checks queued past their bound): come back after `retry_after` seconds.
+    #[error("too many requests waiting for a password check; retry after {retry_after} s")]
+    TooManyRequests { retry_after: u64 },
     #[error("the cache disk is full")]
     DiskFull,
     /// The cache's own storage failed in a way that may pass (too many open
@@ -142,7 +151,10 @@ impl Error {
                 "UNAUTHORIZED",
                 Some((header::WWW_AUTHENTICATE, "Bearer realm=\"larder-admin\"".to_owned())),
             ),
-            Error::AdminDisabled => (S::FORBIDDEN, "DENIED", None),
+            Error::AdminDisabled | Error::AdminForbidden(_) => (S::FORBIDDEN, "DENIED", None),
+            Error::TooManyRequests { retry_after } => {
+                (S::TOO_MANY_REQUESTS, "TOOMANYREQUESTS", Some((header::RETRY_AFTER, retry_after.to_string())))
+            }
             // Retryable: eviction is making room.
             Error::DiskFull | Error::Storage(_) => (S::SERVICE_UNAVAILABLE, "UNAVAILABLE", None),
             Error::Internal(_) => (S::INTERNAL_SERVER_ERROR, "UNKNOWN", None),

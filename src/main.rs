@@ -82,6 +82,15 @@ struct AdminArgs {
     /// File holding the admin token (or the token itself in LARDER_ADMIN_TOKEN).
     #[arg(long, env = "LARDER_ADMIN_TOKEN_FILE")]
     token_file: Option<PathBuf>,
+    /// CA certificates (PEM) to trust for an https admin listener, beside
+    /// the public roots (with --config, larder's own admin certificate is
+    /// trusted as it is).
+    #[arg(long, env = "LARDER_ADMIN_CA_FILE")]
+    ca_file: Option<PathBuf>,
+    /// Verify the admin certificate under this DNS name instead of the
+    /// URL's host (e.g. the Service's name through a port-forward).
+    #[arg(long, env = "LARDER_ADMIN_TLS_NAME")]
+    tls_name: Option<String>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -155,6 +164,8 @@ fn operator(command: Command, config_path: Option<&PathBuf>) -> ExitCode {
         admin: admin.admin.clone(),
         token_file: admin.token_file.clone(),
         token: std::env::var(larder::cli::TOKEN_ENV).ok().filter(|t| !t.is_empty()),
+        ca_file: admin.ca_file.clone(),
+        tls_name: admin.tls_name.clone(),
     };
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,
@@ -206,6 +217,9 @@ fn main() -> ExitCode {
         }
         let n = config.upstreams.len();
         println!("{source}: ok ({n} {})", if n == 1 { "upstream" } else { "upstreams" });
+        for line in larder::server::admin::explain(&config) {
+            println!("{line}");
+        }
         return ExitCode::SUCCESS;
     }
     if let Some(Command::Verify { repair }) = cli.command {

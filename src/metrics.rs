@@ -36,8 +36,11 @@ pub struct Metrics {
     pub digest_mismatch: IntCounter,
     pub tokens_fetched: IntCounter,
     /// `admin_auth_failures_total{endpoint,reason}`: admin operations
-    /// refused; reason `missing|wrong|disabled`.
+    /// refused; reason `missing|wrong|disabled|revoked|cross_site|host`.
     pub admin_auth_failures: IntCounterVec,
+    /// `client_auth_throttled_total{reason}`: client password checks
+    /// answered 429 before bcrypt; reason `peer_limit|queue_wait`.
+    pub client_auth_throttled: IntCounterVec,
     /// `ready`: 1 when the last readiness check (on every `/readyz` and
     /// every scrape) passed, 0 when it failed.
     pub ready: IntGauge,
@@ -192,8 +195,14 @@ fn build() -> Result<Metrics, prometheus::Error> {
         tokens_fetched,
         admin_auth_failures: counter_vec(
             "admin_auth_failures_total",
-            "Admin operations refused for a missing or wrong token, or because they are disabled",
+            "Admin operations refused: a missing or wrong token, disabled, the token file revoked, from a web page, \
+             or for a foreign Host",
             &["endpoint", "reason"],
+        )?,
+        client_auth_throttled: counter_vec(
+            "client_auth_throttled_total",
+            "Client password checks answered 429 because bcrypt's queue was full for the address or overall",
+            &["reason"],
         )?,
         ready,
         cache_max_size,

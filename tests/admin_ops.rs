@@ -5,10 +5,12 @@
 mod common;
 mod fake;
 
+use common::admin::generated_token;
 use common::{Admin, ImageBuilder, KIB, Larder, ORIGIN_NAME, Origin, Upstream, free_port, http, skopeo};
 
-async fn post(url: &str) -> (u16, serde_json::Value) {
-    let resp = http::client().post(url).send().await.expect("admin listener answers");
+/// `POST url` with the admin token.
+async fn post(url: &str, token: &str) -> (u16, serde_json::Value) {
+    let resp = http::client().post(url).bearer_auth(token).send().await.expect("admin listener answers");
     let status = resp.status().as_u16();
     (status, serde_json::from_slice(&resp.bytes().await.expect("body")).expect("JSON"))
 }
@@ -25,10 +27,16 @@ async fn prefetch_warms_one_platform_and_purge_forgets_a_repository() {
         .start()
         .await;
     let admin = format!("http://127.0.0.1:{admin_port}");
+    // A loopback admin listener without [admin] token_file: larder wrote a token of its own.
+    let token = generated_token(&larder);
+    let operate = |url: String| {
+        let token = token.clone();
+        async move { post(&url, &token).await }
+    };
 
     // Prefetch only linux/arm64 of the index, through the path-prefix name.
     let (status, summary) =
-        post(&format!("{admin}/prefetch?image={ORIGIN_NAME}/team/multi:v1&platform=linux/arm64")).await;
+        operate(format!("{admin}/prefetch?image={ORIGIN_NAME}/team/multi:v1&platform=linux/arm64")).await;
     assert_eq!(status, 200, "{summary}");
     let arm64 = index.manifests.iter().find(|m| m.platform.as_deref() == Some("linux/arm64")).expect("arm64");
     assert_eq!(summary["manifests"], 1);
@@ -36,7 +44,7 @@ async fn prefetch_warms_one_platform_and_purge_forgets_a_repository() {
     assert_eq!(summary["fetched"], summary["blobs"], "all cold before");
 
     // Prefetch the single-arch image, then pull it: no blob goes upstream.
-    let (status, summary) = post(&format!("{admin}/prefetch?image=team/single:v1")).await;
+    let (status, summary) = operate(format!("{admin}/prefetch?image=team/single:v1")).await;
     assert_eq!(status, 200, "{summary}");
     let mark = origin.log_mark().await;
     let pulled = skopeo::pull(&larder.image_ref("team/single:v1"), false).await.expect("pull after prefetch");
@@ -44,7 +52,7 @@ async fn prefetch_warms_one_platform_and_purge_forgets_a_repository() {
     assert_eq!(origin.requests_since(&mark).await.blob_gets(), 0, "prefetched blobs are served from cache");
 
     // Purge the repository: its blobs are gone, and the next pull refetches them.
-    let (status, purged) = post(&format!("{admin}/purge?upstream={ORIGIN_NAME}&repo=team/single")).await;
+    let (status, purged) = operate(format!("{admin}/purge?upstream={ORIGIN_NAME}&repo=team/single")).await;
     assert_eq!(status, 200, "{purged}");
     assert_eq!(purged["blobs"], single.blob_digests().len(), "{purged}");
     assert_eq!(purged["tags"], 1, "{purged}");
@@ -54,9 +62,9 @@ async fn prefetch_warms_one_platform_and_purge_forgets_a_repository() {
     assert_eq!(origin.requests_since(&mark).await.blob_gets(), single.blob_digests().len());
 
     // Bad requests answer with the OCI envelope.
-    let (status, body) = post(&format!("{admin}/purge?upstream=evil.example")).await;
+    let (status, body) = operate(format!("{admin}/purge?upstream=evil.example")).await;
     assert_eq!((status, body["errors"][0]["code"].as_str()), (404, Some("NAME_UNKNOWN")));
-    let (status, _) = post(&format!("{admin}/prefetch")).await;
+    let (status, _) = operate(format!("{admin}/prefetch")).await;
     assert_eq!(status, 400);
 }
 
@@ -81,10 +89,11 @@ async fn a_streamed_prefetch_reports_progress_while_a_slow_origin_sends() {
         .await;
     let (builder, admin) =
         Admin::open(Larder::builder().upstream(Upstream::new("slow.test", &slow.url()).default(true)));
-    let _larder = builder.start().await;
+    let larder = builder.start().await;
 
     let mut resp = http::client()
         .post(format!("{}/prefetch?image={REPO}:v1", admin.url()))
+        .bearer_auth(generated_token(&larder))
         .header("Accept", "application/x-ndjson")
         .send()
         .await

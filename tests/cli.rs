@@ -143,6 +143,42 @@ async fn a_wrong_token_or_no_larder_is_a_clear_error() {
     assert!(stderr(&out).contains("cannot reach the admin listener"), "{}", stderr(&out));
 }
 
+/// Issue 23, item 7: a loopback admin listener without `[admin]
+/// token_file` now needs the token larder writes into its cache folder at
+/// start-up; the commands find it through `--config`, so they work as
+/// they did when the listener was open. Without it they are told what to do.
+#[tokio::test(flavor = "multi_thread")]
+async fn with_a_generated_token_the_commands_work_unchanged_through_the_config() {
+    let origin = Origin::start().await;
+    let image = ImageBuilder::oci().layers(&[64 * KIB]).push(&origin, "team/app", "v1").await;
+    let (builder, admin) = Admin::open(Larder::builder().upstream(&origin));
+    let larder = builder.start().await;
+    let config = larder.config_path().display().to_string();
+    let run = |args: &[&str]| {
+        Command::new(common::larder::binary())
+            .args(args)
+            .args(["--config", &config])
+            .env_remove("LARDER_ADMIN")
+            .env_remove("LARDER_ADMIN_TOKEN")
+            .env_remove("LARDER_ADMIN_TOKEN_FILE")
+            .output()
+            .expect("run larder")
+    };
+
+    let out = run(&["prefetch", "team/app:v1"]);
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    let out = run(&["status"]);
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    let out = run(&["purge", ORIGIN_NAME, "team/app"]);
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    assert!(stdout(&out).contains(&format!(", {} blobs, ", image.blob_digests().len())), "{}", stdout(&out));
+
+    // Without the config (and so without the token), a purge is refused.
+    let out = admin.command(&["purge", ORIGIN_NAME]).output().expect("run larder");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).starts_with("larder purge: 401 UNAUTHORIZED: "), "{}", stderr(&out));
+}
+
 #[test]
 fn text_logs_are_coloured_only_on_a_terminal() {
     let dir = tempfile::tempdir().expect("temp dir");

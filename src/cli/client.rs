@@ -15,6 +15,11 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
+use rustls::DigitallySignedStruct;
+use rustls::client::WebPkiServerVerifier;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+
 use crate::config::Secret;
 
 /// Time to connect to the admin listener.
@@ -42,6 +47,72 @@ pub enum CallError {
     Protocol(String),
 }
 
+/// Which certificates an https admin listener may present.
+#[derive(Debug, Default)]
+pub struct Trust {
+    /// CA certificates trusted beside the web PKI roots (`--ca-file`); the
+    /// certificate must also name the host of the URL.
+    pub extra_roots: Vec<CertificateDer<'static>>,
+    /// larder's own admin certificate, read from its config: accepted as
+    /// itself, whatever it names.
+    pub pinned: Option<CertificateDer<'static>>,
+    /// The name the certificate is verified under (and sent as SNI)
+    /// instead of the URL's host (`--tls-name`): through a port-forward to
+    /// 127.0.0.1, the certificate names the Service, not 127.0.0.1.
+    pub name: Option<ServerName<'static>>,
+}
+
+/// The web PKI (plus `--ca-file`) verifier, and the pinned certificate.
+///
+/// Accepting a pinned certificate without checking names or issuer is safe:
+/// it is byte-for-byte the certificate larder's config names, and the
+/// handshake signature (checked below as always) proves the server holds
+/// its private key. It is what lets `larder status --config` reach
+/// `https://127.0.0.1:9090`, a name the certificate rarely carries.
+#[derive(Debug)]
+struct PinnedOrRoots {
+    pinned: Option<CertificateDer<'static>>,
+    roots: Arc<WebPkiServerVerifier>,
+}
+
+impl ServerCertVerifier for PinnedOrRoots {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        if self.pinned.as_ref().is_some_and(|p| p.as_ref() == end_entity.as_ref()) {
+            return Ok(ServerCertVerified::assertion());
+        }
+        self.roots.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.roots.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.roots.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.roots.supported_verify_schemes()
+    }
+}
+
 /// A running larder's admin listener.
 pub struct AdminClient {
     base: String,
@@ -50,28 +121,39 @@ pub struct AdminClient {
 }
 
 impl AdminClient {
-    /// `base` is `http(s)://host:port` (a trailing `/` is ignored).
-    pub fn new(base: &str, token: Option<Secret>) -> Result<AdminClient, CallError> {
+    /// `base` is `http(s)://host:port` (a trailing `/` is ignored); `trust`
+    /// says which certificates an https listener may present.
+    pub fn new(base: &str, token: Option<Secret>, trust: Trust) -> Result<AdminClient, CallError> {
         let base = base.trim_end_matches('/').to_owned();
         let uri: Uri = base.parse().map_err(|e| CallError::Usage(format!("--admin {base:?}: {e}")))?;
         if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
             return Err(CallError::Usage(format!("--admin {base:?} must be http(s)://host:port")));
         }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
         let mut roots = rustls::RootCertStore::empty();
         roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
-        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        for ca in trust.extra_roots {
+            roots.add(ca).map_err(|e| CallError::Usage(format!("--ca-file: {e}")))?;
+        }
+        let roots = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), Arc::clone(&provider))
+            .build()
+            .map_err(|e| CallError::Usage(format!("--ca-file: {e}")))?;
+        let verifier = PinnedOrRoots { pinned: trust.pinned.clone(), roots };
+        let tls = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .map_err(|e| CallError::Usage(e.to_string()))?
-            .with_root_certificates(roots)
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(verifier))
             .with_no_client_auth();
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_connect_timeout(Some(CONNECT_TIMEOUT));
-        let https = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(http);
+        let https = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls).https_or_http();
+        let https = match trust.name {
+            Some(name) => https.with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(name)),
+            None => https,
+        };
+        let https = https.enable_http1().wrap_connector(http);
         Ok(AdminClient { base, token, inner: Client::builder(TokioExecutor::new()).build(https) })
     }
 
@@ -96,6 +178,12 @@ impl AdminClient {
         let unreachable = |message: String| CallError::Unreachable { url: self.base.clone(), message };
         let resp = match tokio::time::timeout(RESPONSE_TIMEOUT, self.inner.request(req)).await {
             Ok(Ok(resp)) => resp,
+            Ok(Err(e)) if self.base.starts_with("http://") => {
+                // A TLS listener hangs up on plain HTTP: say what may be wrong.
+                let hint = "; if the admin listener speaks TLS ([admin] tls, or [server.tls]), use --admin https://... \
+                            with --ca-file, or --config";
+                return Err(unreachable(format!("{}{hint}", crate::upstream::error_chain(&e))));
+            }
             Ok(Err(e)) => return Err(unreachable(crate::upstream::error_chain(&e))),
             Err(_) => return Err(unreachable(format!("no answer within {RESPONSE_TIMEOUT:?}"))),
         };

@@ -1,9 +1,11 @@
 //! The operator commands (`larder prefetch`, `larder purge`,
 //! `larder status`): clients of a running larder's admin listener. Where
-//! to find it and which token to send come from flags, the environment, or
-//! larder's own config file (`--config`: its `server.admin_listen` and
-//! `[admin] token_file`), in that order; the default is
-//! `http://127.0.0.1:9090` without a token.
+//! to find it, which token to send and which certificate to trust come
+//! from flags, the environment, or larder's own config file (`--config`:
+//! its `server.admin_listen`, `[admin] token_file` or else the token larder
+//! generates in `cache.dir`, and `[admin] tls`), in that order; the default
+//! is `http://127.0.0.1:9090` with the token generated in the default
+//! config's cache folder (`./larder-data/admin-token`) if there is one.
 
 pub mod client;
 pub mod prefetch;
@@ -14,10 +16,10 @@ use std::path::{Path, PathBuf};
 
 use http::Method;
 
-use crate::config::{Config, Secret, parse_admin_token};
+use crate::config::{Config, GENERATED_ADMIN_TOKEN_FILE, Secret, parse_admin_token};
 use crate::server::admin::status::Status;
 use crate::server::admin::status_page::bytes;
-use client::{AdminClient, CallError};
+use client::{AdminClient, CallError, Trust};
 
 /// The admin URL when nothing says otherwise.
 pub const DEFAULT_ADMIN: &str = "http://127.0.0.1:9090";
@@ -33,16 +35,22 @@ pub struct Target {
     pub token_file: Option<PathBuf>,
     /// `LARDER_ADMIN_TOKEN`.
     pub token: Option<String>,
+    /// `--ca-file` (or `LARDER_ADMIN_CA_FILE`): CA certificates (PEM) to
+    /// trust for an https admin listener, beside the web PKI roots.
+    pub ca_file: Option<PathBuf>,
+    /// `--tls-name` (or `LARDER_ADMIN_TLS_NAME`): the DNS name the admin
+    /// certificate is verified under, instead of the URL's host.
+    pub tls_name: Option<String>,
 }
 
 /// The URL clients use for a listen address: a wildcard becomes loopback.
-fn url_of(listen: SocketAddr) -> String {
+fn url_of(listen: SocketAddr, tls: bool) -> String {
     let ip = match listen.ip() {
         std::net::IpAddr::V4(v4) if v4.is_unspecified() => std::net::Ipv4Addr::LOCALHOST.into(),
         std::net::IpAddr::V6(v6) if v6.is_unspecified() => std::net::Ipv6Addr::LOCALHOST.into(),
         ip => ip,
     };
-    format!("http://{}", SocketAddr::new(ip, listen.port()))
+    format!("{}://{}", if tls { "https" } else { "http" }, SocketAddr::new(ip, listen.port()))
 }
 
 fn read_token(path: &Path) -> Result<Secret, CallError> {
@@ -50,12 +58,49 @@ fn read_token(path: &Path) -> Result<Secret, CallError> {
     parse_admin_token(&text).map_err(|e| CallError::Usage(format!("{}: {e}", path.display())))
 }
 
+/// The token larder generated at start-up, when `config` (or, without
+/// `--config`, the embedded default config) names no `[admin] token_file`
+/// and the file exists. One that exists but cannot be read (another user's
+/// mode 0600 file) is an error that says so.
+fn generated_token(config: Option<&Config>) -> Result<Option<Secret>, CallError> {
+    let dir = match config {
+        Some(c) if c.admin.token_file.is_some() => return Ok(None),
+        Some(c) => c.cache.dir.clone(),
+        None => match Config::embedded_default() {
+            Ok(c) => c.cache.dir,
+            Err(_) => return Ok(None),
+        },
+    };
+    let path = dir.join(GENERATED_ADMIN_TOKEN_FILE);
+    match std::fs::metadata(&path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        _ => read_token(&path).map(Some).map_err(|e| {
+            CallError::Usage(format!(
+                "{e} (the token larder writes when its admin listener is on loopback without [admin] \
+                 token_file: run as larder's user, or pass --token-file)"
+            ))
+        }),
+    }
+}
+
+/// Reads the PEM certificates of `path`.
+fn read_certs(path: &Path) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, CallError> {
+    let usage = |e: &dyn std::fmt::Display| CallError::Usage(format!("{}: {e}", path.display()));
+    let pem = std::fs::read(path).map_err(|e| usage(&e))?;
+    let certs = rustls_pemfile::certs(&mut pem.as_slice()).collect::<Result<Vec<_>, _>>().map_err(|e| usage(&e))?;
+    if certs.is_empty() {
+        return Err(usage(&"no PEM certificate"));
+    }
+    Ok(certs)
+}
+
 impl Target {
     /// The client for this target; `config` is larder's config when `--config` was given.
     pub fn client(&self, config: Option<&Config>) -> Result<AdminClient, CallError> {
+        let admin_tls = config.and_then(|c| c.admin.tls.as_ref());
         let admin = match (&self.admin, config.and_then(|c| c.server.admin_listen)) {
             (Some(url), _) => url.clone(),
-            (None, Some(listen)) => url_of(listen),
+            (None, Some(listen)) => url_of(listen, admin_tls.is_some()),
             (None, None) => DEFAULT_ADMIN.to_owned(),
         };
         let token = match (&self.token_file, &self.token, config.and_then(|c| c.admin.token_file.as_ref())) {
@@ -64,9 +109,24 @@ impl Target {
                 Some(parse_admin_token(token).map_err(|e| CallError::Usage(format!("{TOKEN_ENV}: {e}")))?)
             }
             (None, None, Some(path)) => Some(read_token(path)?),
-            (None, None, None) => None,
+            (None, None, None) => generated_token(config)?,
         };
-        AdminClient::new(&admin, token)
+        let name = self
+            .tls_name
+            .as_deref()
+            .map(|n| {
+                rustls::pki_types::ServerName::try_from(n.to_owned())
+                    .map_err(|e| CallError::Usage(format!("--tls-name {n:?}: {e}")))
+            })
+            .transpose()?;
+        let trust = Trust {
+            name,
+            extra_roots: self.ca_file.as_deref().map(read_certs).transpose()?.unwrap_or_default(),
+            // With --config, larder's own admin certificate is trusted as
+            // itself, whatever names it carries (127.0.0.1 rarely is one).
+            pinned: admin_tls.map(|t| read_certs(&t.cert)).transpose()?.and_then(|certs| certs.into_iter().next()),
+        };
+        AdminClient::new(&admin, token, trust)
     }
 }
 
@@ -113,9 +173,10 @@ mod tests {
 
     #[test]
     fn a_wildcard_listen_address_is_reached_on_loopback() {
-        assert_eq!(url_of("0.0.0.0:9090".parse().unwrap()), "http://127.0.0.1:9090");
-        assert_eq!(url_of("[::]:9090".parse().unwrap()), "http://[::1]:9090");
-        assert_eq!(url_of("10.1.2.3:9191".parse().unwrap()), "http://10.1.2.3:9191");
+        assert_eq!(url_of("0.0.0.0:9090".parse().unwrap(), false), "http://127.0.0.1:9090");
+        assert_eq!(url_of("[::]:9090".parse().unwrap(), false), "http://[::1]:9090");
+        assert_eq!(url_of("10.1.2.3:9191".parse().unwrap(), false), "http://10.1.2.3:9191");
+        assert_eq!(url_of("0.0.0.0:9090".parse().unwrap(), true), "https://127.0.0.1:9090");
     }
 
     #[test]

@@ -55,7 +55,8 @@ pub async fn serve(
         let (app, builders, watcher, tls) = (Arc::clone(&app), Arc::clone(&builders), graceful.watcher(), tls.clone());
         let stop = stop.clone();
         async move {
-            let handler = move |req| handle(Arc::clone(&app), req);
+            // The client's address: client authentication bounds its bcrypt queue per address.
+            let handler = move |req| handle(Arc::clone(&app), req, peer.ip());
             let served = listener::serve_maybe_tls(&builders, stream, tls, Some(watcher), stop, handler).await;
             if let Err(e) = served {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
@@ -82,11 +83,12 @@ pub async fn serve(
 /// records metrics and logs one line.
 /// Every log line of a request carries its id (also sent back as
 /// `X-Request-Id`), so one pull can be followed through the logs.
-pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
+/// `peer` is the client's address (the connection's source).
+pub async fn handle(app: Arc<App>, req: Request<Incoming>, peer: std::net::IpAddr) -> Response<Body> {
     let id = RequestId(rand::random());
     let span = tracing::info_span!("request", id = %id);
     let hex = id.hex();
-    let mut resp = handle_request(app, req, &hex).instrument(span).await;
+    let mut resp = handle_request(app, req, &hex, peer).instrument(span).await;
     if let Ok(value) = http::HeaderValue::from_bytes(&hex) {
         resp.headers_mut().insert("x-request-id", value);
     }
@@ -113,12 +115,17 @@ impl std::fmt::Display for RequestId {
 }
 
 /// `id`: the request's id as its 16 hex digits.
-async fn handle_request(app: Arc<App>, req: Request<Incoming>, id: &[u8; 16]) -> Response<Body> {
+async fn handle_request(
+    app: Arc<App>,
+    req: Request<Incoming>,
+    id: &[u8; 16],
+    peer: std::net::IpAddr,
+) -> Response<Body> {
     let started = Instant::now();
     let (parts, _body) = req.into_parts();
     let head = parts.method == http::Method::HEAD;
     let authorized = match &app.auth {
-        Some(auth) => auth.check(&parts.headers).await,
+        Some(auth) => auth.check(&parts.headers, peer).await,
         None => Ok(()),
     };
     let parsed = authorized.and_then(|()| routes::parse(&parts.method, &parts.uri, &app.upstreams));

@@ -23,7 +23,8 @@ pub struct Admin {
 }
 
 impl Admin {
-    /// An admin listener on 127.0.0.1 without a token file (loopback: open).
+    /// An admin listener on 127.0.0.1 without a token file: larder writes
+    /// a token of its own into its cache folder ([`generated_token`]).
     pub fn open(builder: LarderBuilder) -> (LarderBuilder, Admin) {
         Self::setup(builder, None)
     }
@@ -77,6 +78,14 @@ impl Admin {
             .env_remove("LARDER_ADMIN_TOKEN_FILE");
         command
     }
+}
+
+/// The token larder wrote at start-up (`cache.dir/admin-token`) because
+/// its loopback admin listener has no `[admin] token_file`.
+pub fn generated_token(larder: &super::Larder) -> String {
+    let path = larder.cache_dir().join("admin-token");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    text.trim().to_owned()
 }
 
 /// stdout of a command, as text.

@@ -104,11 +104,30 @@ username = {{ include "larder.toml.string" .username }}
 password_file = {{ include "larder.toml.string" (printf "/run/secrets/larder/%s/%s" (include "larder.upstreamDir" $u.name) (default "password" .passwordKey)) }}
 {{- end }}
 {{- end }}
-{{- if .Values.adminToken.enabled }}
+
+{{- /* POST /prefetch and /purge can be used with a token file, or on a
+       loopback admin port (larder then writes a token of its own); otherwise
+       larder refuses them and allowed_hosts has nothing to guard. */}}
+{{- $operable := or .Values.adminToken.enabled (and $node .Values.node.hostNetwork (not .Values.node.adminOnHostIP)) }}
+{{- if or $operable .Values.config.tls.enabled }}
 
 [admin]
+{{- end }}
+{{- if .Values.adminToken.enabled }}
 # POST /prefetch and /purge need "Authorization: Bearer <this token>".
 token_file = {{ include "larder.toml.string" (include "larder.adminTokenPath" .) }}
+{{- end }}
+{{- if $operable }}
+# Besides loopback, localhost and the admin port's own address, the only
+# names POST /prefetch and /purge may be addressed to (DNS rebinding defence).
+allowed_hosts = {{ include "larder.adminAllowedHosts" . }}
+{{- end }}
+{{- if and .Values.config.tls.enabled (not .Values.config.tls.admin) }}
+# Plain HTTP on the admin port although the registry port is HTTPS (config.tls.admin=false).
+tls = "off"
+{{- else if .Values.config.tls.enabled }}
+# The admin port serves HTTPS with the same certificate (the default with [server.tls]).
+tls = "server"
 {{- end }}
 {{- with .Values.shared }}
 {{- if .enabled }}

@@ -440,6 +440,29 @@ Folder name for an upstream's mounted files (secrets, CA): its name with
 {{- default (printf "%s-admin-token" (include "larder.fullname" . | trunc 51 | trimSuffix "-")) .Values.adminToken.existingSecret }}
 {{- end }}
 
+{{/* "true" when the admin port speaks TLS ([admin] tls = "server"). */}}
+{{- define "larder.adminTLS" -}}
+{{- if and .Values.config.tls.enabled .Values.config.tls.admin }}true{{ end }}
+{{- end }}
+
+{{/*
+`[admin] allowed_hosts`: the names the admin API is called by, besides
+loopback, localhost and the admin port's own address (larder refuses any
+other Host on POST /prefetch and /purge): the admin Service's names, the
+pods' names under the headless Service (deployment mode), and
+config.adminAllowedHosts.
+*/}}
+{{- define "larder.adminAllowedHosts" -}}
+{{- $admin := printf "%s-admin" (include "larder.fullname" .) }}
+{{- $ns := .Release.Namespace }}
+{{- $hosts := list $admin (printf "%s.%s" $admin $ns) (printf "%s.%s.svc" $admin $ns) (printf "%s.%s.svc.%s" $admin $ns .Values.clusterDomain) }}
+{{- if not (include "larder.nodeMode" .) }}
+{{- $headless := printf "%s-headless" (include "larder.fullname" .) }}
+{{- $hosts = concat $hosts (list (printf "*.%s.%s.svc" $headless $ns) (printf "*.%s.%s.svc.%s" $headless $ns .Values.clusterDomain)) }}
+{{- end }}
+{{- concat $hosts (.Values.config.adminAllowedHosts | default list) | toJson }}
+{{- end }}
+
 {{/* Where the admin token is mounted in the larder container. */}}
 {{- define "larder.adminTokenPath" -}}
 {{- printf "/run/secrets/larder-admin/%s" .Values.adminToken.key }}

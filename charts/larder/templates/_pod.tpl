@@ -166,6 +166,10 @@ spec:
         httpGet:
           path: {{ if eq $probe "readinessProbe" }}/readyz{{ else }}/healthz{{ end }}
           port: admin
+          {{- if include "larder.adminTLS" $ }}
+          # The admin port speaks TLS (config.tls); the kubelet does not verify probe certificates.
+          scheme: HTTPS
+          {{- end }}
           {{- if $loopbackAdmin }}
           # The admin port listens on the node's loopback only.
           host: 127.0.0.1

@@ -101,16 +101,25 @@ startupProbe:
   httpGet:
     path: /healthz
     port: larder-admin
+    {{- if and $v.config.tls.enabled $v.config.tls.admin }}
+    scheme: HTTPS
+    {{- end }}
   {{- toYaml $v.startupProbe | nindent 2 }}
 livenessProbe:
   httpGet:
     path: /healthz
     port: larder-admin
+    {{- if and $v.config.tls.enabled $v.config.tls.admin }}
+    scheme: HTTPS
+    {{- end }}
   {{- toYaml $v.livenessProbe | nindent 2 }}
 readinessProbe:
   httpGet:
     path: /readyz
     port: larder-admin
+    {{- if and $v.config.tls.enabled $v.config.tls.admin }}
+    scheme: HTTPS
+    {{- end }}
   {{- toYaml $v.readinessProbe | nindent 2 }}
 resources:
   {{- toYaml $v.resources | nindent 2 }}

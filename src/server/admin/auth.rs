@@ -1,40 +1,52 @@
 //! Who may use the admin listener's mutating endpoints (`POST /prefetch`,
-//! `POST /purge`, and anything added later): the holder of the bearer token
-//! in `[admin] token_file`, compared in constant time. Without a token file
-//! they are open only when the admin listener is on a loopback address
-//! (nobody else can connect); otherwise refused. Read-only endpoints
-//! (`/metrics`, `/healthz`, `/readyz`, the status page) stay open.
+//! `POST /purge`, and anything added later). Two locks, both required:
+//! - where the request comes from ([`super::provenance`]): not a web page
+//!   (no `Origin`, no cross-site `Sec-Fetch-Site`), and addressed to a host
+//!   the listener answers to (no DNS rebinding);
+//! - the bearer token of the token file, compared in constant time:
+//!   `[admin] token_file`, or, on a loopback listener without one, a token
+//!   larder writes at start-up to `cache.dir/admin-token` (mode 0600). A
+//!   loopback listener used to be open to every local process, and on a
+//!   `hostNetwork` node every local process is every `hostNetwork` pod; now
+//!   only those that can read larder's files (its user, root) can operate,
+//!   and `larder prefetch`/`purge --config` read the file. The token file is
+//!   watched and fails closed ([`super::token_file`]).
+//!
+//! A listener others can reach without `[admin] token_file` refuses them:
+//! a generated token there would be a secret nobody was told to
+//! distribute. Read-only endpoints (`/metrics`, `/healthz`, `/readyz`, the
+//! status page) stay open.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::RwLock;
+use std::path::Path;
+use std::sync::Arc;
 
 use http::HeaderMap;
 use http::header::AUTHORIZATION;
 use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq;
 
-use crate::config::{AdminConfig, Secret, parse_admin_token};
+use super::provenance::{AllowedHosts, Suspect};
+use super::token_file::{self, TokenFile};
+use crate::config::AdminConfig;
 use crate::error::Error;
 use crate::metrics::metrics;
 
-/// The admin listener's access rule, decided once at start-up.
-pub enum AdminAuth {
-    /// Requests must carry `Authorization: Bearer <token>`.
-    Token {
-        path: PathBuf,
-        /// sha256 of the token: comparing digests keeps the compare
-        /// constant-time whatever the lengths.
-        digest: RwLock<[u8; 32]>,
-    },
-    /// No token file and a loopback listener: only local processes can connect.
-    LoopbackOnly,
+/// The admin listener's access rule, decided at start-up.
+pub struct AdminAuth {
+    rule: Rule,
+    hosts: AllowedHosts,
+}
+
+enum Rule {
+    /// Requests must carry `Authorization: Bearer <the file's token>`.
+    Token { file: Arc<TokenFile>, generated: bool },
     /// No token file and a listener others can reach: mutating endpoints are off.
     Disabled,
 }
 
 /// Why a request was refused, a metric label.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Refusal {
     /// No `Authorization: Bearer` header.
     Missing,
@@ -42,60 +54,63 @@ pub enum Refusal {
     Wrong,
     /// No token file and a non-loopback listener.
     Disabled,
+    /// The token file is missing, empty or invalid: no token is accepted.
+    Revoked,
+    /// A web page's request (`Origin`, cross-site `Sec-Fetch-Site`).
+    CrossSite,
+    /// A `Host` the listener does not answer to (DNS rebinding), shown.
+    Host(String),
 }
 
 impl Refusal {
-    pub fn as_str(self) -> &'static str {
+    pub fn as_str(&self) -> &'static str {
         match self {
             Refusal::Missing => "missing",
             Refusal::Wrong => "wrong",
             Refusal::Disabled => "disabled",
+            Refusal::Revoked => "revoked",
+            Refusal::CrossSite => "cross_site",
+            Refusal::Host(_) => "host",
         }
     }
-}
-
-fn digest(token: &Secret) -> [u8; 32] {
-    Sha256::digest(token.expose().as_bytes()).into()
 }
 
 impl AdminAuth {
-    /// Reads the token file, if configured (blocking file I/O: call from
-    /// start-up on the blocking pool).
-    pub fn load(config: &AdminConfig, listen: SocketAddr) -> Result<AdminAuth, String> {
-        match &config.token_file {
-            Some(path) => {
-                let token = read_token(path)?;
-                Ok(AdminAuth::Token { path: path.clone(), digest: RwLock::new(digest(&token)) })
+    /// Reads the token file, or on a loopback listener without one writes
+    /// a generated token into `cache_dir` (blocking file I/O: call from
+    /// start-up on the blocking pool). `listen` is the admin listener's address.
+    pub fn load(config: &AdminConfig, listen: SocketAddr, cache_dir: &Path) -> Result<AdminAuth, String> {
+        let hosts = AllowedHosts::new(listen.ip(), &config.allowed_hosts);
+        let rule = match &config.token_file {
+            Some(path) => Rule::Token { file: Arc::new(TokenFile::load(path)?), generated: false },
+            // `is_loopback` as std has it: an IPv4-mapped 127.0.0.1 counts as
+            // reachable (tests/admin_auth.rs uses it to be "reachable" on loopback).
+            None if listen.ip().is_loopback() => {
+                let path = token_file::generate(cache_dir)?;
+                Rule::Token { file: Arc::new(TokenFile::load(&path)?), generated: true }
             }
-            None if listen.ip().is_loopback() => Ok(AdminAuth::LoopbackOnly),
-            None => Ok(AdminAuth::Disabled),
+            None => Rule::Disabled,
+        };
+        Ok(AdminAuth { rule, hosts })
+    }
+
+    /// The token file, to be watched; and whether larder wrote it.
+    pub fn token_file(&self) -> Option<(&Arc<TokenFile>, bool)> {
+        match &self.rule {
+            Rule::Token { file, generated } => Some((file, *generated)),
+            Rule::Disabled => None,
         }
     }
 
-    /// The token file to watch for changes, if any.
-    pub fn path(&self) -> Option<PathBuf> {
-        match self {
-            AdminAuth::Token { path, .. } => Some(path.clone()),
-            _ => None,
-        }
-    }
-
-    /// Re-reads the token file (a rotated Kubernetes Secret); on error the
-    /// current token stays.
-    pub fn reload(&self) -> Result<(), String> {
-        if let AdminAuth::Token { path, digest: current } = self {
-            let token = read_token(path)?;
-            *current.write().unwrap_or_else(|e| e.into_inner()) = digest(&token);
-        }
-        Ok(())
-    }
-
-    /// Whether a request with `headers` may run a mutating operation.
-    pub fn check(&self, headers: &HeaderMap) -> Result<(), Refusal> {
-        let expected = match self {
-            AdminAuth::LoopbackOnly => return Ok(()),
-            AdminAuth::Disabled => return Err(Refusal::Disabled),
-            AdminAuth::Token { digest, .. } => *digest.read().unwrap_or_else(|e| e.into_inner()),
+    /// Whether a request with `headers` (and `uri`) may run a mutating operation.
+    pub fn check(&self, headers: &HeaderMap, uri: &http::Uri) -> Result<(), Refusal> {
+        self.hosts.check(headers, uri).map_err(|suspect| match suspect {
+            Suspect::CrossSite => Refusal::CrossSite,
+            Suspect::Host(host) => Refusal::Host(host),
+        })?;
+        let expected = match &self.rule {
+            Rule::Disabled => return Err(Refusal::Disabled),
+            Rule::Token { file, .. } => file.expected().map_err(|_| Refusal::Revoked)?,
         };
         let presented = headers
             .get(AUTHORIZATION)
@@ -109,23 +124,38 @@ impl AdminAuth {
     }
 
     /// [`AdminAuth::check`], counting a refusal in
-    /// `larder_admin_auth_failures_total{endpoint,reason}` and mapping it to
-    /// its error (401 with a Bearer challenge, or 403 when disabled).
-    pub fn authorize(&self, headers: &HeaderMap, endpoint: &'static str) -> Result<(), Error> {
-        self.check(headers).map_err(|refusal| {
+    /// `larder_admin_auth_failures_total{endpoint,reason}`, logging it, and
+    /// mapping it to its error: 401 with a Bearer challenge when a token
+    /// would help, 403 DENIED when none would.
+    pub fn authorize(&self, headers: &HeaderMap, uri: &http::Uri, endpoint: &'static str) -> Result<(), Error> {
+        self.check(headers, uri).map_err(|refusal| {
             metrics().admin_auth_failures.with_label_values(&[endpoint, refusal.as_str()]).inc();
-            tracing::warn!(endpoint, reason = refusal.as_str(), "admin request refused");
+            match &refusal {
+                Refusal::Host(host) => {
+                    tracing::warn!(endpoint, reason = refusal.as_str(), ?host, "admin request refused")
+                }
+                _ => tracing::warn!(endpoint, reason = refusal.as_str(), "admin request refused"),
+            }
             match refusal {
                 Refusal::Missing | Refusal::Wrong => Error::AdminUnauthorized,
                 Refusal::Disabled => Error::AdminDisabled,
+                Refusal::Revoked => Error::AdminForbidden(
+                    "no admin token is accepted: the admin token file is missing, empty or invalid (see larder's \
+                     log); write a valid token to it"
+                        .to_owned(),
+                ),
+                Refusal::CrossSite => Error::AdminForbidden(
+                    "admin operations are refused to web pages: this request carries Origin or a cross-site \
+                     Sec-Fetch-Site (larder's CLI and curl send neither)"
+                        .to_owned(),
+                ),
+                Refusal::Host(host) => Error::AdminForbidden(format!(
+                    "admin operations are refused for Host {host:?}: address the admin listener by a loopback \
+                     address, localhost or its own address, or list the name in [admin] allowed_hosts"
+                )),
             }
         })
     }
-}
-
-fn read_token(path: &std::path::Path) -> Result<Secret, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    parse_admin_token(&text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 #[cfg(test)]
@@ -134,53 +164,67 @@ mod tests {
 
     fn headers(authorization: Option<&str>) -> HeaderMap {
         let mut h = HeaderMap::new();
+        h.insert(http::header::HOST, "127.0.0.1:9090".parse().unwrap());
         if let Some(a) = authorization {
             h.insert(AUTHORIZATION, a.parse().unwrap());
         }
         h
     }
 
+    fn uri() -> http::Uri {
+        http::Uri::from_static("/purge")
+    }
+
     fn with_token(token: &str) -> (tempfile::TempDir, AdminAuth) {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("token"), format!("{token}\n")).unwrap();
-        let config = AdminConfig { token_file: Some(dir.path().join("token")) };
-        let auth = AdminAuth::load(&config, "0.0.0.0:9090".parse().unwrap()).unwrap();
+        let config = AdminConfig { token_file: Some(dir.path().join("token")), ..Default::default() };
+        let auth = AdminAuth::load(&config, "0.0.0.0:9090".parse().unwrap(), dir.path()).unwrap();
         (dir, auth)
     }
 
     #[test]
     fn a_token_file_requires_exactly_that_bearer_token() {
         let (_dir, auth) = with_token("correct-horse-battery-staple");
-        assert_eq!(auth.check(&headers(Some("Bearer correct-horse-battery-staple"))), Ok(()));
-        assert_eq!(auth.check(&headers(Some("bearer correct-horse-battery-staple"))), Ok(()));
-        assert_eq!(auth.check(&headers(None)), Err(Refusal::Missing));
-        assert_eq!(auth.check(&headers(Some("Basic Y29ycmVjdA=="))), Err(Refusal::Missing));
-        assert_eq!(auth.check(&headers(Some("Bearer correct-horse-battery-stapl"))), Err(Refusal::Wrong));
-        assert_eq!(auth.check(&headers(Some("Bearer correct-horse-battery-staple2"))), Err(Refusal::Wrong));
+        let check = |h: &HeaderMap| auth.check(h, &uri());
+        assert_eq!(check(&headers(Some("Bearer correct-horse-battery-staple"))), Ok(()));
+        assert_eq!(check(&headers(Some("bearer correct-horse-battery-staple"))), Ok(()));
+        assert_eq!(check(&headers(None)), Err(Refusal::Missing));
+        assert_eq!(check(&headers(Some("Basic Y29ycmVjdA=="))), Err(Refusal::Missing));
+        assert_eq!(check(&headers(Some("Bearer correct-horse-battery-stapl"))), Err(Refusal::Wrong));
+        assert_eq!(check(&headers(Some("Bearer correct-horse-battery-staple2"))), Err(Refusal::Wrong));
     }
 
     #[test]
-    fn a_rotated_token_file_replaces_the_token() {
-        let (dir, auth) = with_token("first-token-0123456789");
-        std::fs::write(dir.path().join("token"), "second-token-0123456789\n").unwrap();
-        auth.reload().unwrap();
-        assert_eq!(auth.check(&headers(Some("Bearer first-token-0123456789"))), Err(Refusal::Wrong));
-        assert_eq!(auth.check(&headers(Some("Bearer second-token-0123456789"))), Ok(()));
-        std::fs::write(dir.path().join("token"), "short\n").unwrap();
-        assert!(auth.reload().is_err(), "a bad new token is refused");
-        assert_eq!(auth.check(&headers(Some("Bearer second-token-0123456789"))), Ok(()), "and the old one kept");
+    fn the_right_token_from_a_web_page_or_to_a_foreign_host_is_refused() {
+        let (_dir, auth) = with_token("correct-horse-battery-staple");
+        let mut page = headers(Some("Bearer correct-horse-battery-staple"));
+        page.insert(http::header::ORIGIN, "https://evil.example".parse().unwrap());
+        assert_eq!(auth.check(&page, &uri()), Err(Refusal::CrossSite));
+        let mut rebound = headers(Some("Bearer correct-horse-battery-staple"));
+        rebound.insert(http::header::HOST, "attacker.example:9090".parse().unwrap());
+        assert_eq!(auth.check(&rebound, &uri()), Err(Refusal::Host("attacker.example:9090".into())));
     }
 
     #[test]
-    fn without_a_token_file_only_a_loopback_listener_is_open() {
+    fn without_a_token_file_a_loopback_listener_generates_one_and_others_refuse() {
         let none = AdminConfig::default();
-        for open in ["127.0.0.1:9090", "[::1]:9090", "127.0.0.2:9090"] {
-            let auth = AdminAuth::load(&none, open.parse().unwrap()).unwrap();
-            assert_eq!(auth.check(&headers(None)), Ok(()), "{open}");
+        for loopback in ["127.0.0.1:9090", "[::1]:9090", "127.0.0.2:9090"] {
+            let dir = tempfile::tempdir().unwrap();
+            let auth = AdminAuth::load(&none, loopback.parse().unwrap(), dir.path()).unwrap();
+            assert_eq!(auth.check(&headers(None), &uri()), Err(Refusal::Missing), "{loopback}: no longer open");
+            let (file, generated) = auth.token_file().expect("a token file");
+            assert!(generated);
+            let token = std::fs::read_to_string(file.path()).unwrap();
+            let bearer = format!("Bearer {}", token.trim());
+            assert_eq!(auth.check(&headers(Some(&bearer)), &uri()), Ok(()), "{loopback}: the generated token");
         }
         for reachable in ["0.0.0.0:9090", "[::]:9090", "10.0.0.5:9090"] {
-            let auth = AdminAuth::load(&none, reachable.parse().unwrap()).unwrap();
-            assert_eq!(auth.check(&headers(Some("Bearer anything-at-all-123"))), Err(Refusal::Disabled), "{reachable}");
+            let dir = tempfile::tempdir().unwrap();
+            let auth = AdminAuth::load(&none, reachable.parse().unwrap(), dir.path()).unwrap();
+            let bearer = headers(Some("Bearer anything-at-all-123"));
+            assert_eq!(auth.check(&bearer, &uri()), Err(Refusal::Disabled), "{reachable}");
+            assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "{reachable}: no token written");
         }
     }
 }
