@@ -10,10 +10,10 @@ use tokio_rustls::TlsAcceptor;
 
 use crate::cache::shared::SharedStore;
 use crate::cache::{Cache, Tiers};
+use crate::client_auth::ClientAuth;
 use crate::cluster::{PeerClient, PeerLink, Peers};
 use crate::config::Config;
 use crate::server::admin::AdminAuth;
-use crate::server::client_auth::ClientAuth;
 use crate::server::tls::ReloadingCert;
 use crate::state::App;
 use crate::upstream::Upstreams;

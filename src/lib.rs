@@ -12,6 +12,7 @@ pub mod blocking;
 pub mod body;
 pub mod cache;
 pub mod cli;
+pub mod client_auth;
 pub mod cluster;
 pub mod coalesce;
 pub mod config;

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use crate::cache::Cache;
+use crate::client_auth::ClientAuth;
 use crate::config::Config;
-use crate::server::client_auth::ClientAuth;
 use crate::upstream::Upstreams;
 
 pub struct App {

@@ -10,10 +10,8 @@
 //! skipped, so the candidate list always ends in someone who can fetch.
 
 use std::collections::HashMap;
-use std::fmt;
 use std::io;
 use std::net::SocketAddr;
-use std::str::FromStr;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -21,6 +19,7 @@ use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 
 use super::ring::Ring;
+pub use crate::config::PeerUrl;
 use crate::config::{ClusterConfig, PeerSource};
 use crate::metrics::metrics;
 
@@ -31,77 +30,6 @@ pub const PEER_DOWN_FOR: Duration = Duration::from_secs(10);
 /// How often `peers_dns` is resolved again (and the up/down gauges are
 /// refreshed). A new replica starts receiving its keys at most this late.
 pub const DNS_REFRESH_INTERVAL: Duration = Duration::from_secs(5);
-
-/// A peer's base URL, normalized to `scheme://host:port` so that two
-/// replicas naming the same peer hash it the same way.
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PeerUrl(Arc<str>);
-
-impl PeerUrl {
-    /// Parses `http(s)://host[:port]` (no path, query or credentials).
-    pub fn parse(s: &str) -> Result<PeerUrl, String> {
-        let url = url::Url::parse(s).map_err(|e| format!("{s:?} is not a URL: {e}"))?;
-        let scheme = url.scheme();
-        if scheme != "http" && scheme != "https" {
-            return Err(format!("{s:?} must be an http:// or https:// URL"));
-        }
-        if !url.username().is_empty() || url.password().is_some() {
-            return Err(format!("{s:?} must not carry credentials"));
-        }
-        if !matches!(url.path(), "" | "/") || url.query().is_some() || url.fragment().is_some() {
-            return Err(format!("{s:?} must be scheme://host:port with no path"));
-        }
-        let host = url.host_str().filter(|h| !h.is_empty()).ok_or_else(|| format!("{s:?} has no host"))?;
-        let port = url.port_or_known_default().ok_or_else(|| format!("{s:?} has no port"))?;
-        Ok(PeerUrl(format!("{scheme}://{host}:{port}").into()))
-    }
-
-    /// The URL of a peer found at `addr` (a resolved `peers_dns` address).
-    pub fn from_addr(https: bool, addr: SocketAddr) -> PeerUrl {
-        let scheme = if https { "https" } else { "http" };
-        PeerUrl(format!("{scheme}://{addr}").into())
-    }
-
-    /// `scheme://host:port`.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-
-    pub fn is_https(&self) -> bool {
-        self.0.starts_with("https://")
-    }
-
-    /// `host:port`, as sent in a `Host` header.
-    pub fn authority(&self) -> &str {
-        self.0.split_once("://").map_or(&self.0, |(_, rest)| rest)
-    }
-}
-
-impl FromStr for PeerUrl {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        PeerUrl::parse(s)
-    }
-}
-
-impl AsRef<str> for PeerUrl {
-    fn as_ref(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Display for PeerUrl {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl fmt::Debug for PeerUrl {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(self, f)
-    }
-}
 
 /// Resolves `host:port` to addresses; tokio's `lookup_host` in production.
 pub type Resolve = Arc<dyn Fn(String) -> BoxFuture<'static, io::Result<Vec<SocketAddr>>> + Send + Sync>;

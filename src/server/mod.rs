@@ -4,7 +4,6 @@
 
 pub mod access_log;
 pub mod admin;
-pub mod client_auth;
 pub mod handlers;
 pub mod http1;
 pub mod listener;

@@ -1,0 +1,94 @@
+//! `[cache]`: where and how much larder keeps, and for how long tags are
+//! trusted.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::{ConfigError, Validator};
+
+/// Default share of `max_size` above which eviction starts.
+pub const DEFAULT_HIGH_WATERMARK: f64 = 0.95;
+/// Default share of `max_size` eviction brings usage down to.
+pub const DEFAULT_LOW_WATERMARK: f64 = 0.85;
+/// Smallest `cache.max_size` accepted: below this every commit would
+/// trigger an eviction of everything.
+pub const MIN_MAX_SIZE: u64 = 1 << 20;
+/// `cache.max_blob_size` when not set: this share of `max_size`.
+pub const DEFAULT_MAX_BLOB_SIZE_DIVISOR: u64 = 4;
+
+#[derive(Debug, Clone)]
+pub struct CacheConfig {
+    pub dir: PathBuf,
+    /// Disk budget for cached content, in bytes.
+    pub max_size: u64,
+    /// Largest blob a fill may write when no manifest declared its size
+    /// (an upstream streaming without `Content-Length` is cut off here).
+    pub max_blob_size: u64,
+    /// Share of `max_size` above which eviction starts.
+    pub high_watermark: f64,
+    /// Share of `max_size` eviction brings usage down to.
+    pub low_watermark: f64,
+    /// Memory budget of the in-memory manifest tier, in bytes.
+    pub memory: u64,
+    /// How long a tag → digest mapping is trusted before a `HEAD` revalidates it.
+    pub tag_ttl: Duration,
+    /// How long past its TTL a tag may still be served when upstream fails.
+    pub stale_if_error: Duration,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawCache {
+    dir: Option<String>,
+    max_size: Option<String>,
+    max_blob_size: Option<String>,
+    high_watermark: Option<f64>,
+    low_watermark: Option<f64>,
+    memory: Option<String>,
+    tag_ttl: Option<String>,
+    stale_if_error: Option<String>,
+}
+
+impl Validator<'_> {
+    pub(super) fn cache(&self, raw: Option<RawCache>) -> Result<CacheConfig, ConfigError> {
+        let rc = raw.unwrap_or_default();
+        let max_size = self.size("cache.max_size", rc.max_size.as_deref(), 50 << 30)?;
+        if max_size < MIN_MAX_SIZE {
+            return Err(self.err("cache.max_size", format!("{max_size} bytes is less than the minimum of 1MiB")));
+        }
+        let max_blob_size =
+            self.size("cache.max_blob_size", rc.max_blob_size.as_deref(), max_size / DEFAULT_MAX_BLOB_SIZE_DIVISOR)?;
+        if max_blob_size == 0 || max_blob_size > max_size {
+            return Err(self.err(
+                "cache.max_blob_size",
+                format!("must be more than 0 and at most cache.max_size ({max_size} bytes), not {max_blob_size}"),
+            ));
+        }
+        let cache = CacheConfig {
+            dir: self.path(rc.dir.as_deref().unwrap_or("./larder-data")),
+            max_size,
+            max_blob_size,
+            high_watermark: rc.high_watermark.unwrap_or(DEFAULT_HIGH_WATERMARK),
+            low_watermark: rc.low_watermark.unwrap_or(DEFAULT_LOW_WATERMARK),
+            memory: self.size("cache.memory", rc.memory.as_deref(), 256 << 20)?,
+            tag_ttl: self.duration("cache.tag_ttl", rc.tag_ttl.as_deref(), Duration::from_secs(300))?,
+            stale_if_error: self.duration(
+                "cache.stale_if_error",
+                rc.stale_if_error.as_deref(),
+                Duration::from_secs(7 * 86400),
+            )?,
+        };
+        if !(0.0 < cache.low_watermark && cache.low_watermark < cache.high_watermark && cache.high_watermark <= 1.0) {
+            return Err(self.err(
+                "cache.high_watermark",
+                format!(
+                    "watermarks must satisfy 0 < low_watermark ({}) < high_watermark ({}) <= 1",
+                    cache.low_watermark, cache.high_watermark
+                ),
+            ));
+        }
+        Ok(cache)
+    }
+}

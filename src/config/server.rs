@@ -1,0 +1,167 @@
+//! `[server]`: the registry listener, its TLS and client authentication,
+//! the admin listener's address, shutdown and sendfile.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::{ConfigError, Validator};
+
+/// Default time in-flight responses get after SIGTERM; below Kubernetes'
+/// default 30 s `terminationGracePeriodSeconds`, so larder exits on its own.
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(25);
+/// Default cap on open client connections of the registry listener: room
+/// for a hub serving thousands of kubelets, each keeping a connection open.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 16_384;
+/// Largest `server.max_connections` accepted (each connection holds a
+/// descriptor; Linux's default hard limit is 2^20).
+pub const MAX_MAX_CONNECTIONS: usize = 1 << 20;
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    /// `/metrics`, `/healthz`, `/readyz`; none when not configured.
+    pub admin_listen: Option<SocketAddr>,
+    /// After SIGTERM, how long in-flight responses, then the fills in flight, may take in all.
+    pub shutdown_grace: Duration,
+    /// Open client connections at most; further clients wait in the
+    /// kernel's accept queue until one closes.
+    pub max_connections: usize,
+    /// Serve the registry API over TLS.
+    pub tls: Option<TlsConfig>,
+    /// Require HTTP Basic credentials from clients.
+    pub auth: Option<ClientAuthConfig>,
+    /// When cached blob bytes go out with sendfile (cleartext HTTP/1).
+    pub sendfile: SendfileMode,
+}
+
+/// `server.sendfile`: which cleartext HTTP/1 clients get cached blob bytes
+/// with `sendfile(2)` (see `crate::sendfile`) instead of read and written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SendfileMode {
+    /// Clients on other hosts. A client on this host (loopback, or this
+    /// host's own address) reads its bytes on the same CPUs, and there a
+    /// sendfile costs that reader more than the copies save (benches/README.md).
+    #[default]
+    Auto,
+    /// Every cleartext HTTP/1 client.
+    Always,
+    /// None: every blob is read and written.
+    Never,
+}
+
+#[derive(Debug, Clone)]
+pub struct TlsConfig {
+    /// PEM certificate chain and private key; re-read when they change.
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// Require client certificates signed by this CA (PEM).
+    pub client_ca: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ClientAuthConfig {
+    /// htpasswd file with bcrypt hashes (`htpasswd -B`); re-read when it changes.
+    pub htpasswd: PathBuf,
+    /// Realm named in the `WWW-Authenticate: Basic` challenge.
+    pub realm: String,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawServer {
+    listen: Option<String>,
+    admin_listen: Option<String>,
+    shutdown_grace: Option<String>,
+    max_connections: Option<usize>,
+    tls: Option<RawTls>,
+    auth: Option<RawAuth>,
+    sendfile: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTls {
+    cert: String,
+    key: String,
+    client_ca: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawAuth {
+    htpasswd: String,
+    realm: Option<String>,
+}
+
+impl Validator<'_> {
+    pub(super) fn server(&self, raw: Option<RawServer>) -> Result<ServerConfig, ConfigError> {
+        let rs = raw.unwrap_or_default();
+        Ok(ServerConfig {
+            listen: self.addr("server.listen", rs.listen.as_deref().unwrap_or("0.0.0.0:5000"))?,
+            admin_listen: rs.admin_listen.as_deref().map(|a| self.addr("server.admin_listen", a)).transpose()?,
+            shutdown_grace: self.duration(
+                "server.shutdown_grace",
+                rs.shutdown_grace.as_deref(),
+                DEFAULT_SHUTDOWN_GRACE,
+            )?,
+            max_connections: match rs.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS) {
+                n @ 1..=MAX_MAX_CONNECTIONS => n,
+                _ => {
+                    return Err(
+                        self.err("server.max_connections", format!("must be between 1 and {MAX_MAX_CONNECTIONS}"))
+                    );
+                }
+            },
+            tls: rs.tls.as_ref().map(|t| self.tls(t)).transpose()?,
+            auth: rs.auth.as_ref().map(|a| self.auth(a)).transpose()?,
+            sendfile: match rs.sendfile.as_deref() {
+                None | Some("auto") => SendfileMode::Auto,
+                Some("always") => SendfileMode::Always,
+                Some("never") => SendfileMode::Never,
+                Some(other) => {
+                    return Err(
+                        self.err("server.sendfile", format!("{other:?} is not \"auto\", \"always\" or \"never\""))
+                    );
+                }
+            },
+        })
+    }
+
+    fn tls(&self, t: &RawTls) -> Result<TlsConfig, ConfigError> {
+        Ok(TlsConfig {
+            cert: self.readable("server.tls.cert", &t.cert)?,
+            key: self.readable("server.tls.key", &t.key)?,
+            client_ca: t.client_ca.as_deref().map(|c| self.readable("server.tls.client_ca", c)).transpose()?,
+        })
+    }
+
+    fn auth(&self, a: &RawAuth) -> Result<ClientAuthConfig, ConfigError> {
+        let realm = a.realm.clone().unwrap_or_else(|| "larder".to_owned());
+        if realm.is_empty() || realm.contains(['"', '\\']) || realm.chars().any(char::is_control) {
+            return Err(
+                self.err("server.auth.realm", "must be non-empty, without quotes, backslashes or control characters")
+            );
+        }
+        Ok(ClientAuthConfig { htpasswd: self.readable("server.auth.htpasswd", &a.htpasswd)?, realm })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::test_support::*;
+
+    #[test]
+    fn sendfile_is_auto_unless_set() {
+        assert_eq!(parse(MINIMAL).unwrap().server.sendfile, SendfileMode::Auto);
+        for (value, mode) in
+            [("auto", SendfileMode::Auto), ("always", SendfileMode::Always), ("never", SendfileMode::Never)]
+        {
+            let c = parse(&format!("[server]\nsendfile = \"{value}\"\n{MINIMAL}")).unwrap();
+            assert_eq!(c.server.sendfile, mode);
+        }
+    }
+}
