@@ -204,7 +204,8 @@ impl ClientAuth {
     /// Accepts the request's Basic credentials, or answers with a
     /// challenge, or (when bcrypt's queue is full for `peer`, the client's
     /// address, or overall) with `429` and `Retry-After`.
-    pub async fn check(&self, headers: &HeaderMap, peer: IpAddr) -> Result<(), Error> {
+    /// The user the request's Basic credentials prove, or the error to answer.
+    pub async fn check(&self, headers: &HeaderMap, peer: IpAddr) -> Result<String, Error> {
         let challenge = || Error::Unauthorized { realm: self.realm.clone() };
         let (user, password) = basic_credentials(headers).ok_or_else(challenge)?;
         let users = Arc::clone(&self.users.read().unwrap_or_else(|p| p.into_inner()));
@@ -221,7 +222,7 @@ impl ClientAuth {
             .into();
         // `get`, not `contains_key`: a lookup is what restarts the idle clock.
         if known && self.verified.get(&key).is_some() {
-            return Ok(());
+            return Ok(user);
         }
         let _slot = self.queued.enter(peer).ok_or_else(|| throttled(Throttled::PeerLimit, peer))?;
         let permit = match tokio::time::timeout(BCRYPT_WAIT, self.bcrypt_permits.acquire()).await {
@@ -239,7 +240,7 @@ impl ClientAuth {
         drop(permit);
         if ok && known {
             self.verified.insert(key, ());
-            Ok(())
+            Ok(user)
         } else {
             tracing::info!(user, "client authentication failed");
             Err(challenge())

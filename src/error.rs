@@ -52,6 +52,11 @@ pub enum Error {
     /// checks queued past their bound): come back after `retry_after` seconds.
     #[error("too many requests waiting for a password check; retry after {retry_after} s")]
     TooManyRequests { retry_after: u64 },
+    /// Who-may-pull-what refused the request (`crate::policy`): the
+    /// upstream's `allow`/`deny`, or no grant for the client. The text
+    /// names the repository, the upstream and the rule.
+    #[error("{0}")]
+    Denied(String),
     #[error("the cache disk is full")]
     DiskFull,
     /// The cache's own storage failed in a way that may pass (too many open
@@ -151,7 +156,7 @@ impl Error {
                 "UNAUTHORIZED",
                 Some((header::WWW_AUTHENTICATE, "Bearer realm=\"larder-admin\"".to_owned())),
             ),
-            Error::AdminDisabled | Error::AdminForbidden(_) => (S::FORBIDDEN, "DENIED", None),
+            Error::AdminDisabled | Error::AdminForbidden(_) | Error::Denied(_) => (S::FORBIDDEN, "DENIED", None),
             Error::TooManyRequests { retry_after } => {
                 (S::TOO_MANY_REQUESTS, "TOOMANYREQUESTS", Some((header::RETRY_AFTER, retry_after.to_string())))
             }

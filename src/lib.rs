@@ -21,6 +21,7 @@ pub mod log_filter;
 pub mod log_writer;
 pub mod metrics;
 pub mod oci;
+pub mod policy;
 pub mod sendfile;
 pub mod server;
 pub mod shutdown;

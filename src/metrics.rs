@@ -106,6 +106,11 @@ pub struct Metrics {
     /// `referrers` answers that were not a tag list or an image index
     /// (answered 502, never relayed).
     pub upstream_listings_refused: IntCounterVec,
+    /// `policy_denied_total{upstream}`: requests for a repository the
+    /// upstream's `allow`/`deny` refuses (clients, peers and prefetches).
+    pub policy_denied: IntCounterVec,
+    /// `grant_denied_total{upstream}`: client requests no grant allows.
+    pub grant_denied: IntCounterVec,
 }
 
 const PREFIX: &str = "larder";
@@ -262,6 +267,16 @@ fn build() -> Result<Metrics, prometheus::Error> {
             "upstream_redirects_refused_total",
             "Redirect targets and token realms refused: https-to-http downgrades, or addresses that are not public",
             &["reason"],
+        )?,
+        policy_denied: counter_vec(
+            "policy_denied_total",
+            "Requests for a repository the upstream's allow/deny refuses, answered 403 before any cache read or dial",
+            &["upstream"],
+        )?,
+        grant_denied: counter_vec(
+            "grant_denied_total",
+            "Client requests no [[server.auth.grant]] allows, answered 403 before any cache read or dial",
+            &["upstream"],
         )?,
         upstream_listings_refused: counter_vec(
             "upstream_listings_refused_total",

@@ -7,12 +7,14 @@
 //! [`upstream`] (with its [`credentials`]), [`shared`], [`cluster`]. Here: loading, the error type, the
 //! validator's common parsers (durations, sizes, paths, secret files,
 //! `${ENV}`), and the order sections are checked in, where one depends on
-//! another (`[admin] tls` and `[cluster]` on `[server]`).
+//! another (`[admin] tls` and `[cluster]` on `[server]`, [`grants`] on the
+//! upstreams and `[server]`'s ways of identifying clients).
 
 mod admin;
 mod cache;
 mod cluster;
 mod credentials;
+mod grants;
 mod log;
 mod parse_error;
 mod secret;
@@ -186,9 +188,12 @@ impl Validator<'_> {
     }
 
     fn config(&self, raw: RawConfig) -> Result<Config, ConfigError> {
-        let server = self.server(raw.server)?;
+        let (mut server, raw_grants) = self.server(raw.server)?;
         let cache = self.cache(raw.cache)?;
         let upstreams = self.upstreams(raw.upstream)?;
+        // Grants name upstreams, and users or certificates `[server]` must
+        // be able to tell apart.
+        server.grants = self.grants(&raw_grants, &upstreams, &server)?;
         let log = self.log(raw.log)?;
         let admin = self.admin(raw.admin.unwrap_or_default(), &server)?;
         let shared = raw.shared.map(|s| self.shared(s)).transpose()?;

@@ -33,6 +33,9 @@ pub struct ServerConfig {
     pub tls: Option<TlsConfig>,
     /// Require HTTP Basic credentials from clients.
     pub auth: Option<ClientAuthConfig>,
+    /// `[[server.auth.grant]]`: when any exists, a client pulls only what
+    /// some grant gives it (see `crate::policy`).
+    pub grants: Vec<crate::policy::Grant>,
     /// When cached blob bytes go out with sendfile (cleartext HTTP/1).
     pub sendfile: SendfileMode,
 }
@@ -92,14 +95,22 @@ pub(super) struct RawTls {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawAuth {
-    htpasswd: String,
+    htpasswd: Option<String>,
     realm: Option<String>,
+    /// Read once the upstreams are known (`super::grants`).
+    #[serde(default)]
+    grant: Vec<super::grants::RawGrant>,
 }
 
 impl Validator<'_> {
-    pub(super) fn server(&self, raw: Option<RawServer>) -> Result<ServerConfig, ConfigError> {
+    /// `[server]`, and the raw grants of `[server.auth]`, which are read
+    /// once the upstreams are known (`super::grants`).
+    pub(super) fn server(
+        &self,
+        raw: Option<RawServer>,
+    ) -> Result<(ServerConfig, Vec<super::grants::RawGrant>), ConfigError> {
         let rs = raw.unwrap_or_default();
-        Ok(ServerConfig {
+        let server = ServerConfig {
             listen: self.addr("server.listen", rs.listen.as_deref().unwrap_or("0.0.0.0:5000"))?,
             admin_listen: rs.admin_listen.as_deref().map(|a| self.addr("server.admin_listen", a)).transpose()?,
             shutdown_grace: self.duration(
@@ -116,7 +127,8 @@ impl Validator<'_> {
                 }
             },
             tls: rs.tls.as_ref().map(|t| self.tls(t)).transpose()?,
-            auth: rs.auth.as_ref().map(|a| self.auth(a)).transpose()?,
+            auth: rs.auth.as_ref().map(|a| self.auth(a)).transpose()?.flatten(),
+            grants: Vec::new(),
             sendfile: match rs.sendfile.as_deref() {
                 None | Some("auto") => SendfileMode::Auto,
                 Some("always") => SendfileMode::Always,
@@ -127,7 +139,8 @@ impl Validator<'_> {
                     );
                 }
             },
-        })
+        };
+        Ok((server, rs.auth.map(|a| a.grant).unwrap_or_default()))
     }
 
     fn tls(&self, t: &RawTls) -> Result<TlsConfig, ConfigError> {
@@ -138,14 +151,22 @@ impl Validator<'_> {
         })
     }
 
-    fn auth(&self, a: &RawAuth) -> Result<ClientAuthConfig, ConfigError> {
+    /// `[server.auth]`: Basic credentials when it names an `htpasswd`
+    /// (it may hold only grants, for clients identified by certificate).
+    fn auth(&self, a: &RawAuth) -> Result<Option<ClientAuthConfig>, ConfigError> {
+        let Some(htpasswd) = &a.htpasswd else {
+            if a.grant.is_empty() {
+                return Err(self.err("server.auth.htpasswd", "required (or grants, for certificate identities)"));
+            }
+            return Ok(None);
+        };
         let realm = a.realm.clone().unwrap_or_else(|| "larder".to_owned());
         if realm.is_empty() || realm.contains(['"', '\\']) || realm.chars().any(char::is_control) {
             return Err(
                 self.err("server.auth.realm", "must be non-empty, without quotes, backslashes or control characters")
             );
         }
-        Ok(ClientAuthConfig { htpasswd: self.readable("server.auth.htpasswd", &a.htpasswd)?, realm })
+        Ok(Some(ClientAuthConfig { htpasswd: self.readable("server.auth.htpasswd", htpasswd)?, realm }))
     }
 }
 

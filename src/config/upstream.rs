@@ -12,6 +12,7 @@ use serde::Deserialize;
 use super::cache::CacheConfig;
 use super::credentials::CredentialSource;
 use super::{Config, ConfigError, Validator, valid_host};
+use crate::policy::{RepoGlob, RepoPolicy};
 
 /// Largest `max_concurrency` accepted (tokio's semaphore has a limit, and
 /// more open requests than this to one registry is a mistake).
@@ -69,6 +70,9 @@ pub struct UpstreamConfig {
     /// may be in although they are loopback, link-local, private or
     /// otherwise not public (`trusted_networks`); see `crate::upstream::dial`.
     pub trusted_networks: Vec<ipnet::IpNet>,
+    /// `allow` and `deny`: which repositories of this upstream larder
+    /// serves at all (checked before any cache read or dial).
+    pub policy: RepoPolicy,
     pub tag_ttl: Option<Duration>,
     pub immutable_tags: Vec<Regex>,
     /// Open upstream requests allowed at once; further requests wait in order.
@@ -110,6 +114,10 @@ pub(super) struct RawUpstream {
     trusted_realms: Vec<String>,
     #[serde(default)]
     trusted_networks: Vec<String>,
+    #[serde(default)]
+    allow: Vec<String>,
+    #[serde(default)]
+    deny: Vec<String>,
     tag_ttl: Option<String>,
     #[serde(default)]
     immutable_tags: Vec<String>,
@@ -319,6 +327,13 @@ impl Validator<'_> {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let globs = |k: &str, list: &[String]| {
+            list.iter()
+                .enumerate()
+                .map(|(j, g)| RepoGlob::parse(g).map_err(|e| self.err(format!("upstream[{i}].{k}[{j}]"), e)))
+                .collect::<Result<Vec<_>, _>>()
+        };
+        let policy = RepoPolicy { allow: globs("allow", &u.allow)?, deny: globs("deny", &u.deny)? };
         let trusted_realms = u
             .trusted_realms
             .iter()
@@ -354,6 +369,7 @@ impl Validator<'_> {
             credentials,
             trusted_realms,
             trusted_networks,
+            policy,
             tag_ttl: u
                 .tag_ttl
                 .as_deref()
@@ -589,6 +605,22 @@ mod tests {
             assert!(e.contains("`upstream[0].via`") && e.contains(&format!("`upstream[0].{key}`")), "{e}");
         }
         assert!(parse("[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\nvia = \"http://hub:5000\"\n").is_ok());
+    }
+
+    #[test]
+    fn allow_and_deny_are_globs_named_by_their_key() {
+        let c = parse("[[upstream]]\nname = \"docker.io\"\nurl = \"https://registry-1.docker.io\"\nallow = [\"library/*\", \"bitnami/**\"]\ndeny = [\"library/ubuntu\"]\n").unwrap();
+        let policy = &c.upstreams[0].policy;
+        assert!(policy.check(&"library/nginx".parse().unwrap()).is_ok());
+        assert!(policy.check(&"library/ubuntu".parse().unwrap()).is_err());
+        for (line, key) in
+            [("allow = [\"ok\", \"Bad\"]", "upstream[0].allow[1]"), ("deny = [\"a//b\"]", "upstream[0].deny[0]")]
+        {
+            let e = parse(&format!("[[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\n{line}\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("`{key}`")), "{e}");
+        }
     }
 
     #[test]

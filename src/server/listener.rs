@@ -208,7 +208,18 @@ where
     };
     Box::pin(async move {
         match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-            Ok(Ok(stream)) => serve_watched(&builders.any, stream, watcher, handler).await,
+            // A verified client certificate names the client for grants:
+            // every request of the connection carries its names.
+            Ok(Ok(stream)) => match super::tls::client_identity(stream.get_ref().1) {
+                Some(identity) => {
+                    let handler = move |mut req: Request<Incoming>| {
+                        req.extensions_mut().insert(identity.clone());
+                        handler(req)
+                    };
+                    serve_watched(&builders.any, stream, watcher, handler).await
+                }
+                None => serve_watched(&builders.any, stream, watcher, handler).await,
+            },
             Ok(Err(e)) => Err(e.into()),
             Err(_) => Err("TLS handshake timed out".into()),
         }

@@ -26,6 +26,7 @@ use tracing::Instrument;
 
 use crate::body::Body;
 use crate::metrics::metrics;
+use crate::policy::ClientIdentity;
 use crate::shutdown::Shutdown;
 use crate::state::App;
 use routes::Parsed;
@@ -94,6 +95,35 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, peer: std::net::IpAdd
     resp
 }
 
+/// With `[[server.auth.grant]]`s, a client pulls only what some grant
+/// gives it: its htpasswd `user` or its client certificate's names (put in
+/// the request's extensions by the TLS listener) must be named by a grant
+/// of the route's upstream and repository. Checked before the handler,
+/// so before any cache read or dial.
+fn check_grants(
+    app: &App,
+    extensions: &http::Extensions,
+    user: Option<String>,
+    route: &routes::Route,
+) -> Result<(), crate::error::Error> {
+    let grants = &app.config.server.grants;
+    if grants.is_empty() {
+        return Ok(());
+    }
+    let mut client = extensions.get::<ClientIdentity>().cloned().unwrap_or_default();
+    client.user = user;
+    if crate::policy::granted(grants, &client, route.upstream.name(), &route.repo) {
+        return Ok(());
+    }
+    metrics().grant_denied.with_label_values(&[route.upstream.name()]).inc();
+    tracing::info!(?client, upstream = route.upstream.name(), repo = %route.repo, "no grant for this client");
+    Err(crate::error::Error::Denied(format!(
+        "no grant gives this client repository {:?} of upstream {:?}",
+        route.repo.as_str(),
+        route.upstream.name()
+    )))
+}
+
 /// A request's id: 16 hex digits in its log span and its `X-Request-Id`,
 /// formatted where each needs it, with no `String` of its own.
 #[derive(Clone, Copy)]
@@ -123,11 +153,17 @@ async fn handle_request(
     let started = Instant::now();
     let (parts, _body) = req.into_parts();
     let head = parts.method == http::Method::HEAD;
-    let authorized = match &app.auth {
-        Some(auth) => auth.check(&parts.headers, peer).await,
-        None => Ok(()),
+    let user = match &app.auth {
+        Some(auth) => auth.check(&parts.headers, peer).await.map(Some),
+        None => Ok(None),
     };
-    let parsed = authorized.and_then(|()| routes::parse(&parts.method, &parts.uri, &app.upstreams));
+    let parsed = user.and_then(|user| {
+        let parsed = routes::parse(&parts.method, &parts.uri, &app.upstreams)?;
+        if let Parsed::Repo(route) = &parsed {
+            check_grants(&app, &parts.extensions, user, route)?;
+        }
+        Ok(parsed)
+    });
     let (route, outcome) = match parsed {
         Ok(Parsed::Base) => ("base", handlers::base(&parts.method).map(|r| (r, None))),
         Ok(Parsed::Repo(route)) => (route.endpoint.label(), handlers::route(&app, route, &parts).await),

@@ -2,7 +2,8 @@
 //! upstream, which repository, which endpoint. Parse only; no I/O.
 //!
 //! Upstream selection, in order: `?ns=<host>` (containerd), a path prefix
-//! `/v2/<upstream>/<repo>/…`, then the `default = true` upstream.
+//! `/v2/<upstream>/<repo>/…`, then the `default = true` upstream. A route
+//! is only made for a repository the upstream's `allow`/`deny` serves.
 
 use std::sync::Arc;
 
@@ -93,6 +94,17 @@ pub fn parse(method: &Method, uri: &Uri, upstreams: &Upstreams) -> Result<Parsed
     let mut repo: RepoName = name.parse().map_err(Error::NameInvalid)?;
     if upstream.config.library_namespace && repo.components() == 1 {
         repo = repo.in_library().map_err(Error::NameInvalid)?;
+    }
+    // A route exists only for a repository the upstream's policy serves:
+    // clients, peers and prefetches all come through here, before any
+    // cache read, membership check or dial.
+    if let Err(rule) = upstream.config.policy.check(&repo) {
+        crate::metrics::metrics().policy_denied.with_label_values(&[upstream.name()]).inc();
+        return Err(Error::Denied(format!(
+            "repository {:?} of upstream {:?} is refused by its {rule}",
+            repo.as_str(),
+            upstream.name()
+        )));
     }
     Ok(Parsed::Repo(Route { upstream: Arc::clone(upstream), repo, endpoint, via: Via::Client }))
 }

@@ -59,6 +59,32 @@ impl ResolvesServerCert for ReloadingCert {
     }
 }
 
+/// The names of a connection's client certificate (verified against
+/// `client_ca` during the handshake): its subject's common name and its
+/// DNS, e-mail and URI alternative names. `None` without a certificate.
+pub fn client_identity(conn: &rustls::ServerConnection) -> Option<crate::policy::ClientIdentity> {
+    use x509_parser::extensions::GeneralName;
+    let der = conn.peer_certificates()?.first()?;
+    let (_, cert) = x509_parser::parse_x509_certificate(der.as_ref()).ok()?;
+    let common_name = cert.subject().iter_common_name().next().and_then(|cn| cn.as_str().ok()).map(str::to_owned);
+    let alt_names = cert
+        .subject_alternative_name()
+        .ok()
+        .flatten()
+        .map(|san| {
+            san.value
+                .general_names
+                .iter()
+                .filter_map(|n| match n {
+                    GeneralName::DNSName(s) | GeneralName::RFC822Name(s) | GeneralName::URI(s) => Some((*s).to_owned()),
+                    _ => None,
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Some(crate::policy::ClientIdentity { user: None, common_name, alt_names })
+}
+
 /// The acceptor for the registry listener, and the certificate holder the
 /// reloader refreshes.
 pub fn acceptor(config: &TlsConfig) -> Result<(TlsAcceptor, Arc<ReloadingCert>), String> {

@@ -78,12 +78,15 @@ pub struct Pull {
     source: String,
     all: bool,
     credentials: Option<Credentials>,
+    /// Over verified HTTPS: the CA (PEM) that signed larder's certificate,
+    /// and a client certificate and key (PEM) to present, if any.
+    tls: Option<(String, Option<(String, String)>)>,
 }
 
 impl Pull {
     /// Pulls `source` (`docker://host:port/repo:tag`) anonymously.
     pub fn new(source: &str) -> Self {
-        Pull { source: source.to_owned(), all: false, credentials: None }
+        Pull { source: source.to_owned(), all: false, credentials: None, tls: None }
     }
 
     /// Copies every image of an index (`--all`), not just this platform's.
@@ -98,13 +101,34 @@ impl Pull {
         self
     }
 
+    /// Over HTTPS verified against `ca_pem`, presenting `client` (a
+    /// certificate and its key, PEM) when given (`--src-cert-dir`).
+    pub fn tls(mut self, ca_pem: &str, client: Option<(&str, &str)>) -> Self {
+        self.tls = Some((ca_pem.to_owned(), client.map(|(c, k)| (c.to_owned(), k.to_owned()))));
+        self
+    }
+
     pub async fn run(self) -> Result<PulledImage, SkopeoError> {
         let dir = tempfile::Builder::new()
             .prefix("larder-pull-")
             .tempdir()
             .unwrap_or_else(|e| panic!("cannot create a temp dir to pull into: {e}"));
         let target = dir.path().join("image");
-        let mut args = vec!["copy".to_owned(), "--src-tls-verify=false".to_owned()];
+        let mut args = vec!["copy".to_owned()];
+        match &self.tls {
+            None => args.push("--src-tls-verify=false".to_owned()),
+            Some((ca, client)) => {
+                // containers/image: `ca.crt`, and `<name>.cert` with `<name>.key`.
+                let certs = dir.path().join("certs");
+                std::fs::create_dir(&certs).expect("a cert dir");
+                std::fs::write(certs.join("ca.crt"), ca).expect("write ca.crt");
+                if let Some((cert, key)) = client {
+                    std::fs::write(certs.join("client.cert"), cert).expect("write client.cert");
+                    std::fs::write(certs.join("client.key"), key).expect("write client.key");
+                }
+                args.push(format!("--src-cert-dir={}", certs.display()));
+            }
+        }
         match &self.credentials {
             Some(credentials) => args.push(format!("--src-creds={}", credentials.colon_joined())),
             None => args.push("--src-no-creds".to_owned()),
