@@ -23,6 +23,9 @@
 //! * `console` blocks: their `$` lines are commands as above; their output
 //!   is compared by the test a `<!-- checked-by: tests/NAME.rs -->` marker
 //!   names, or marked `<!-- output-example: why -->`;
+//! * the operating guide's admin commands (its curl block and its `larder
+//!   status`/`prefetch`/`purge` lines) also run as written against a
+//!   running larder in front of a real distribution registry;
 //! * `promql` blocks name registered metrics and pass `promtool check rules`;
 //! * anything else must be marked `<!-- not-tested: why -->` (or
 //!   `checked-by`); those are counted and listed, and must stay few.
@@ -31,6 +34,7 @@
 //! relative links and their anchors must resolve; the guides speak of
 //! features, not issue numbers; the README stays a front door.
 
+mod common;
 #[path = "docs/markdown.rs"]
 mod markdown;
 #[path = "docs/shell.rs"]
@@ -569,14 +573,82 @@ fn larder_command_lines_are_accepted_by_larder() {
     assert!(fenced.len() >= 5 && inline >= 5);
 }
 
+/// A line of example output with its figures, sizes, durations and ports
+/// reduced to their shape: `151.2 MiB in 12.4 s` and `70 KiB in 0.1 s`
+/// read alike.
+fn shape(line: &str) -> String {
+    let unit = Regex::new(r"\d+(\.\d+)? ?(B|KiB|MiB|GiB|TiB|ms|s|m|h|d)\b").unwrap();
+    let number = Regex::new(r"\d+(\.\d+)?").unwrap();
+    let line = unit.replace_all(line, "N U");
+    number.replace_all(&line, "N").split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// The operating guide's admin commands, run as written against a running
+/// larder whose `docker.io` and `ghcr.io` upstreams are a real
+/// distribution registry holding the images the guide names: the curl
+/// block (its URL and token file pointed at this larder, each curl made to
+/// fail on an HTTP error) and the console block's `larder` lines, whose
+/// output must have the example's shape.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_operating_guides_admin_commands_work_against_a_running_larder() {
+    let origin = common::Origin::start().await;
+    for (repo, tag) in [("library/alpine", "3.20"), ("library/postgres", "16")] {
+        common::ImageBuilder::oci().multi_arch().layers(&[64 * common::KIB]).push(&origin, repo, tag).await;
+    }
+    let upstreams = common::Larder::builder()
+        .upstream(common::Upstream::new("docker.io", &origin.url()).default(true))
+        .upstream(common::Upstream::new("ghcr.io", &origin.url()));
+    let (builder, admin) = common::Admin::with_token(upstreams, "0123456789abcdef0123456789abcdef");
+    let running = builder.start().await;
+    let doc = Doc::read(root(), "docs/operating.md");
+    let blocks = markdown::blocks(&doc);
+
+    let curl = blocks.iter().find(|b| b.lang == "sh" && b.text.contains("curl ")).expect("the curl block");
+    let script = curl
+        .text
+        .replace("http://127.0.0.1:9090", &admin.url())
+        .replace("/run/secrets/larder-admin/token", &admin.token_file().display().to_string());
+    let script = format!("set -eu\ncurl() {{ command curl -sS --fail-with-body \"$@\" && echo; }}\n{script}");
+    let out = Command::new("bash").arg("-c").arg(&script).output().expect("bash");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}: {stdout}{}", curl.at(), String::from_utf8_lossy(&out.stderr));
+    let answers: Vec<serde_json::Value> =
+        stdout.lines().filter(|l| !l.trim().is_empty()).map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert!(answers.iter().any(|a| a["manifests"] == 1 && a["fetched"].as_u64() > Some(0)), "{stdout}");
+    assert!(answers.iter().any(|a| a["event"] == "progress"), "streamed progress: {stdout}");
+    assert!(answers.iter().any(|a| a["event"] == "done"), "{stdout}");
+    assert_eq!(answers.iter().filter(|a| a.get("members").is_some()).count(), 2, "two purges: {stdout}");
+
+    let console = blocks.iter().find(|b| b.lang == "console").expect("the console block");
+    let example = console.text.split("\n$ ").map(|c| c.trim_start_matches("$ ")).collect::<Vec<_>>();
+    for shown in example {
+        let (command, output) = shown.split_once('\n').unwrap();
+        let command = command.replace("/etc/larder/larder.toml", &running.config_path().display().to_string());
+        let words = shell::parse(&command).remove(0).words;
+        let out = Command::new(larder())
+            .args(&words[1..])
+            .env("LARDER_ADMIN_TOKEN_FILE", admin.token_file())
+            .env("LARDER_ADMIN", admin.url())
+            .output()
+            .unwrap();
+        let actual = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{}: {command}: {actual}{}", console.at(), String::from_utf8_lossy(&out.stderr));
+        let actual_shapes: Vec<String> = actual.lines().map(shape).collect();
+        for line in output.lines().filter(|l| !l.trim().is_empty() && !l.starts_with(['⠙', '…'])) {
+            let label = line.split_whitespace().next().unwrap();
+            let same_label: Vec<&String> = actual_shapes.iter().filter(|a| a.starts_with(label)).collect();
+            assert!(!same_label.is_empty(), "{}: `{command}` prints no {label:?} line:\n{actual}", console.at());
+            if ["prefetching", "prefetched", "purged", "larder"].contains(&label) {
+                assert!(same_label.contains(&&shape(line)), "{}: `{command}`: {line:?} is not\n{actual}", console.at());
+            }
+        }
+    }
+}
+
 // ---- other programs' command lines --------------------------------------------------
 
 fn which(program: &str) -> PathBuf {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .map(|d| d.join(program))
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| panic!("`{program}` is not on PATH; tests/run.sh installs it"))
+    common::which(program)
 }
 
 /// `PROGRAM ARGS --help` (curl: `--help all`), once each.
