@@ -1,4 +1,4 @@
-//! Attacks on what README's "Security" section claims, each a script that
+//! Attacks on what the security guide (docs/security.md) claims, each a script that
 //! ends by counting what the hosts larder must not talk to saw:
 //!
 //! 1. a token realm on another host asks for larder's credentials (or

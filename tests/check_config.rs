@@ -1,7 +1,7 @@
 //! `larder check-config` on configs a user gets wrong in ways that matter
 //! for security, run as a user runs it (the binary, in the config's own
-//! folder): what it prints, and that README's "What larder never sends
-//! where" shows exactly that.
+//! folder): what it prints, and that the security guide (docs/security.md)
+//! shows exactly that.
 
 use std::path::Path;
 use std::process::Output;
@@ -17,8 +17,10 @@ fn check_config(dir: &Path, name: &str) -> Output {
         .expect("run larder check-config")
 }
 
-fn readme() -> String {
-    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).expect("read README.md")
+/// The security guide, where these messages are shown.
+fn guide() -> String {
+    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/security.md"))
+        .expect("read docs/security.md")
 }
 
 #[test]
@@ -33,7 +35,7 @@ fn a_via_upstream_with_credentials_is_refused_naming_both_keys() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("`upstream[0].via`") && stderr.contains("`upstream[0].username`"), "{stderr}");
     assert!(!stderr.contains("registry-password"));
-    assert!(readme().contains(stderr.trim_end()), "README shows this message:\n{stderr}");
+    assert!(guide().contains(stderr.trim_end()), "docs/security.md shows this message:\n{stderr}");
 }
 
 #[test]
@@ -47,9 +49,9 @@ fn a_fallback_on_another_site_is_warned_about_and_pulls_anonymously() {
     assert!(out.status.success(), "{out:?}");
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(stderr.contains("warning: `upstream[0].urls[1]`"), "{stderr}");
-    let readme = readme();
-    assert!(readme.contains(stderr.trim_end()), "README shows the warning:\n{stderr}");
-    assert!(readme.contains(stdout.trim_end()), "README shows the verdict:\n{stdout}");
+    let guide = guide();
+    assert!(guide.contains(stderr.trim_end()), "docs/security.md shows the warning:\n{stderr}");
+    assert!(guide.contains(stdout.trim_end()), "docs/security.md shows the verdict:\n{stdout}");
 }
 
 #[test]
@@ -65,6 +67,6 @@ fn a_typo_of_a_secret_key_names_the_key_and_never_the_value() {
     let shown = first.split("expected one of").next().unwrap();
     assert_eq!(shown, "larder: larder.toml: line 5, column 1, key `upstream[0].pasword`: unknown field `pasword`, ");
     assert_eq!(snippet, "  5 | pasword = …");
-    let readme = readme();
-    assert!(readme.contains(shown) && readme.contains(snippet), "README shows this message:\n{stderr}");
+    let guide = guide();
+    assert!(guide.contains(shown) && guide.contains(snippet), "docs/security.md shows this message:\n{stderr}");
 }

@@ -729,17 +729,20 @@ async fn a_url_that_failed_to_connect_goes_last_but_is_not_dropped() {
     assert_eq!(primary.accepted(), 2, "tried after the fallback");
 }
 
-// ---- the README's snippets ---------------------------------------------------------
+// ---- the registries guide's snippets ------------------------------------------------
 
 /// Every `config/registries/*.toml` passes `larder check-config` (copied
 /// into a folder with placeholder files for the `password_file`s it names,
-/// which are relative to the config file), and the README's "Registries"
-/// section shows it verbatim.
+/// which are relative to the config file), and the registries guide
+/// (docs/registries.md), section "A config per registry", shows it verbatim.
 #[test]
-fn every_registry_snippet_passes_check_config_and_is_in_the_readme() {
+fn every_registry_snippet_passes_check_config_and_is_in_the_guide() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let readme = std::fs::read_to_string(root.join("README.md")).expect("read README.md");
-    let section = readme.split("\n## ").find(|s| s.starts_with("Registries")).expect("a README section \"Registries\"");
+    let guide = std::fs::read_to_string(root.join("docs/registries.md")).expect("read docs/registries.md");
+    let section = guide
+        .split("\n## ")
+        .find(|s| s.starts_with("A config per registry"))
+        .expect("a section \"A config per registry\" in docs/registries.md");
     let mut snippets: Vec<_> = std::fs::read_dir(root.join("config/registries"))
         .expect("config/registries/")
         .map(|e| e.expect("an entry").path())
@@ -768,7 +771,7 @@ fn every_registry_snippet_passes_check_config_and_is_in_the_readme() {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
-        assert!(section.contains(text.trim_end()), "README \"Registries\" shows {} verbatim", path.display());
+        assert!(section.contains(text.trim_end()), "docs/registries.md shows {} verbatim", path.display());
     }
     assert_eq!(snippets.len(), 11, "{snippets:?}");
 }

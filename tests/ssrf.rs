@@ -1,4 +1,4 @@
-//! Server-side request forgery through an upstream (README "Security",
+//! Server-side request forgery through an upstream (docs/security.md,
 //! "What larder never sends where"): a registry, its CDN or a front can
 //! name any host in a `Location` or a token realm, and on a cloud node
 //! `http://169.254.169.254/latest/meta-data/iam/security-credentials/…`

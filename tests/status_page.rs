@@ -6,7 +6,7 @@
 //! text, that the page loads no script and no asset from elsewhere, that
 //! `larder status` reports the same facts, and keeps a screenshot as a
 //! test artifact (`target/tmp/status-page.png`). With
-//! `LARDER_UPDATE_SCREENSHOT=1` it also refreshes the README's
+//! `LARDER_UPDATE_SCREENSHOT=1` it also refreshes the operating guide's
 //! `docs/status-page.png`.
 
 mod common;
