@@ -68,21 +68,34 @@ pub fn parse_admin_token(text: &str) -> Result<Secret, String> {
     Ok(Secret::new(token))
 }
 
+#[cfg_attr(test, derive(schemars::JsonSchema))]
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawAdmin {
     token_file: Option<String>,
     allowed_hosts: Option<Vec<String>>,
     /// `"server"`, `"off"` or `{ cert, key }`: read in [`Validator::admin_tls`].
+    #[cfg_attr(test, schemars(with = "Option<AdminTlsForms>"))]
     tls: Option<toml::Value>,
 }
 
 /// `[admin] tls = { cert, key }`: the admin listener's own certificate.
+#[cfg_attr(test, derive(schemars::JsonSchema))]
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawAdminTls {
     cert: String,
     key: String,
+}
+
+/// The forms `[admin] tls` takes, for the config reference's test.
+#[cfg(test)]
+#[derive(schemars::JsonSchema)]
+#[serde(untagged)]
+#[allow(dead_code)]
+enum AdminTlsForms {
+    Mode(String),
+    Own(RawAdminTls),
 }
 
 impl Validator<'_> {

@@ -38,6 +38,7 @@ pub struct CacheConfig {
     pub stale_if_error: Duration,
 }
 
+#[cfg_attr(test, derive(schemars::JsonSchema))]
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawCache {

@@ -124,6 +124,7 @@ pub enum PeerSource {
     Dns { name: String },
 }
 
+#[cfg_attr(test, derive(schemars::JsonSchema))]
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawCluster {

@@ -10,6 +10,7 @@ use super::upstream::UpstreamConfig;
 use super::{ConfigError, Validator};
 use crate::policy::{Grant, Principal, RepoGlob};
 
+#[cfg_attr(test, derive(schemars::JsonSchema))]
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawGrant {

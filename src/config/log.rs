@@ -20,6 +20,7 @@ pub enum LogFormat {
 /// Default log filter: larder's own lines at info, other crates' warnings.
 pub const DEFAULT_LOG_LEVEL: &str = "warn,larder=info";
 
+#[cfg_attr(test, derive(schemars::JsonSchema))]
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawLog {

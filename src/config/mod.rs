@@ -79,6 +79,7 @@ pub enum ConfigError {
     Invalid { file: String, key: String, message: String },
 }
 
+#[cfg_attr(test, derive(schemars::JsonSchema))]
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawConfig {
@@ -321,6 +322,121 @@ mod tests {
     use super::*;
     use regex::Regex;
     use test_support::*;
+
+    /// Every key the config accepts, as dotted paths (`server.tls.cert`,
+    /// `upstream.name`, `upstream.urls[].credentials`), read from the raw
+    /// structs' schema: nested tables add `.`, arrays of tables inside a
+    /// table add `[].`, and the top-level arrays of tables (`[[upstream]]`)
+    /// are named as their table. A key that is also a table (`admin.tls`,
+    /// a string or `{ cert, key }`) is listed both ways.
+    fn accepted_keys() -> std::collections::BTreeSet<String> {
+        let schema = serde_json::to_value(schemars::schema_for!(RawConfig)).unwrap();
+        let defs = schema.get("$defs").cloned().unwrap_or_default();
+        fn resolve<'a>(v: &'a serde_json::Value, defs: &'a serde_json::Value) -> &'a serde_json::Value {
+            match v.get("$ref").and_then(|r| r.as_str()).and_then(|r| r.strip_prefix("#/$defs/")) {
+                Some(name) => resolve(&defs[name], defs),
+                None => v,
+            }
+        }
+        /// The object schemas a value may be (through Option, anyOf, arrays),
+        /// each with whether it came through an array.
+        fn tables<'a>(
+            v: &'a serde_json::Value,
+            defs: &'a serde_json::Value,
+            array: bool,
+            out: &mut Vec<(&'a serde_json::Value, bool)>,
+        ) {
+            let v = resolve(v, defs);
+            for branch in ["anyOf", "oneOf"] {
+                for b in v.get(branch).and_then(|b| b.as_array()).into_iter().flatten() {
+                    tables(b, defs, array, out);
+                }
+            }
+            if let Some(items) = v.get("items") {
+                tables(items, defs, true, out);
+            }
+            if v.get("properties").is_some() {
+                out.push((v, array));
+            }
+        }
+        fn is_leaf(v: &serde_json::Value, defs: &serde_json::Value) -> bool {
+            let v = resolve(v, defs);
+            let types: Vec<&str> = match &v["type"] {
+                serde_json::Value::String(t) => vec![t.as_str()],
+                serde_json::Value::Array(ts) => ts.iter().filter_map(|t| t.as_str()).collect(),
+                _ => Vec::new(),
+            };
+            let scalar = types.iter().any(|t| !matches!(*t, "object" | "null" | "array"))
+                || v.get("items").is_some_and(|i| !is_table(i, defs));
+            let branches =
+                ["anyOf", "oneOf"].iter().flat_map(|b| v.get(*b).and_then(|b| b.as_array()).into_iter().flatten());
+            scalar || branches.into_iter().any(|b| is_leaf(b, defs))
+        }
+        fn is_table(v: &serde_json::Value, defs: &serde_json::Value) -> bool {
+            resolve(v, defs).get("properties").is_some()
+        }
+        fn walk(
+            prefix: &str,
+            table: &serde_json::Value,
+            defs: &serde_json::Value,
+            keys: &mut std::collections::BTreeSet<String>,
+        ) {
+            for (name, value) in table["properties"].as_object().into_iter().flatten() {
+                let key = if prefix.is_empty() { name.clone() } else { format!("{prefix}.{name}") };
+                if is_leaf(value, defs) {
+                    keys.insert(key.clone());
+                }
+                let mut found = Vec::new();
+                tables(value, defs, false, &mut found);
+                for (sub, array) in found {
+                    // `[[upstream]]` is named `upstream.<key>`; an array of
+                    // tables inside a table is `<key>[].<key>`.
+                    let sub_prefix = if array && !prefix.is_empty() { format!("{key}[]") } else { key.clone() };
+                    walk(&sub_prefix, sub, defs, keys);
+                }
+            }
+        }
+        let mut keys = std::collections::BTreeSet::new();
+        walk("", &schema, &defs, &mut keys);
+        keys
+    }
+
+    /// The keys docs/configuration.md documents: the first column of its
+    /// tables, in backticks.
+    fn documented_keys() -> std::collections::BTreeSet<String> {
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/configuration.md"))
+            .expect("read docs/configuration.md");
+        doc.lines()
+            .filter_map(|l| l.strip_prefix("| `"))
+            .filter_map(|l| l.split_once('`'))
+            .map(|(key, _)| key.to_owned())
+            .filter(|k| !k.starts_with("larder") && !k.contains(' '))
+            .collect()
+    }
+
+    #[test]
+    fn the_configuration_reference_documents_exactly_the_keys_larder_accepts() {
+        let accepted = accepted_keys();
+        assert!(
+            accepted.contains("server.tls.cert") && accepted.contains("upstream.urls[].credentials"),
+            "{accepted:?}"
+        );
+        assert!(
+            accepted.contains("cluster.self") && accepted.contains("admin.tls") && accepted.contains("admin.tls.cert")
+        );
+        let documented = documented_keys();
+        let tables: std::collections::BTreeSet<String> = accepted
+            .iter()
+            .flat_map(|k| {
+                k.match_indices('.').map(|(i, _)| k[..i].trim_end_matches("[]").to_owned()).collect::<Vec<_>>()
+            })
+            .collect();
+        let missing: Vec<&String> = accepted.difference(&documented).collect();
+        let unknown: Vec<&String> =
+            documented.iter().filter(|k| !accepted.contains(*k) && !tables.contains(*k)).collect();
+        assert!(missing.is_empty(), "keys larder accepts that docs/configuration.md does not document: {missing:?}");
+        assert!(unknown.is_empty(), "keys docs/configuration.md documents that larder does not accept: {unknown:?}");
+    }
 
     #[test]
     fn embedded_default_is_valid() {

@@ -72,6 +72,7 @@ pub struct ClientAuthConfig {
     pub realm: String,
 }
 
+#[cfg_attr(test, derive(schemars::JsonSchema))]
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawServer {
@@ -84,6 +85,7 @@ pub(super) struct RawServer {
     sendfile: Option<String>,
 }
 
+#[cfg_attr(test, derive(schemars::JsonSchema))]
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawTls {
@@ -92,6 +94,7 @@ pub(super) struct RawTls {
     client_ca: Option<String>,
 }
 
+#[cfg_attr(test, derive(schemars::JsonSchema))]
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawAuth {

@@ -32,6 +32,7 @@ pub struct SharedConfig {
     pub max_age: Option<Duration>,
 }
 
+#[cfg_attr(test, derive(schemars::JsonSchema))]
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawShared {

@@ -93,6 +93,7 @@ pub struct FallbackUrl {
     pub credentials: bool,
 }
 
+#[cfg_attr(test, derive(schemars::JsonSchema))]
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawUpstream {
@@ -130,6 +131,7 @@ pub(super) struct RawUpstream {
 
 /// One entry of `urls`: `"https://host"`, or
 /// `{ url = "https://host", credentials = true|false }`.
+#[cfg_attr(test, derive(schemars::JsonSchema))]
 struct RawUrl {
     url: String,
     credentials: Option<bool>,
