@@ -76,8 +76,9 @@ pub struct Metrics {
     pub peer_requests: IntCounterVec,
     /// `peer_bytes_total`: blob bytes received from owners.
     pub peer_bytes: IntCounter,
-    /// `shared_corrupt_total`: shared-tier blobs whose bytes failed the
-    /// digest check (the object is deleted and the blob fetched elsewhere).
+    /// `shared_corrupt_total`: shared-tier blobs whose size disagreed with
+    /// the manifest's (or upstream's) or whose bytes failed the digest
+    /// check (the object is deleted and the blob fetched elsewhere).
     pub shared_corrupt: IntCounter,
     /// `upstream_ratelimit_limit{upstream}`: the pull limit upstream last
     /// announced (Docker Hub's `ratelimit-limit`).
@@ -141,8 +142,10 @@ fn build() -> Result<Metrics, prometheus::Error> {
     let peers_down = gauge("peers_down", "Cluster members skipped after a failed request")?;
     let peer_bytes = IntCounter::new("peer_bytes_total", "Blob bytes received from owners among the peers")?;
     registry.register(Box::new(peer_bytes.clone()))?;
-    let shared_corrupt =
-        IntCounter::new("shared_corrupt_total", "Shared-tier blobs whose bytes failed the digest check")?;
+    let shared_corrupt = IntCounter::new(
+        "shared_corrupt_total",
+        "Shared-tier blobs of the wrong size or whose bytes failed the digest check",
+    )?;
     registry.register(Box::new(shared_corrupt.clone()))?;
     let peers_marked_down =
         IntCounter::new("peers_marked_down_total", "Times a peer failed a request and was skipped for a while")?;

@@ -59,7 +59,7 @@ use crate::oci::{Digest, Reference, RepoName, Tag, tag_list};
 use crate::upstream::{FetchedManifest, Listing, Opened, Page, Upstream, content_length};
 use disk::Store;
 use evict::{Evictor, Limits};
-use fill::{Attach, Fills, Progress, Writer};
+use fill::{Attach, Cause, Fills, Progress, Writer};
 use index::{Entry, Index, Kind};
 use memory::{Memory, TagEntry};
 use shared::SharedStore;
@@ -172,6 +172,12 @@ const FOREIGN_FILL_RETRIES: usize = 3;
 /// blobs 3.45 s on one thread, 2.36 s on 8 (benches/scale.rs); more
 /// threads gained little (cold, 648 µs per unlink on 1, 375 on 4, 285 on 64).
 const UNLINK_TASKS: usize = 8;
+/// Times a fill starts over in a new temp file because bytes from the
+/// shared tier or a peer failed the digest (or a size bound). Two: a
+/// corrupt shared object can reach a fill twice, read directly and through
+/// the owner (which streams it before it could know); a third failure can
+/// only be upstream's, whose answer is final.
+const MAX_START_OVERS: usize = 2;
 /// How often a graceful stop checks whether the fills in flight have ended.
 const FILLS_POLL: Duration = Duration::from_millis(10);
 /// How often access times collected on the request path are written to the index.
@@ -224,6 +230,18 @@ fn paginate_tags(page: Page, repo: &RepoName, query: Option<&str>) -> Page {
         .next_last
         .and_then(|last| http::HeaderValue::from_str(&tag_list::next_link(repo.as_str(), want.n, &last)).ok());
     Page { body: Bytes::from(paginated.body), link, ..page }
+}
+
+/// What the sources of a fill wrote so far: resumed by the next source
+/// when one breaks off.
+struct Partial {
+    writer: Writer,
+    /// The temp file's handle readers use.
+    file: Arc<File>,
+    /// The blob's size as the sources so far declared it.
+    declared: Option<u64>,
+    /// The sources whose bytes are in the file, in order.
+    used: Vec<Source>,
 }
 
 /// What a membership check confirms upstream, if it must.
@@ -1103,8 +1121,20 @@ impl Cache {
     }
 
     /// Streams one blob into a temp file from the first source that has
-    /// it (resuming from the next source when one breaks off), verifies
-    /// size and digest, and commits it: fsync, rename, then the index row.
+    /// it, verifies size and digest, and commits it: fsync, rename, then
+    /// the index row.
+    ///
+    /// Sources are tried in order ([`Cache::fill_sources`]); one that
+    /// breaks off mid-body is resumed from the byte reached by the next,
+    /// with the running hash kept. Upstream's word is final, but the shared
+    /// tier's and a peer's are checked before a byte of theirs is kept: one
+    /// whose size disagrees with the manifest's (or with the sources before
+    /// it), or that sends more than it declared, is skipped, and a shared
+    /// object of the wrong size is deleted and counted. A blob that then
+    /// fails its digest with such bytes in it deletes the shared object
+    /// and starts over (at most [`MAX_START_OVERS`] times), in a new temp
+    /// file, from the sources not yet tried (or upstream again): readers
+    /// that sent nothing yet follow it there, the others are aborted.
     async fn fill(
         &self,
         upstream: &Upstream,
@@ -1114,17 +1144,13 @@ impl Cache {
         tx: &watch::Sender<Progress>,
     ) -> Result<(Arc<File>, u64), Error> {
         let limit = self.fill_limit(upstream.name(), repo, &digest);
-        let sources = self.fill_sources(&digest, via);
-        // Which sources gave bytes: a digest mismatch with shared-tier bytes
-        // in it condemns the shared object; bytes from anywhere else are
-        // uploaded to the shared tier once verified.
-        let mut used: Vec<Source> = Vec::new();
-        // What earlier sources wrote: the writer, the temp file's handle
-        // readers use, and the size they declared.
-        let mut resumed: Option<(Writer, Arc<File>, Option<u64>)> = None;
+        let expected = self.memory.declared_size(&member_key(upstream.name(), repo, &digest));
+        let mut sources: std::collections::VecDeque<Source> = self.fill_sources(&digest, via).into();
+        let mut partial: Option<Partial> = None;
+        let mut start_overs = 0;
         let mut last_error = None;
-        for (n, source) in sources.iter().cloned().enumerate() {
-            let offset = resumed.as_ref().map_or(0, |(w, ..)| w.written());
+        while let Some(source) = sources.pop_front() {
+            let offset = partial.as_ref().map_or(0, |p| p.writer.written());
             let opened = match self.open_source(source.clone(), upstream, repo, &digest, offset, via).await {
                 Ok(opened) => opened,
                 Err(Unavailable::Final(e)) => return Err(e),
@@ -1135,52 +1161,112 @@ impl Cache {
                 }
             };
             let SourceBody { body, total, skip, permit, received, idle } = opened;
+            let known = partial.as_ref().and_then(|p| p.declared);
             if let Some(len) = total.filter(|len| *len > limit) {
-                return Err(UpstreamError::Protocol(format!(
+                let e = UpstreamError::Protocol(format!(
                     "blob {digest} is {len} bytes, more than the {limit} allowed (its manifest's size, or \
                      cache.max_blob_size)"
-                ))
-                .into());
-            }
-            let (writer, file, declared) = match resumed.take() {
-                Some((writer, file, known)) => {
-                    if let (Some(a), Some(b)) = (known, total) {
-                        if a != b {
-                            let e = format!("sources disagree on the size of {digest}: {a} and {b}");
-                            return Err(UpstreamError::Protocol(e).into());
-                        }
-                    }
-                    (writer, file, known.or(total))
+                ));
+                if source.vouched() {
+                    return Err(e.into());
                 }
+                self.refuse_source(&source, digest, &format!("declares {len} bytes, more than the {limit} allowed"));
+                last_error = Some(e.into());
+                continue;
+            }
+            let contradicts = |size: Option<u64>| matches!((size, total), (Some(a), Some(b)) if a != b);
+            if !source.vouched() && (contradicts(expected) || contradicts(known)) {
+                let why = format!(
+                    "declares {total:?} bytes where the manifest or an earlier source says {:?}",
+                    expected.or(known)
+                );
+                self.refuse_source(&source, digest, &why);
+                last_error = Some(UpstreamError::Protocol(format!("{} {why}", source.name())).into());
+                continue;
+            }
+            if contradicts(known) {
+                // Upstream contradicts the sources before it: they were wrong.
+                let p = partial.take().expect("an earlier source declared a size");
+                tracing::warn!(%digest, before = ?known, upstream = ?total, "upstream's size differs from what earlier sources sent; starting over");
+                if p.used.contains(&Source::Shared) {
+                    self.condemn_shared_blob(digest, "its size differs from upstream's");
+                }
+                start_overs += 1;
+            }
+            let Partial { writer, file, declared, mut used } = match partial.take() {
+                Some(p) => p,
                 None => {
                     let store = self.store.clone();
                     let temp = blocking(move || Ok(store.create_temp()?)).await?;
                     let file = Arc::new(temp.as_file().try_clone()?);
-                    tx.send_replace(Progress::Streaming { file: Arc::clone(&file), size: total, written: 0 });
-                    (Writer::new(temp), file, total)
+                    let progress = Progress::Streaming {
+                        file: Arc::clone(&file),
+                        size: total,
+                        written: 0,
+                        vouched_from: fill::UNVOUCHED,
+                    };
+                    tx.send_replace(progress);
+                    Partial { writer: Writer::new(temp), file, declared: total, used: Vec::new() }
                 }
             };
-            let bounds = fill::Bounds { declared, limit, idle };
+            let declared = declared.or(total);
+            let vouched = source.vouched();
+            tx.send_modify(|p| {
+                if let Progress::Streaming { size, vouched_from, .. } = p {
+                    *size = declared;
+                    *vouched_from = match (vouched, *vouched_from) {
+                        (false, _) => fill::UNVOUCHED,
+                        (true, fill::UNVOUCHED) => offset,
+                        (true, from) => from,
+                    };
+                }
+            });
             used.push(source.clone());
+            let bounds = fill::Bounds { declared, limit, idle };
             match fill::copy_body(body, writer, skip, bounds, tx, received.as_ref()).await {
                 Ok(writer) => {
                     drop(permit);
-                    let (temp, size) = self.verify_fill(writer, digest, &used)?;
-                    // Readers send the last byte now; the commit's fsyncs
-                    // (134 ms for 256 MiB on the project's disk, more on a
-                    // slow volume) are no longer on a client's path. A
-                    // client that has the blob may thus find it uncached
-                    // after a crash right after: it is fetched again, and
-                    // nothing committed is lost. A graceful stop waits for
-                    // the commit (`Cache::finish_fills`).
-                    tx.send_replace(Progress::Verified { file: Arc::clone(&file), size });
-                    self.commit_fill(temp, size, upstream, repo, digest, &used).await?;
-                    return Ok((file, size));
+                    let (temp, actual, size) = writer.finish();
+                    if actual == digest {
+                        // Readers send the last byte now; the commit's fsyncs
+                        // (134 ms for 256 MiB on the project's disk, more on a
+                        // slow volume) are no longer on a client's path. A
+                        // client that has the blob may thus find it uncached
+                        // after a crash right after: it is fetched again, and
+                        // nothing committed is lost. A graceful stop waits for
+                        // the commit (`Cache::finish_fills`).
+                        tx.send_replace(Progress::Verified { file: Arc::clone(&file), size });
+                        self.commit_fill(temp, size, upstream, repo, digest, &used).await?;
+                        return Ok((file, size));
+                    }
+                    metrics().digest_mismatch.inc();
+                    let e: Error =
+                        UpstreamError::DigestMismatch { expected: digest, actual: actual.to_string() }.into();
+                    if used.contains(&Source::Shared) {
+                        self.condemn_shared_blob(digest, "its bytes failed the digest check");
+                    }
+                    if used.iter().all(Source::vouched) || start_overs >= MAX_START_OVERS {
+                        return Err(e);
+                    }
+                    tracing::warn!(%digest, sources = ?used, "bytes from the shared tier or a peer failed the digest; starting over");
+                    start_overs += 1;
+                    if sources.is_empty() {
+                        sources.push_back(Source::Upstream);
+                    }
+                    last_error = Some(e);
                 }
-                Err(fill::Interrupted { error, writer: Some(writer) }) if n + 1 < sources.len() => {
+                Err(fill::Interrupted { error, cause: Cause::Broke(writer) }) if !sources.is_empty() => {
                     tracing::warn!(%digest, source = source.name(), written = writer.written(), error = %error,
                         "source broke off; resuming from the next");
-                    resumed = Some((writer, file, declared));
+                    partial = Some(Partial { writer, file, declared, used });
+                }
+                Err(fill::Interrupted { error, cause: Cause::Lied }) if !vouched && start_overs < MAX_START_OVERS => {
+                    self.refuse_source(&source, digest, &error.to_string());
+                    start_overs += 1;
+                    if sources.is_empty() {
+                        sources.push_back(Source::Upstream);
+                    }
+                    last_error = Some(error);
                 }
                 Err(fill::Interrupted { error, .. }) => return Err(error),
             }
@@ -1188,18 +1274,16 @@ impl Cache {
         Err(last_error.unwrap_or_else(|| Error::Internal(format!("no source could serve {digest}"))))
     }
 
-    /// Checks a fully written blob against its digest: the temp file and
-    /// the size if it matches.
-    fn verify_fill(&self, writer: Writer, digest: Digest, used: &[Source]) -> Result<(NamedTempFile, u64), Error> {
-        let (temp, actual, size) = writer.finish();
-        if actual != digest {
-            metrics().digest_mismatch.inc();
-            if used.contains(&Source::Shared) {
-                self.condemn_shared_blob(digest);
+    /// Skips a source other than upstream that sent what the blob cannot be:
+    /// a shared object is deleted and counted, a peer's answer logged.
+    fn refuse_source(&self, source: &Source, digest: Digest, why: &str) {
+        match source {
+            Source::Shared => self.condemn_shared_blob(digest, why),
+            Source::Peer(peer) => {
+                tracing::warn!(%digest, %peer, why, "refusing the peer's bytes; trying the next source")
             }
-            return Err(UpstreamError::DigestMismatch { expected: digest, actual: actual.to_string() }.into());
+            Source::Upstream => {}
         }
-        Ok((temp, size))
     }
 
     /// Commits a verified blob: fsync, rename, then the index row.

@@ -23,6 +23,13 @@ pub enum Source {
 }
 
 impl Source {
+    /// Whether its bytes may reach a client's range before the digest
+    /// matched: only upstream's, since a client pulling directly would get
+    /// the same. Its word on a blob's size is also final.
+    pub fn vouched(&self) -> bool {
+        matches!(self, Source::Upstream)
+    }
+
     /// A label for logs.
     pub fn name(&self) -> &'static str {
         match self {

@@ -367,13 +367,13 @@ impl Cache {
         }
     }
 
-    /// The shared tier's copy of `digest` failed the digest check: delete
-    /// it (in the background), so the next fill reads it from elsewhere
-    /// and uploads a good copy.
-    pub(super) fn condemn_shared_blob(&self, digest: Digest) {
+    /// The shared tier's copy of `digest` is wrong (`why`: its size or its
+    /// digest): count it and delete it (in the background), so that no
+    /// replica reads it again and a good copy is uploaded.
+    pub(super) fn condemn_shared_blob(&self, digest: Digest, why: &str) {
         let Some((store, _)) = &self.shared else { return };
         metrics().shared_corrupt.inc();
-        tracing::error!(%digest, "the shared tier's copy is corrupt; deleting it");
+        tracing::error!(%digest, why, "the shared tier's copy is corrupt; deleting it");
         let store = Arc::clone(store);
         tokio::spawn(async move {
             if let Err(e) = store.delete(super::shared::ObjectKind::Blob, &digest).await {

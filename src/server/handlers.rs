@@ -121,13 +121,18 @@ pub async fn blob(
                 .status(StatusCode::PARTIAL_CONTENT)
                 .header(CONTENT_RANGE, format!("bytes {start}-{}/{size}", end - 1))
                 .header(CONTENT_LENGTH, end - start)
-                .body(read_body(file, progress, start, Some(end), sink.cloned()))
+                .body(read_body(file, progress, start, Some(end), route.via, sink.cloned()))
         }
-        (_, Some(size)) => {
-            builder.header(CONTENT_LENGTH, size).body(read_body(file, progress, 0, Some(size), sink.cloned()))
-        }
+        (_, Some(size)) => builder.header(CONTENT_LENGTH, size).body(read_body(
+            file,
+            progress,
+            0,
+            Some(size),
+            route.via,
+            sink.cloned(),
+        )),
         // Chunked: hyper frames each chunk, so no placeholders there.
-        (_, None) => builder.body(read_body(file, progress, 0, None, None)),
+        (_, None) => builder.body(read_body(file, progress, 0, None, route.via, None)),
     };
     Ok((built(resp)?, result))
 }

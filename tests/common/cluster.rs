@@ -84,9 +84,15 @@ impl ClusterBuilder {
     }
 
     /// Share `garage`'s bucket, under key prefix `prefix`.
-    pub fn shared(mut self, garage: &Garage, prefix: &str) -> Self {
+    pub fn shared(self, garage: &Garage, prefix: &str) -> Self {
+        let endpoint = garage.endpoint();
+        self.shared_at(garage, prefix, &endpoint)
+    }
+
+    /// Share `garage`'s bucket through another S3 endpoint (a proxy).
+    pub fn shared_at(mut self, garage: &Garage, prefix: &str, endpoint: &str) -> Self {
         let dir = tempfile::Builder::new().prefix("larder-s3-keys-").tempdir().expect("a temp dir for S3 keys");
-        let toml = garage.shared_toml(dir.path(), prefix);
+        let toml = garage.shared_toml_at(dir.path(), prefix, endpoint);
         self.shared = Some((toml, dir));
         self
     }

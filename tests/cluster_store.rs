@@ -1,0 +1,163 @@
+//! Cluster mode and the shared tier when the store misbehaves: a real
+//! 3-node Garage cluster holding objects larder did not write (planted
+//! with wrong bytes, the wrong size), or answering through a proxy that
+//! cuts responses off mid-stream, and replicas of larder in front of a
+//! fault-injecting fake upstream that counts its requests.
+//!
+//! What it shows, for every replica asking at once (N = 3): a client's
+//! range never ends cleanly with a byte that was not verified; an object
+//! of the wrong size is deleted, counted and skipped, costing upstream
+//! one GET for the whole cluster; a response cut off mid-stream is resumed
+//! from the byte reached.
+
+mod common;
+mod fake;
+
+use std::net::SocketAddr;
+
+use common::garage::{blob_key, object_size, put_object};
+use common::metrics::metric;
+use common::{Cluster, CutProxy, Garage, Larder, Upstream};
+use fake::client::{self, End};
+use fake::{FakeUpstream, MIB, OCI_MANIFEST, REPO, UPSTREAM_NAME, blob_path, digest, image_manifest, random_bytes};
+use futures_util::future::join_all;
+
+fn address(larder: &Larder) -> SocketAddr {
+    larder.host_port().parse().expect("larder's address")
+}
+
+fn upstream(up: &FakeUpstream) -> Upstream {
+    Upstream::new(UPSTREAM_NAME, &up.url()).default(true)
+}
+
+/// The sum of one series over every replica.
+async fn total(cluster: &Cluster, series: &str) -> f64 {
+    let mut sum = 0.0;
+    for r in &cluster.replicas {
+        sum += metric(r, series).await;
+    }
+    sum
+}
+
+/// Waits until the object under `key` has `size` bytes (a replica uploaded
+/// a good copy), for at most a minute.
+async fn object_becomes(garage: &Garage, key: &str, size: Option<u64>) {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let now = object_size(garage, key).await;
+        if now == size {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{key} is {now:?} bytes, never {size:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_range_never_ends_cleanly_with_a_wrong_byte_from_a_corrupt_shared_object() {
+    let blob = random_bytes(4 * MIB, 21);
+    let d = digest(&blob);
+    let up = FakeUpstream::builder().blob(blob.clone()).start().await;
+    let garage = Garage::builder().start().await;
+    let cluster = Cluster::builder(upstream(&up)).replicas(3).shared(&garage, "ranges").start().await;
+
+    // The right size, one wrong byte inside the first MiB: what a lazy
+    // pulling snapshotter asks for first.
+    let mut bad = blob.to_vec();
+    bad[100_000] ^= 0xff;
+    put_object(&garage, &blob_key("ranges", &d), bad).await;
+
+    let (range, path) = ([("Range", "bytes=0-1048575")], blob_path(&d));
+    let asked = cluster.replicas.iter().map(|r| client::get_with(address(r), &path, &range));
+    for (i, resp) in join_all(asked).await.into_iter().enumerate() {
+        assert_eq!(resp.status(), 206, "replica {i}");
+        assert_eq!(resp.end, End::Complete, "replica {i}: the range is served once verified");
+        assert!(resp.body == blob[..MIB], "replica {i} ended a range cleanly with bytes that are not the blob's");
+    }
+    assert!(total(&cluster, "larder_shared_corrupt_total").await >= 1.0, "the corrupt object was counted");
+
+    // The object was replaced by a good copy; every replica serves the blob.
+    object_becomes(&garage, &blob_key("ranges", &d), Some(blob.len() as u64)).await;
+    for r in &cluster.replicas {
+        let (len, end, first_difference) = client::open(address(r), &blob_path(&d)).await.compare_to_end(&blob).await;
+        assert_eq!((len, end, first_difference), (blob.len() as u64, End::Complete, None));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shared_object_of_the_wrong_size_is_deleted_counted_and_skipped() {
+    let config = random_bytes(512, 31);
+    let longer = random_bytes(2 * MIB, 32);
+    let shorter = random_bytes(3 * MIB, 33);
+    let manifest = image_manifest(
+        (&digest(&config), config.len()),
+        &[(&digest(&longer), longer.len()), (&digest(&shorter), shorter.len())],
+    );
+    let up = FakeUpstream::builder()
+        .manifest(REPO, "v1", OCI_MANIFEST, manifest)
+        .blob(config)
+        .blob(longer.clone())
+        .blob(shorter.clone())
+        .start()
+        .await;
+    let garage = Garage::builder().start().await;
+    let cluster = Cluster::builder(upstream(&up)).replicas(3).shared(&garage, "sizes").start().await;
+
+    // One object longer than its manifest says, one shorter (truncated):
+    // both start with the right bytes.
+    let mut long_object = longer.to_vec();
+    long_object.extend_from_slice(&[0u8; 4096]);
+    put_object(&garage, &blob_key("sizes", &digest(&longer)), long_object).await;
+    put_object(&garage, &blob_key("sizes", &digest(&shorter)), shorter[..MIB].to_vec()).await;
+
+    // Every replica pulls: the manifest (which declares the sizes), then both layers.
+    let pulls = cluster.replicas.iter().map(|r| async {
+        let manifest = client::get_with(address(r), "/v2/test/app/manifests/v1", &[("Accept", OCI_MANIFEST)]).await;
+        assert_eq!(manifest.status(), 200);
+        let mut ends = Vec::new();
+        for layer in [&longer, &shorter] {
+            ends.push(client::open(address(r), &blob_path(&digest(layer))).await.compare_to_end(layer).await);
+        }
+        ends
+    });
+    for ends in join_all(pulls).await {
+        assert_eq!(ends[0], (longer.len() as u64, End::Complete, None), "the longer object's blob, exact");
+        assert_eq!(ends[1], (shorter.len() as u64, End::Complete, None), "the truncated object's blob, exact");
+    }
+    for layer in [&longer, &shorter] {
+        assert_eq!(up.blob_gets(&digest(layer)), 1, "one upstream GET for the whole cluster");
+        // Deleted, then replaced by the replica that fetched it from upstream.
+        object_becomes(&garage, &blob_key("sizes", &digest(layer)), Some(layer.len() as u64)).await;
+    }
+    assert!(total(&cluster, "larder_shared_corrupt_total").await >= 2.0, "both objects were counted");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shared_object_cut_off_mid_stream_is_resumed_from_the_byte_reached() {
+    let blob = random_bytes(8 * MIB, 41);
+    let d = digest(&blob);
+    let up = FakeUpstream::builder().blob(blob.clone()).start().await;
+    let garage = Garage::builder().start().await;
+    let proxy = CutProxy::start(garage.s3_addr(0)).await;
+    let cluster = Cluster::builder(upstream(&up)).replicas(3).shared_at(&garage, "cut", &proxy.url()).start().await;
+    put_object(&garage, &blob_key("cut", &d), blob.to_vec()).await;
+
+    // Every response from the store breaks after 1 MiB.
+    proxy.cut_after(MIB as u64);
+    let asked = cluster
+        .replicas
+        .iter()
+        .map(|r| async { client::open(address(r), &blob_path(&d)).await.compare_to_end(&blob).await });
+    for got in join_all(asked).await {
+        assert_eq!(got, (blob.len() as u64, End::Complete, None), "exact, after a pause");
+    }
+    assert!(proxy.cuts() >= 1, "the store's answer was cut");
+    let gets: Vec<_> = up.log().into_iter().filter(|l| l.method == "GET" && l.path.ends_with(&d)).collect();
+    assert_eq!(gets.len(), 1, "one upstream GET for the cluster: {gets:?}");
+    let from: u64 = gets[0]
+        .range
+        .as_deref()
+        .and_then(|r| r.strip_prefix("bytes=")?.strip_suffix('-')?.parse().ok())
+        .unwrap_or_else(|| panic!("the owner resumed with a Range from the byte reached: {gets:?}"));
+    assert!(from > 0, "not from byte 0: {gets:?}");
+}
