@@ -161,3 +161,139 @@ async fn a_shared_object_cut_off_mid_stream_is_resumed_from_the_byte_reached() {
         .unwrap_or_else(|| panic!("the owner resumed with a Range from the byte reached: {gets:?}"));
     assert!(from > 0, "not from byte 0: {gets:?}");
 }
+
+/// Waits until no replica has uploads pending for the shared tier.
+async fn uploads_settled(cluster: &Cluster) {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+    while total(cluster, "larder_pending_uploads").await > 0.0 {
+        assert!(tokio::time::Instant::now() < deadline, "uploads still pending after 60 s");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+/// One series' value on each replica, in order.
+async fn each(cluster: &Cluster, series: &str) -> Vec<f64> {
+    let mut values = Vec::new();
+    for r in &cluster.replicas {
+        values.push(metric(r, series).await);
+    }
+    values
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cold_blob_costs_the_store_one_lookup_per_asker_and_one_upload() {
+    let blob = random_bytes(2 * MIB, 61);
+    let d = digest(&blob);
+    let up = FakeUpstream::builder().blob(blob.clone()).start().await;
+    let garage = Garage::builder().start().await;
+    let cluster = Cluster::builder(upstream(&up)).replicas(3).shared(&garage, "once").start().await;
+    let ranked = cluster.ranked(&d);
+    let (owner, askers) = (ranked[0], &ranked[1..]);
+
+    let path = blob_path(&d);
+    let asked = askers.iter().map(|&i| client::get(address(&cluster.replicas[i]), &path));
+    for resp in join_all(asked).await {
+        assert_eq!((resp.status(), resp.body == blob), (200, true));
+    }
+    uploads_settled(&cluster).await;
+    assert_eq!(up.blob_gets(&d), 1);
+
+    // Each asker looked in the store once; the owner, told they had, not at all.
+    let gets = ["ok", "not_found", "error", "skipped"]
+        .map(|result| format!("larder_shared_requests_total{{op=\"get\",result=\"{result}\"}}"));
+    let mut looked = vec![0.0; cluster.replicas.len()];
+    for series in &gets {
+        for (i, v) in each(&cluster, series).await.into_iter().enumerate() {
+            looked[i] += v;
+        }
+    }
+    assert_eq!(looked[owner], 0.0, "the owner repeated no asker's miss: {looked:?}");
+    for &i in askers {
+        assert_eq!(looked[i], 1.0, "one lookup per asker: {looked:?}");
+    }
+
+    // Only the owner, which got the bytes from upstream, uploaded.
+    let uploads = ["uploaded", "present", "failed", "dropped"]
+        .map(|result| format!("larder_shared_uploads_total{{kind=\"blob\",result=\"{result}\"}}"));
+    let mut queued = vec![0.0; cluster.replicas.len()];
+    for series in &uploads {
+        for (i, v) in each(&cluster, series).await.into_iter().enumerate() {
+            queued[i] += v;
+        }
+    }
+    assert_eq!(queued[owner], 1.0, "the owner uploaded it: {queued:?}");
+    for &i in askers {
+        assert_eq!(queued[i], 0.0, "a replica that streamed it from the owner uploads nothing: {queued:?}");
+    }
+    assert_eq!(object_size(&garage, &blob_key("once", &d)).await, Some(blob.len() as u64));
+}
+
+/// A store endpoint that accepts connections and never answers: lookups
+/// time out. Counts the connections it accepted.
+struct Blackhole {
+    addr: SocketAddr,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Blackhole {
+    async fn start() -> Blackhole {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind on 127.0.0.1");
+        let addr = listener.local_addr().expect("address");
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = std::sync::Arc::clone(&accepted);
+        let task = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((stream, _)) = listener.accept().await {
+                counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                held.push(stream);
+            }
+        });
+        Blackhole { addr, accepted, task }
+    }
+
+    fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for Blackhole {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_store_that_does_not_answer_is_skipped_for_a_while_not_waited_on_per_miss() {
+    let blobs: Vec<_> = (0..6).map(|i| random_bytes(64 * 1024, 70 + i)).collect();
+    let mut builder = FakeUpstream::builder();
+    for b in &blobs {
+        builder = builder.blob(b.clone());
+    }
+    let up = builder.start().await;
+    let garage = Garage::builder().start().await;
+    let hole = Blackhole::start().await;
+    let cluster = Cluster::builder(upstream(&up))
+        .replicas(3)
+        .shared_at(&garage, "hole", &format!("http://{}", hole.addr))
+        .start()
+        .await;
+
+    // Each blob through two replicas that do not own it, one after the other.
+    for b in &blobs {
+        let d = digest(b);
+        for &i in &cluster.ranked(&d)[1..] {
+            let resp = client::get(address(&cluster.replicas[i]), &blob_path(&d)).await;
+            assert_eq!((resp.status(), resp.body == *b), (200, true));
+        }
+    }
+    let fills = 2 * blobs.len();
+    let skipped = total(&cluster, "larder_shared_requests_total{op=\"get\",result=\"skipped\"}").await;
+    eprintln!(
+        "measured: {fills} cold fills at askers; the dead store got {} connections, {skipped} lookups skipped",
+        hole.accepted()
+    );
+    assert!(skipped > 0.0, "lookups skipped the dead store after it failed");
+    assert!(hole.accepted() < fills, "fewer store requests than fills: {} for {fills}", hole.accepted());
+    assert!(total(&cluster, "larder_shared_down").await >= 1.0, "the store is shown as down");
+}

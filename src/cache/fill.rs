@@ -719,7 +719,8 @@ mod tests {
         let mut range = read_body(Arc::clone(&fill.file), Some(rx.clone()), 2, Some(5), Via::Client, None);
         let mut resume = read_body(Arc::clone(&fill.file), Some(rx.clone()), 4, Some(10), Via::Client, None);
         let mut whole = read_body(Arc::clone(&fill.file), Some(rx.clone()), 0, Some(10), Via::Client, None);
-        let mut peer = read_body(Arc::clone(&fill.file), Some(rx), 2, Some(5), Via::Peer, None);
+        let mut peer =
+            read_body(Arc::clone(&fill.file), Some(rx), 2, Some(5), Via::Peer { shared_missed: false }, None);
         fill.write(b"0123456789");
         assert!(next_frame(&mut range).await.is_none(), "a range ends cleanly: it must not get unverified bytes");
         assert!(next_frame(&mut resume).await.is_none(), "nor a resume from a byte after the first");

@@ -147,7 +147,11 @@ pub struct Tiers {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Via {
     Client,
-    Peer,
+    /// `shared_missed`: the peer looked in the shared tier for this blob
+    /// already, so a fill started for it does not look again.
+    Peer {
+        shared_missed: bool,
+    },
 }
 
 /// The key whose owner fetches a digest (blob or manifest) for the cluster.
@@ -230,6 +234,15 @@ fn paginate_tags(page: Page, repo: &RepoName, query: Option<&str>) -> Page {
         .next_last
         .and_then(|last| http::HeaderValue::from_str(&tag_list::next_link(repo.as_str(), want.n, &last)).ok());
     Page { body: Bytes::from(paginated.body), link, ..page }
+}
+
+/// The blob a fill wants, and for whom.
+#[derive(Clone, Copy)]
+struct Want<'a> {
+    upstream: &'a Upstream,
+    repo: &'a RepoName,
+    digest: &'a Digest,
+    via: Via,
 }
 
 /// What the sources of a fill wrote so far: resumed by the next source
@@ -1060,34 +1073,45 @@ impl Cache {
         self.memory.declared_size(&member_key(upstream, repo, digest)).unwrap_or(self.config.max_blob_size)
     }
 
-    /// The sources of a fill, in the order they are tried: the shared
-    /// tier, the digest's owner among the peers (not for a peer's request:
-    /// one hop), upstream.
+    /// The sources of a fill, in the order they are tried: the shared tier
+    /// (unless a peer asking this replica already missed there), then for
+    /// a client's request the digest's live owner among the peers and the
+    /// replicas ranked after it, up to this one, then upstream.
+    ///
+    /// The replicas after the owner are for an owner that dies (or cannot
+    /// be reached): every replica ranks them the same way, so every asker
+    /// goes to the same runner-up, which itself goes upstream (it comes
+    /// right before this replica in its own list). An owner lost mid-fill
+    /// thus costs upstream one more GET (the runner-up's resume) whatever
+    /// the number of replicas, not one per asker. A peer's request is
+    /// never passed on (one hop).
     fn fill_sources(&self, digest: &Digest, via: Via) -> Vec<Source> {
         let mut sources = Vec::with_capacity(3);
-        if self.shared.is_some() {
+        if self.shared.is_some() && via != (Via::Peer { shared_missed: true }) {
             sources.push(Source::Shared);
         }
-        if let Some(owner) = self.owner_elsewhere(&digest_owner_key(digest), via) {
-            sources.push(Source::Peer(owner));
+        if let Some(link) = self.peers.as_ref().filter(|_| via == Via::Client) {
+            let ranked = link.peers.candidates(&digest_owner_key(digest));
+            let before_me = ranked.into_iter().take_while(|p| !link.peers.is_me(p));
+            sources.extend(before_me.map(Source::Peer));
         }
         sources.push(Source::Upstream);
         sources
     }
 
-    /// Opens `source` for `digest` from byte `offset`.
+    /// Opens `source` for the blob `want` names from byte `offset`;
+    /// `shared_missed`: the shared tier was tried before.
     async fn open_source(
         &self,
         source: Source,
-        upstream: &Upstream,
-        repo: &RepoName,
-        digest: &Digest,
+        want: Want<'_>,
         offset: u64,
-        via: Via,
+        shared_missed: bool,
     ) -> Result<SourceBody, Unavailable> {
+        let Want { upstream, repo, digest, via } = want;
         match source {
             Source::Shared => self.open_shared(upstream, repo, digest, offset, via).await,
-            Source::Peer(owner) => self.open_peer(owner, upstream, repo, digest, offset).await,
+            Source::Peer(peer) => self.open_peer(peer, upstream, repo, digest, offset, shared_missed).await,
             Source::Upstream => {
                 let opened =
                     upstream.get_blob_from(repo, digest, offset).await.map_err(|e| Unavailable::Final(e.into()))?;
@@ -1149,13 +1173,22 @@ impl Cache {
         let mut partial: Option<Partial> = None;
         let mut start_overs = 0;
         let mut last_error = None;
+        let mut shared_missed = via == (Via::Peer { shared_missed: true });
         while let Some(source) = sources.pop_front() {
             let offset = partial.as_ref().map_or(0, |p| p.writer.written());
-            let opened = match self.open_source(source.clone(), upstream, repo, &digest, offset, via).await {
+            let want = Want { upstream, repo, digest: &digest, via };
+            let opened = self.open_source(source.clone(), want, offset, shared_missed).await;
+            shared_missed |= source == Source::Shared;
+            let opened = match opened {
                 Ok(opened) => opened,
                 Err(Unavailable::Final(e)) => return Err(e),
                 Err(Unavailable::Next(e)) => {
                     tracing::debug!(%digest, source = source.name(), error = %e, "source unavailable; trying the next");
+                    last_error = Some(e);
+                    continue;
+                }
+                Err(Unavailable::Relayed(e)) => {
+                    sources.retain(|s| !matches!(s, Source::Peer(_)));
                     last_error = Some(e);
                     continue;
                 }
@@ -1309,9 +1342,12 @@ impl Cache {
         }
         // Membership was proven on the way: upstream served it for `repo`,
         // the owner checked for it, or it was confirmed before the shared
-        // tier's bytes were read. Bytes that did not all come from the
-        // shared tier go there now, in the background.
-        if used.iter().any(|s| *s != Source::Shared) {
+        // tier's bytes were read. Only the replica that got bytes from
+        // upstream uploads, in the background: a replica that read the
+        // blob from its owner leaves it to the owner (whose upload queue
+        // survives restarts), so the store is written once, not once per
+        // replica that streamed it.
+        if used.contains(&Source::Upstream) {
             self.share_blob(digest).await;
         }
         Ok(())

@@ -24,7 +24,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::{Bytes, BytesMut};
 use futures_util::stream::{BoxStream, StreamExt, TryStreamExt};
-use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::aws::AmazonS3Builder;
 use object_store::path::Path as ObjectPath;
 use object_store::{
     Attribute, Attributes, BackoffConfig, ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt,
@@ -71,6 +71,16 @@ pub const MAX_PARTS: u64 = 10_000;
 /// Parts of one upload in flight at once; memory per upload is about
 /// (this + 1) x the part size.
 pub const PARTS_IN_FLIGHT: usize = 2;
+/// How long lookups skip the store after one timed out or failed: the
+/// first pause, doubled per failure in a row up to [`BREAKER_MAX`]. A
+/// dead store then costs one [`LOOKUP_TIMEOUT`] per pause, not one per
+/// miss (and a client's retries do not multiply it); the first lookup
+/// after a pause tries the store again, and one that answers closes the
+/// breaker.
+pub const BREAKER_MIN: Duration = Duration::from_secs(1);
+/// Longest pause of lookups while the store keeps failing: how late a
+/// store that came back is used again at worst.
+pub const BREAKER_MAX: Duration = Duration::from_secs(30);
 /// Deletions in flight at once during a `max_age` sweep.
 const SWEEP_DELETES_IN_FLIGHT: usize = 8;
 /// How often the `max_age` sweeper lists the prefix.
@@ -152,11 +162,71 @@ pub struct Swept {
     pub deleted: u64,
 }
 
+/// Skips lookups for a growing pause after they fail (see [`BREAKER_MIN`]).
+struct Breaker {
+    min: Duration,
+    max: Duration,
+    // A std Mutex: held for a read or an update, never across `.await`.
+    state: std::sync::Mutex<BreakerState>,
+}
+
+#[derive(Default)]
+struct BreakerState {
+    /// Lookups skip the store until then.
+    open_until: Option<tokio::time::Instant>,
+    /// Failures in a row.
+    failures: u32,
+}
+
+impl Breaker {
+    fn new(min: Duration, max: Duration) -> Breaker {
+        Breaker { min, max, state: std::sync::Mutex::default() }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BreakerState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether lookups skip the store now.
+    fn is_open(&self) -> bool {
+        self.lock().open_until.is_some_and(|until| tokio::time::Instant::now() < until)
+    }
+
+    /// A lookup failed: skip the store for the next pause.
+    fn failed(&self) {
+        let pause = {
+            let mut state = self.lock();
+            state.failures = state.failures.saturating_add(1);
+            let doublings = state.failures.saturating_sub(1).min(16);
+            let pause = self.min.saturating_mul(1 << doublings).min(self.max);
+            state.open_until = Some(tokio::time::Instant::now() + pause);
+            pause
+        };
+        metrics().shared_down.set(1);
+        tracing::warn!(skip_for = ?pause, "shared tier failing; lookups skip it for a while");
+    }
+
+    /// A lookup was answered (found or not): the store works.
+    fn answered(&self) {
+        let was_failing = {
+            let mut state = self.lock();
+            let was = state.failures > 0;
+            *state = BreakerState::default();
+            was
+        };
+        if was_failing {
+            metrics().shared_down.set(0);
+            tracing::info!("shared tier answers again");
+        }
+    }
+}
+
 /// The shared store client; cheap to share behind an `Arc`.
 pub struct SharedStore {
-    store: Arc<AmazonS3>,
+    store: Arc<dyn ObjectStore>,
     /// See [`LOOKUP_TIMEOUT`].
     lookup_timeout: Duration,
+    breaker: Breaker,
     bucket: String,
     /// `""` or `"a/b/"`: prepended to every key.
     prefix: String,
@@ -231,13 +301,20 @@ impl SharedStore {
             builder = builder.with_endpoint(endpoint).with_virtual_hosted_style_request(false);
         }
         let store = builder.with_client_options(options).build().map_err(|e| SharedError::Config(e.to_string()))?;
-        let prefix = if config.prefix.is_empty() { String::new() } else { format!("{}/", config.prefix) };
-        Ok(SharedStore {
-            store: Arc::new(store),
+        Ok(SharedStore::from_object_store(Arc::new(store), &config.bucket, &config.prefix))
+    }
+
+    /// A client over any object store (`object_store`'s in-memory one in
+    /// tests), keys under `prefix` (`""`, or `a/b` without a trailing `/`).
+    pub fn from_object_store(store: Arc<dyn ObjectStore>, bucket: &str, prefix: &str) -> SharedStore {
+        let prefix = if prefix.is_empty() { String::new() } else { format!("{prefix}/") };
+        SharedStore {
+            store,
             lookup_timeout: LOOKUP_TIMEOUT,
-            bucket: config.bucket.clone(),
+            breaker: Breaker::new(BREAKER_MIN, BREAKER_MAX),
+            bucket: bucket.to_owned(),
             prefix,
-        })
+        }
     }
 
     /// Replaces [`LOOKUP_TIMEOUT`] for this client.
@@ -246,15 +323,39 @@ impl SharedStore {
         self
     }
 
-    /// Runs a lookup with the lookup deadline.
+    /// Replaces [`BREAKER_MIN`] and [`BREAKER_MAX`] for this client.
+    pub fn with_breaker(mut self, min: Duration, max: Duration) -> SharedStore {
+        self.breaker = Breaker::new(min, max);
+        self
+    }
+
+    /// Whether lookups skip the store now, after it failed (see [`BREAKER_MIN`]).
+    pub fn is_down(&self) -> bool {
+        self.breaker.is_open()
+    }
+
+    /// Runs a lookup with the lookup deadline, unless the breaker is open:
+    /// then it fails at once without a request. A timeout or an error
+    /// other than "not found" opens the breaker; an answer closes it.
     async fn lookup<T>(
         &self,
+        op: &str,
         request: impl std::future::Future<Output = Result<T, object_store::Error>>,
     ) -> Result<Option<T>, SharedError> {
-        match tokio::time::timeout(self.lookup_timeout, request).await {
+        if self.breaker.is_open() {
+            metrics().shared_requests.with_label_values(&[op, "skipped"]).inc();
+            return Err(SharedError::Store("skipped: the store failed a moment ago".into()));
+        }
+        let result = match tokio::time::timeout(self.lookup_timeout, request).await {
             Ok(result) => found(result),
             Err(_) => Err(SharedError::Store(format!("no answer within {:?}", self.lookup_timeout))),
+        };
+        match &result {
+            Ok(_) => self.breaker.answered(),
+            Err(_) => self.breaker.failed(),
         }
+        count(op, &result);
+        result
     }
 
     pub fn bucket(&self) -> &str {
@@ -272,9 +373,7 @@ impl SharedStore {
 
     /// The size of the object for `digest`, or `None` if there is none.
     pub async fn head(&self, kind: ObjectKind, digest: &Digest) -> Result<Option<u64>, SharedError> {
-        let result = self.lookup(self.store.head(&self.path(kind, digest))).await.map(|m| m.map(|m| m.size));
-        count("head", &result);
-        result
+        self.lookup("head", self.store.head(&self.path(kind, digest))).await.map(|m| m.map(|m| m.size))
     }
 
     /// Streams the blob `digest`, or the part of it in `range` (`..` for
@@ -287,8 +386,7 @@ impl SharedStore {
     ) -> Result<Option<SharedBlob>, SharedError> {
         let range = get_range(range)?;
         let options = GetOptions { range, ..GetOptions::default() };
-        let result = self.lookup(self.store.get_opts(&self.path(ObjectKind::Blob, digest), options)).await;
-        count("get", &result);
+        let result = self.lookup("get", self.store.get_opts(&self.path(ObjectKind::Blob, digest), options)).await;
         let Some(got) = result? else { return Ok(None) };
         let (size, range) = (got.meta.size, got.range.clone());
         let downloaded = metrics().shared_bytes.with_label_values(&["download"]);
@@ -415,8 +513,7 @@ impl SharedStore {
             let content_type = got.attributes.get(&Attribute::ContentType).map(|v| v.as_ref().to_owned());
             Ok(Ok((content_type, got.bytes().await?)))
         };
-        let result = self.lookup(read).await;
-        count("get", &result);
+        let result = self.lookup("get", read).await;
         let (content_type, bytes) = match result? {
             None => return Ok(None),
             Some(Err(size)) => return Err(SharedError::Corrupt { what: what(), detail: format!("{size} bytes") }),
@@ -505,7 +602,7 @@ impl SharedStore {
     }
 }
 
-async fn delete_counted(store: &AmazonS3, path: &ObjectPath) -> Result<(), SharedError> {
+async fn delete_counted(store: &dyn ObjectStore, path: &ObjectPath) -> Result<(), SharedError> {
     let result = found(store.delete(path).await);
     count("delete", &result);
     result.map(|_| ())
@@ -616,6 +713,54 @@ mod tests {
         let part = part_size(huge);
         assert!(huge.div_ceil(part) <= MAX_PARTS, "{part}");
         assert_eq!(part % (1 << 20), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_breaker_pauses_longer_while_the_store_keeps_failing_and_closes_on_an_answer() {
+        let breaker = Breaker::new(Duration::from_secs(1), Duration::from_secs(3));
+        assert!(!breaker.is_open());
+        let mut pauses = Vec::new();
+        for _ in 0..4 {
+            breaker.failed();
+            let started = tokio::time::Instant::now();
+            while breaker.is_open() {
+                tokio::time::advance(Duration::from_millis(100)).await;
+            }
+            pauses.push(started.elapsed().as_millis());
+        }
+        assert_eq!(pauses, [1000, 2000, 3000, 3000], "doubled per failure in a row, up to the cap");
+        breaker.failed();
+        breaker.answered();
+        assert!(!breaker.is_open(), "an answer closes it at once");
+        breaker.failed();
+        assert_eq!(breaker.lock().failures, 1, "and the count starts again");
+    }
+
+    #[tokio::test]
+    async fn a_store_that_does_not_answer_costs_one_lookup_until_the_pause_ends() {
+        // Accepts connections, never answers.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = Arc::clone(&accepted);
+        let hole = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((stream, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                held.push(stream);
+            }
+        });
+        let store = SharedStore::new(&config("", Some(&format!("http://127.0.0.1:{port}"))))
+            .unwrap()
+            .with_lookup_timeout(Duration::from_millis(200))
+            .with_breaker(Duration::from_secs(600), Duration::from_secs(600));
+        for _ in 0..5 {
+            assert!(store.head(ObjectKind::Blob, &Digest::of(b"x")).await.is_err());
+            assert!(store.get_blob(&Digest::of(b"y"), ..).await.is_err());
+        }
+        assert!(store.is_down());
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "one request reached the store; the other nine were skipped");
+        hole.abort();
     }
 
     #[tokio::test]

@@ -16,7 +16,9 @@ use crate::error::Error;
 pub enum Source {
     /// The object store all replicas share (its bytes are hashed here too).
     Shared,
-    /// The digest's owner among the peers, which fills it once for all.
+    /// The digest's owner among the peers, which fills it once for all;
+    /// after it, the next replicas in the digest's ranking, which take
+    /// over its keys when it dies.
     Peer(PeerUrl),
     /// The upstream registry itself: the last resort, whose answers are final.
     Upstream,
@@ -65,4 +67,8 @@ pub enum Unavailable {
     Final(Error),
     /// It does not have the blob or cannot be reached: try the next one.
     Next(Error),
+    /// A peer answered with upstream's (or its disk's) failure: another
+    /// peer would only ask upstream the same, so the other peers are
+    /// skipped and upstream is asked directly.
+    Relayed(Error),
 }

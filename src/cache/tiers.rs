@@ -23,7 +23,7 @@ use hyper::body::Incoming;
 use super::source::{SourceBody, Unavailable};
 use super::{Cache, Content, Via, digest_owner_key, tag_owner_key};
 use crate::cluster::PeerUrl;
-use crate::cluster::client::{Ask, PEER_RESPONSE_MARGIN, PeerError, TAG_CONFIRMED_HEADER};
+use crate::cluster::client::{Ask, PEER_LOOKUP_TIMEOUT, PEER_RESPONSE_MARGIN, PeerError, TAG_CONFIRMED_HEADER};
 use crate::error::{Error, UpstreamError};
 use crate::metrics::metrics;
 use crate::oci::{Digest, MAX_MANIFEST_SIZE, MediaType, Reference, RepoName, inspect_manifest};
@@ -64,13 +64,6 @@ pub(super) fn content_range(headers: &http::HeaderMap) -> Option<(u64, Option<u6
 }
 
 impl Cache {
-    /// The owner of `key` when it is another replica and this request may
-    /// be forwarded to it (a client's, not a peer's: one hop).
-    pub(super) fn owner_elsewhere(&self, key: &str, via: Via) -> Option<PeerUrl> {
-        let link = self.peers.as_ref().filter(|_| via == Via::Client)?;
-        link.owner_elsewhere(key)
-    }
-
     /// Who to ask about a manifest, a tag or a membership before upstream,
     /// and how. A client's request goes to the key's owner, which fetches
     /// for everyone. When this replica is the owner (or was asked as one),
@@ -89,10 +82,24 @@ impl Cache {
         link.first_other(key).map(|peer| (peer, true))
     }
 
-    /// The response-header wait for a peer: the owner may itself be
-    /// waiting on upstream for as long as upstream's own timeout.
-    fn peer_timeout(upstream: &Upstream) -> Duration {
-        upstream.config.response_timeout + PEER_RESPONSE_MARGIN
+    /// The response-header wait for a peer asked to fetch (not a lookup):
+    /// the owner's worst legitimate wait before its own answer has headers,
+    /// plus the round trips between the two. The owner may first look in
+    /// the shared tier ([`super::shared::LOOKUP_TIMEOUT`]) and ask its
+    /// runner-up ([`PEER_LOOKUP_TIMEOUT`]), then ask upstream: a token
+    /// round trip and the request itself, each within upstream's
+    /// `response_timeout`. An owner slower than that (a redirect hop, a
+    /// long wait for an upstream slot) is given up on for that one request
+    /// without being marked down (see [`PeerError`]).
+    fn owner_budget(&self, upstream: &Upstream) -> Duration {
+        let store = if self.shared.is_some() { super::shared::LOOKUP_TIMEOUT } else { Duration::ZERO };
+        store + PEER_LOOKUP_TIMEOUT + 2 * upstream.config.response_timeout + PEER_RESPONSE_MARGIN
+    }
+
+    /// The response-header wait for a peer: [`PEER_LOOKUP_TIMEOUT`] for a
+    /// lookup, else [`Cache::owner_budget`].
+    fn peer_timeout(&self, upstream: &Upstream, lookup: bool) -> Duration {
+        if lookup { PEER_LOOKUP_TIMEOUT } else { self.owner_budget(upstream) }
     }
 
     /// Reads a blob from the shared tier from `offset`, once the
@@ -133,15 +140,24 @@ impl Cache {
         })
     }
 
-    /// Asks the digest's owner for the blob from `offset`. The owner joins
-    /// or starts its one fill and streams while it fills.
+    /// Asks `peer` (the digest's owner, or after it broke off the next
+    /// replica in the digest's ranking) for the blob from `offset`. The
+    /// peer joins or starts its one fill and streams while it fills.
+    /// `shared_missed`: this fill looked in the shared tier already.
+    ///
+    /// A peer that cannot be reached is marked down and the next peer
+    /// tried; one that connects but does not answer in time is skipped for
+    /// this request only. A peer that answers an error relays upstream's
+    /// (or its disk's) trouble: another peer would ask upstream the same,
+    /// so the fill goes to upstream itself ([`Unavailable::Relayed`]).
     pub(super) async fn open_peer(
         &self,
-        owner: PeerUrl,
+        peer: PeerUrl,
         upstream: &Upstream,
         repo: &RepoName,
         digest: &Digest,
         offset: u64,
+        shared_missed: bool,
     ) -> Result<SourceBody, Unavailable> {
         let Some(link) = &self.peers else { return Err(Unavailable::Next(Error::BlobUnknown(*digest))) };
         let path = format!("/v2/{repo}/blobs/{digest}?{}", ns_query(upstream.name()));
@@ -151,23 +167,34 @@ impl Cache {
             accept: None,
             from: Some(offset),
             lookup: false,
-            timeout: Self::peer_timeout(upstream),
+            shared_missed,
+            timeout: self.owner_budget(upstream),
         };
-        let sent = link.client.send(&owner, ask).await;
+        let sent = link.client.send(&peer, ask).await;
         let resp = match sent {
             Ok(resp) => resp,
             Err(PeerError::Unreachable(e)) => {
-                tracing::warn!(peer = %owner, %digest, error = e, "owner unreachable; marked down, fetching elsewhere");
-                link.peers.mark_down(&owner);
-                return Err(Unavailable::Next(UpstreamError::Connect(format!("peer {owner}: {e}")).into()));
+                tracing::warn!(%peer, %digest, error = e, "peer unreachable; marked down, trying the next source");
+                link.peers.mark_down(&peer);
+                return Err(Unavailable::Next(UpstreamError::Connect(format!("peer {peer}: {e}")).into()));
+            }
+            Err(PeerError::NoAnswer(e)) => {
+                tracing::warn!(%peer, %digest, error = e, "peer did not answer; trying the next source");
+                return Err(Unavailable::Next(UpstreamError::Connect(format!("peer {peer}: {e}")).into()));
+            }
+            Err(PeerError::UnknownUpstream) => {
+                tracing::info!(%peer, upstream = upstream.name(), "peer does not know the upstream; trying the next source");
+                return Err(Unavailable::Next(Error::UnknownUpstream(upstream.name().to_owned())));
             }
             Err(PeerError::Status { status, code, retry_after }) => {
                 return Err(match verdict(status, &code, retry_after) {
                     Verdict::NotFound => Unavailable::Final(Error::BlobUnknown(*digest)),
                     Verdict::Final(e) => Unavailable::Final(e),
                     Verdict::Fallback => {
-                        tracing::warn!(peer = %owner, %digest, %status, code, "owner failed; fetching elsewhere");
-                        Unavailable::Next(UpstreamError::Status { status: status.as_u16(), retry_after: None }.into())
+                        tracing::warn!(%peer, %digest, %status, code, "peer failed; fetching from upstream");
+                        Unavailable::Relayed(
+                            UpstreamError::Status { status: status.as_u16(), retry_after: None }.into(),
+                        )
                     }
                 });
             }
@@ -176,7 +203,7 @@ impl Cache {
             match content_range(resp.headers()) {
                 Some((first, total)) if first == offset => (total, 0),
                 _ => {
-                    let e = UpstreamError::Protocol(format!("peer {owner} answered another range than from {offset}"));
+                    let e = UpstreamError::Protocol(format!("peer {peer} answered another range than from {offset}"));
                     return Err(Unavailable::Next(e.into()));
                 }
             }
@@ -218,7 +245,8 @@ impl Cache {
             accept: Some(MediaType::upstream_accept()),
             from: None,
             lookup,
-            timeout: Self::peer_timeout(upstream),
+            shared_missed: false,
+            timeout: self.peer_timeout(upstream, lookup),
         };
         match link.client.send(&owner, ask).await {
             Ok(resp) => match read_manifest(resp, reference, upstream.body_idle_timeout()).await {
@@ -231,6 +259,10 @@ impl Cache {
             Err(PeerError::Unreachable(e)) => {
                 tracing::warn!(peer = %owner, %repo, %reference, error = e, "owner unreachable; marked down");
                 link.peers.mark_down(&owner);
+                None
+            }
+            Err(e @ (PeerError::NoAnswer(_) | PeerError::UnknownUpstream)) => {
+                tracing::warn!(peer = %owner, %repo, %reference, lookup, error = %e, "going on without the peer");
                 None
             }
             // A lookup's miss says only that the peer does not hold it.
@@ -266,13 +298,20 @@ impl Cache {
             accept: matches!(content, Content::Manifest).then(MediaType::upstream_accept),
             from: None,
             lookup,
-            timeout: Self::peer_timeout(upstream),
+            shared_missed: false,
+            timeout: self.peer_timeout(upstream, lookup),
         };
         match link.client.send(&owner, ask).await {
             Ok(_) => Some(Ok(true)),
             Err(PeerError::Unreachable(e)) => {
                 tracing::warn!(peer = %owner, %digest, error = e, "owner unreachable; marked down");
                 link.peers.mark_down(&owner);
+                None
+            }
+            // An owner that does not know this upstream yet says nothing
+            // about the repository: ask upstream.
+            Err(e @ (PeerError::NoAnswer(_) | PeerError::UnknownUpstream)) => {
+                tracing::warn!(peer = %owner, %digest, lookup, error = %e, "going on without the peer");
                 None
             }
             Err(PeerError::Status { .. }) if lookup => None,

@@ -5,7 +5,7 @@
 //! name, e.g. a Kubernetes headless Service, resolved again every
 //! [`DNS_REFRESH_INTERVAL`]). This replica is always a member, also before
 //! DNS lists it (a headless Service lists only ready pods). A peer that
-//! cannot be reached is marked down for [`PEER_DOWN_FOR`] and skipped, so the
+//! cannot be connected to is marked down for [`PEER_DOWN_FOR`] and skipped, so the
 //! next peer in its keys' rankings stands in for it; this replica is never
 //! skipped, so the candidate list always ends in someone who can fetch.
 
@@ -186,9 +186,9 @@ impl Peers {
         self.candidates(key).into_iter().next().unwrap_or_else(|| self.me.clone())
     }
 
-    /// Skips `peer` for [`PEER_DOWN_FOR`] (it refused a connection or gave
-    /// no response headers in time; an error status or a broken body does
-    /// not count, see [`super::client::PeerError`]). This replica is never
+    /// Skips `peer` for [`PEER_DOWN_FOR`] (no TCP or TLS connection could
+    /// be made; a slow answer, an error status or a broken body does not
+    /// count, see [`super::client::PeerError`]). This replica is never
     /// marked down.
     pub fn mark_down(&self, peer: &PeerUrl) {
         if self.is_me(peer) {

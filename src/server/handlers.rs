@@ -53,7 +53,7 @@ pub async fn manifest(
     // A peer keeps the tag as long as this owner would: from when upstream
     // last confirmed it, not from now.
     let confirmed = match (route.via, reference) {
-        (Via::Peer, Reference::Tag(tag)) => app.cache.tag_confirmed(route.upstream.name(), &route.repo, tag),
+        (Via::Peer { .. }, Reference::Tag(tag)) => app.cache.tag_confirmed(route.upstream.name(), &route.repo, tag),
         _ => None,
     };
     Ok((manifest_response(&m, method == Method::HEAD, confirmed)?, result))

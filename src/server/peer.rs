@@ -25,7 +25,7 @@ use super::routes::{self, Endpoint, Parsed, Route};
 use super::{handlers, listener};
 use crate::body::Body;
 use crate::cache::Via;
-use crate::cluster::client::{LOOKUP_HEADER, SECRET_HEADER};
+use crate::cluster::client::{LOOKUP_HEADER, SECRET_HEADER, SHARED_MISSED_HEADER, UNKNOWN_UPSTREAM_HEADER};
 use crate::error::Error;
 use crate::metrics::metrics;
 use crate::oci::Reference;
@@ -91,6 +91,13 @@ async fn handle(app: Arc<App>, secret: [u8; 32], req: Request<Incoming>) -> Resp
     let kind = if parts.uri.path().contains("/blobs/") { "blob" } else { "manifest" };
     let (resp, result) = match serve_peer(&app, &secret, &parts).await {
         Ok(resp) => (resp, "ok"),
+        Err(Refused::Refused(e @ Error::UnknownUpstream(_))) => {
+            // Still a 404 (with NAME_UNKNOWN), but marked: the asker must
+            // not read it as "this repository lacks it".
+            let mut resp = e.into_response(head);
+            resp.headers_mut().insert(UNKNOWN_UPSTREAM_HEADER, http::HeaderValue::from_static("1"));
+            (resp, "refused")
+        }
         Err(Refused::Refused(e)) => (e.into_response(head), "refused"),
         Err(Refused::Failed(e)) => {
             let result = if e.status() == http::StatusCode::NOT_FOUND { "not_found" } else { "error" };
@@ -136,7 +143,7 @@ async fn serve_peer(
     if parts.headers.contains_key(LOOKUP_HEADER) {
         return lookup(app, &route, &parts.method).await.map_err(Refused::Failed);
     }
-    route.via = Via::Peer;
+    route.via = Via::Peer { shared_missed: parts.headers.contains_key(SHARED_MISSED_HEADER) };
     handlers::route(app, route, parts).await.map(|(resp, _)| resp).map_err(Refused::Failed)
 }
 
