@@ -408,6 +408,13 @@ impl Cache {
     /// that cannot be unlinked is logged and the others are still removed;
     /// the next start-up adopts it or removes it.
     async fn forget_removed(&self, removed: &[Entry]) {
+        // An upload of a removed blob is given up: it would hold the
+        // file (and its disk space) open until done.
+        if let Some((_, uploads)) = &self.shared {
+            for e in removed.iter().filter(|e| e.kind == Kind::Blob) {
+                uploads.cancel_blob(e.digest).await;
+            }
+        }
         for e in removed {
             match e.kind {
                 Kind::Blob => self.memory.remove_blob_size(&e.digest),

@@ -27,8 +27,8 @@ use futures_util::stream::{BoxStream, StreamExt, TryStreamExt};
 use object_store::aws::AmazonS3Builder;
 use object_store::path::Path as ObjectPath;
 use object_store::{
-    Attribute, Attributes, BackoffConfig, ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt,
-    PutMultipartOptions, PutOptions, PutPayload, RetryConfig, WriteMultipart,
+    Attribute, Attributes, BackoffConfig, ClientOptions, GetOptions, GetRange, MultipartUpload, ObjectStore,
+    ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, RetryConfig,
 };
 
 use crate::blocking::blocking;
@@ -81,10 +81,28 @@ pub const BREAKER_MIN: Duration = Duration::from_secs(1);
 /// Longest pause of lookups while the store keeps failing: how late a
 /// store that came back is used again at worst.
 pub const BREAKER_MAX: Duration = Duration::from_secs(30);
+/// Longest wait for the store to abort a multipart upload that failed or
+/// was given up; past it the parts are left to the bucket's lifecycle rule.
+pub const ABORT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Deletions in flight at once during a `max_age` sweep.
 const SWEEP_DELETES_IN_FLIGHT: usize = 8;
 /// How often the `max_age` sweeper lists the prefix.
 pub const SWEEP_INTERVAL: Duration = Duration::from_secs(3600);
+
+/// How a cancellable upload ended without the object in the store.
+#[derive(Debug)]
+pub enum PutFailed<C> {
+    /// The store, or the local file, failed.
+    Store(SharedError),
+    /// Given up because the stop future resolved (with this).
+    Stopped(C),
+}
+
+impl<C> From<SharedError> for PutFailed<C> {
+    fn from(e: SharedError) -> Self {
+        PutFailed::Store(e)
+    }
+}
 
 /// How talking to the shared store failed. Any of these means "not from
 /// the shared tier this time": the caller moves on to a peer or upstream.
@@ -408,6 +426,28 @@ impl SharedStore {
     /// is aborted before it completes, so no wrong object ever appears).
     /// Returns the bytes uploaded.
     pub async fn put_blob_file(&self, digest: &Digest, path: &Path) -> Result<u64, SharedError> {
+        match self.put_blob_file_until(digest, path, std::future::pending::<()>()).await {
+            Ok(size) => Ok(size),
+            Err(PutFailed::Store(e)) => Err(e),
+            Err(PutFailed::Stopped(())) => unreachable!("a pending future never resolves"),
+        }
+    }
+
+    /// [`SharedStore::put_blob_file`], given up when `stop` resolves first
+    /// (a deadline, a shutdown, the blob's removal): the file is closed at
+    /// once and a multipart upload is aborted (within [`ABORT_TIMEOUT`]),
+    /// as it is after any failure, so no parts are left in the bucket.
+    /// Only a stop that lands while the store is creating the upload (one
+    /// short request) cannot abort it, since its id is not known yet: the
+    /// bucket's `AbortIncompleteMultipartUpload` rule cleans that one, as
+    /// it does after a crash.
+    pub async fn put_blob_file_until<C>(
+        &self,
+        digest: &Digest,
+        path: &Path,
+        stop: impl std::future::Future<Output = C>,
+    ) -> Result<u64, PutFailed<C>> {
+        tokio::pin!(stop);
         let local = |detail: String| SharedError::Local { path: path.display().to_string(), detail };
         let file_path = path.to_owned();
         let (file, size) = blocking(move || {
@@ -422,59 +462,54 @@ impl SharedStore {
         if size <= SINGLE_PUT_MAX {
             let (bytes, hasher) =
                 read_chunk(Arc::clone(&file), 0, size as usize, Hasher::default()).await.map_err(local)?;
+            drop(file);
             verify(digest, hasher, "local file", path)?;
             let options = PutOptions { attributes, ..PutOptions::default() };
-            let result = self.store.put_opts(&location, PutPayload::from(bytes), options).await;
+            let result = tokio::select! {
+                result = self.store.put_opts(&location, PutPayload::from(bytes), options) => result,
+                stopped = &mut stop => return Err(PutFailed::Stopped(stopped)),
+            };
             written("put", result).map_err(|e| self.log_failure("put", digest, e))?;
         } else {
             let options = PutMultipartOptions { attributes, ..PutMultipartOptions::default() };
-            let result = match self.store.put_multipart_opts(&location, options).await {
-                Ok(upload) => self.stream_parts(digest, path, file, size, upload).await,
-                Err(e) => Err(store_err(e)),
+            let created = tokio::select! {
+                created = self.store.put_multipart_opts(&location, options) => created,
+                stopped = &mut stop => return Err(PutFailed::Stopped(stopped)),
+            };
+            let mut upload = match created {
+                Ok(upload) => upload,
+                Err(e) => {
+                    metrics().shared_requests.with_label_values(&["put_multipart", "error"]).inc();
+                    return Err(PutFailed::Store(self.log_failure("put_multipart", digest, store_err(e))));
+                }
+            };
+            let result = tokio::select! {
+                result = stream_parts(&mut *upload, digest, path, file, size) => result.map_err(PutFailed::Store),
+                stopped = &mut stop => Err(PutFailed::Stopped(stopped)),
             };
             let label = if result.is_ok() { "ok" } else { "error" };
             metrics().shared_requests.with_label_values(&["put_multipart", label]).inc();
-            result.map_err(|e| self.log_failure("put_multipart", digest, e))?;
+            if let Err(failed) = &result {
+                if let PutFailed::Store(e) = failed {
+                    tracing::debug!(%digest, error = %e, "multipart upload failed; aborting it");
+                }
+                let aborted = match tokio::time::timeout(ABORT_TIMEOUT, upload.abort()).await {
+                    Ok(Ok(())) => "ok",
+                    Ok(Err(e)) => {
+                        tracing::warn!(%digest, error = %e, "aborting a multipart upload failed; the bucket's lifecycle rule will");
+                        "error"
+                    }
+                    Err(_) => {
+                        tracing::warn!(%digest, "aborting a multipart upload timed out; the bucket's lifecycle rule will");
+                        "error"
+                    }
+                };
+                metrics().shared_requests.with_label_values(&["abort_multipart", aborted]).inc();
+            }
+            result?;
         }
         metrics().shared_bytes.with_label_values(&["upload"]).inc_by(size);
         Ok(size)
-    }
-
-    async fn stream_parts(
-        &self,
-        digest: &Digest,
-        path: &Path,
-        file: Arc<std::fs::File>,
-        size: u64,
-        upload: Box<dyn object_store::MultipartUpload>,
-    ) -> Result<(), SharedError> {
-        let part = part_size(size);
-        let mut writer = WriteMultipart::new_with_chunk_size(upload, part as usize);
-        let mut hasher = Hasher::default();
-        let mut offset = 0;
-        while offset < size {
-            let len = part.min(size - offset);
-            let read = read_chunk(Arc::clone(&file), offset, len as usize, hasher).await;
-            let (bytes, next) = match read {
-                Ok(read) => read,
-                Err(detail) => {
-                    let _ = writer.abort().await;
-                    return Err(SharedError::Local { path: path.display().to_string(), detail });
-                }
-            };
-            hasher = next;
-            if let Err(e) = writer.wait_for_capacity(PARTS_IN_FLIGHT).await {
-                let _ = writer.abort().await;
-                return Err(store_err(e));
-            }
-            writer.put(bytes);
-            offset += len;
-        }
-        if let Err(e) = verify(digest, hasher, "local file", path) {
-            let _ = writer.abort().await;
-            return Err(e);
-        }
-        writer.finish().await.map(|_| ()).map_err(store_err)
     }
 
     fn log_failure(&self, op: &str, digest: &Digest, e: SharedError) -> SharedError {
@@ -606,6 +641,43 @@ async fn delete_counted(store: &dyn ObjectStore, path: &ObjectPath) -> Result<()
     let result = found(store.delete(path).await);
     count("delete", &result);
     result.map(|_| ())
+}
+
+/// Sends the file's parts, at most [`PARTS_IN_FLIGHT`] at once, hashing
+/// them as they are read, and completes the upload if the file matched
+/// `digest`. The caller aborts the upload when this fails or is dropped.
+async fn stream_parts(
+    upload: &mut dyn MultipartUpload,
+    digest: &Digest,
+    path: &Path,
+    file: Arc<std::fs::File>,
+    size: u64,
+) -> Result<(), SharedError> {
+    let part = part_size(size);
+    let mut in_flight: futures_util::stream::FuturesUnordered<object_store::UploadPart> =
+        futures_util::stream::FuturesUnordered::new();
+    let mut hasher = Hasher::default();
+    let mut offset = 0;
+    while offset < size {
+        while in_flight.len() >= PARTS_IN_FLIGHT {
+            if let Some(done) = in_flight.next().await {
+                done.map_err(store_err)?;
+            }
+        }
+        let len = part.min(size - offset);
+        let (bytes, next) = read_chunk(Arc::clone(&file), offset, len as usize, hasher)
+            .await
+            .map_err(|detail| SharedError::Local { path: path.display().to_string(), detail })?;
+        hasher = next;
+        in_flight.push(upload.put_part(PutPayload::from(bytes)));
+        offset += len;
+    }
+    drop(file);
+    while let Some(done) = in_flight.next().await {
+        done.map_err(store_err)?;
+    }
+    verify(digest, hasher, "local file", path)?;
+    upload.complete().await.map(|_| ()).map_err(store_err)
 }
 
 /// `..` → whole object, `n..` → from `n`, `a..b` → bytes `a` to `b - 1`.

@@ -415,6 +415,27 @@ impl Garage {
         }
     }
 
+    /// Multipart uploads begun in the bucket and neither completed nor
+    /// aborted (what `garage bucket info` reports).
+    pub async fn incomplete_multipart_uploads(&self) -> u64 {
+        let output = tokio::process::Command::new(&self.binary)
+            .arg("-c")
+            .arg(&self.nodes[0].config_path)
+            .args(["bucket", "info", &self.bucket])
+            .env("NO_COLOR", "1")
+            .output()
+            .await
+            .unwrap_or_else(|e| panic!("cannot run {}: {e}", self.binary.display()));
+        assert!(output.status.success(), "garage bucket info: {}", String::from_utf8_lossy(&output.stderr));
+        let info = String::from_utf8_lossy(&output.stdout).into_owned();
+        // Garage lists unfinished uploads only when there are some.
+        let Some(line) = info.lines().find(|l| l.to_lowercase().contains("multipart")) else { return 0 };
+        line.split(|c: char| !c.is_ascii_digit())
+            .find(|w| !w.is_empty())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no count in {line:?}"))
+    }
+
     /// Prints the last lines of every node's log.
     pub fn print_logs(&self) {
         for node in &self.nodes {
