@@ -76,7 +76,7 @@ pub struct Metrics {
     /// and was skipped for a while.
     pub peers_marked_down: IntCounter,
     /// `peer_requests_total{direction,kind,result}`: direction `out` (asked
-    /// an owner) or `in` (asked by a peer); kind `blob|manifest`; result
+    /// an owner) or `in` (asked by a peer); kind `blob|manifest|purge`; result
     /// `ok|not_found|unreachable|no_answer|error|refused` (`unreachable`:
     /// no connection, the peer is marked down; `no_answer`: connected but
     /// no response headers in time, not marked down; `refused`: no or a

@@ -95,6 +95,17 @@ impl CacheResult {
     }
 }
 
+/// What a purge removed here and, with peers, on each other replica.
+#[derive(Debug, serde::Serialize)]
+pub struct ClusterPurged {
+    /// This replica's counts, at the top level (as without peers).
+    #[serde(flatten)]
+    pub here: Purged,
+    /// One entry per other member of the cluster; absent without peers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<Vec<crate::cluster::purge::ReplicaPurge>>,
+}
+
 /// What a purge removed.
 #[derive(Debug, Default, serde::Serialize, PartialEq, Eq)]
 pub struct Purged {
@@ -128,6 +139,11 @@ pub struct Cache {
     shared: Option<(Arc<SharedStore>, Uploads)>,
     /// The other replicas (`[cluster]`).
     peers: Option<PeerLink>,
+    /// Recent purges: the index prefix purged and when, newest last (at
+    /// most [`MAX_PURGE_BARRIERS`]). A tag mapping a peer confirmed before
+    /// a purge of its repository is not taken from it (see
+    /// [`Cache::purged_after`]).
+    purges: std::sync::Mutex<std::collections::VecDeque<(String, SystemTime)>>,
 }
 
 /// The tiers beyond this replica's own memory and disk: both optional,
@@ -182,6 +198,10 @@ const UNLINK_TASKS: usize = 8;
 /// the owner (which streams it before it could know); a third failure can
 /// only be upstream's, whose answer is final.
 const MAX_START_OVERS: usize = 2;
+/// Purges remembered as barriers against older tag mappings from peers.
+/// Past this, the oldest is forgotten: a replica down through that many
+/// purges may hand out a mapping the oldest one removed, until its TTL.
+const MAX_PURGE_BARRIERS: usize = 1024;
 /// How often a graceful stop checks whether the fills in flight have ended.
 const FILLS_POLL: Duration = Duration::from_millis(10);
 /// How often access times collected on the request path are written to the index.
@@ -305,6 +325,7 @@ impl Cache {
             manifest_fetches: SingleFlight::default(),
             revalidations: SingleFlight::default(),
             listing_fetches: SingleFlight::default(),
+            purges: std::sync::Mutex::default(),
         }))
     }
 
@@ -486,6 +507,13 @@ impl Cache {
             Some(repo) => format!("{upstream}\0{repo}\0"),
             None => format!("{upstream}\0"),
         };
+        {
+            let mut purges = self.purges.lock().unwrap_or_else(|p| p.into_inner());
+            if purges.len() >= MAX_PURGE_BARRIERS {
+                purges.pop_front();
+            }
+            purges.push_back((prefix.clone(), SystemTime::now()));
+        }
         let index = Arc::clone(&self.index);
         let rows = blocking(move || Ok(index.purge(&prefix)?)).await?;
         self.memory.forget_tags_and_members();
@@ -493,6 +521,37 @@ impl Cache {
         let bytes = rows.content.iter().map(|e| e.size).sum();
         let blobs = rows.content.iter().filter(|e| e.kind == Kind::Blob).count();
         Ok(Purged { tags: rows.tags, members: rows.members, blobs, manifests: rows.content.len() - blobs, bytes })
+    }
+
+    /// [`Cache::purge`] here, then on every other replica of the cluster
+    /// (see [`crate::cluster::purge`]): the purge takes effect everywhere,
+    /// and what each replica did is listed.
+    pub async fn purge_everywhere(&self, upstream: &str, repo: Option<&RepoName>) -> Result<ClusterPurged, Error> {
+        let here = self.purge(upstream, repo).await?;
+        let replicas = match &self.peers {
+            Some(link) => {
+                let query = {
+                    let mut query = form_urlencoded::Serializer::new(String::new());
+                    query.append_pair("upstream", upstream);
+                    if let Some(repo) = repo {
+                        query.append_pair("repo", repo.as_str());
+                    }
+                    query.finish()
+                };
+                Some(crate::cluster::purge::everywhere(link, &query).await)
+            }
+            None => None,
+        };
+        Ok(ClusterPurged { here, replicas })
+    }
+
+    /// Whether `upstream`'s `repo` was purged here after `confirmed`: a
+    /// tag mapping a peer confirmed then is from before the purge (the
+    /// peer was not purged yet, or was down), and is not taken.
+    fn purged_after(&self, upstream: &str, repo: &RepoName, confirmed: SystemTime) -> bool {
+        let key = format!("{upstream}\0{repo}\0");
+        let purges = self.purges.lock().unwrap_or_else(|p| p.into_inner());
+        purges.iter().any(|(prefix, at)| key.starts_with(prefix.as_str()) && confirmed < *at)
     }
 
     /// Readiness: the index answers a read and the temp folder takes a file.
@@ -1365,6 +1424,21 @@ impl Cache {
 mod tests {
     use super::member_key;
     use crate::oci::Digest;
+
+    #[tokio::test]
+    async fn a_tag_mapping_confirmed_before_a_purge_of_its_repository_is_not_taken_from_a_peer() {
+        let (_dir, cache) = super::test_cache::temporary().await;
+        let (app, other) = ("team/app".parse().unwrap(), "team/other".parse().unwrap());
+        let before = std::time::SystemTime::now() - std::time::Duration::from_secs(1);
+        assert!(!cache.purged_after("hub", &app, before), "nothing purged yet");
+        cache.purge("hub", Some(&app)).await.unwrap();
+        assert!(cache.purged_after("hub", &app, before), "older than the purge");
+        assert!(!cache.purged_after("hub", &app, std::time::SystemTime::now()), "confirmed since");
+        assert!(!cache.purged_after("hub", &other, before), "another repository");
+        assert!(!cache.purged_after("mirror", &app, before), "another upstream");
+        cache.purge("hub", None).await.unwrap();
+        assert!(cache.purged_after("hub", &other, before), "a whole upstream's purge covers its repositories");
+    }
 
     #[test]
     fn a_member_key_is_upstream_repository_and_hex_apart_by_nul_and_exactly_as_long() {

@@ -250,6 +250,13 @@ impl Cache {
         };
         match link.client.send(&owner, ask).await {
             Ok(resp) => match read_manifest(resp, reference, upstream.body_idle_timeout()).await {
+                Ok((_, confirmed))
+                    if matches!(reference, Reference::Tag(_))
+                        && self.purged_after(upstream.name(), repo, confirmed) =>
+                {
+                    tracing::info!(peer = %owner, %repo, %reference, "peer's tag mapping is older than a purge here; asking upstream");
+                    None
+                }
                 Ok(answer) => Some(Ok(answer)),
                 Err(e) => {
                     tracing::warn!(peer = %owner, %repo, %reference, error = %e, "owner's manifest refused");

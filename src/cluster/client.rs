@@ -42,6 +42,11 @@ pub const SHARED_MISSED_HEADER: &str = "larder-shared-missed";
 /// configured there (yet: a rolling config change). Its 404 then says
 /// nothing about the repository, and the asker goes on to the next source.
 pub const UNKNOWN_UPSTREAM_HEADER: &str = "larder-unknown-upstream";
+/// The peer listener's purge endpoint: `POST` with `?upstream=NAME[&repo=REPO]`
+/// and the cluster secret; the answer is what the replica removed (JSON).
+pub const PURGE_PATH: &str = "/larder/purge";
+/// Largest answer to a purge read from a peer (a few counts).
+const MAX_PURGE_ANSWER: usize = 64 << 10;
 /// Time to open a connection to a peer (TCP, and TLS for https peers).
 /// Peers are near: a peer that does not accept within this is taken for
 /// down, and the next source is tried.
@@ -166,7 +171,13 @@ impl PeerClient {
     /// body still open), or why there is none. `from`: a `Range` from that
     /// byte to the end.
     pub async fn send(&self, peer: &PeerUrl, ask: Ask<'_>) -> Result<Response<Incoming>, PeerError> {
-        let kind = if ask.path_and_query.contains("/blobs/") { "blob" } else { "manifest" };
+        let kind = if ask.path_and_query.starts_with(PURGE_PATH) {
+            "purge"
+        } else if ask.path_and_query.contains("/blobs/") {
+            "blob"
+        } else {
+            "manifest"
+        };
         let answer = self.exchange(peer, ask).await;
         let result = match &answer {
             Ok(_) => "ok",
@@ -177,6 +188,28 @@ impl PeerClient {
         };
         metrics().peer_requests.with_label_values(&["out", kind, result]).inc();
         answer
+    }
+
+    /// Asks `peer` to purge what `query` names (`upstream=NAME[&repo=REPO]`,
+    /// form-encoded): its answer, what it removed, as JSON.
+    pub async fn purge(&self, peer: &PeerUrl, query: &str, timeout: Duration) -> Result<serde_json::Value, PeerError> {
+        let path = format!("{PURGE_PATH}?{query}");
+        let ask = Ask {
+            method: Method::POST,
+            path_and_query: &path,
+            accept: None,
+            from: None,
+            lookup: false,
+            shared_missed: false,
+            timeout,
+        };
+        let resp = self.send(peer, ask).await?;
+        let body = Limited::new(resp.into_body(), MAX_PURGE_ANSWER).collect();
+        let body = tokio::time::timeout(timeout, body)
+            .await
+            .map_err(|_| PeerError::NoAnswer("the purge's answer stalled".into()))?
+            .map_err(|e| PeerError::NoAnswer(format!("the purge's answer: {e}")))?;
+        serde_json::from_slice(&body.to_bytes()).map_err(|e| PeerError::NoAnswer(format!("the purge's answer: {e}")))
     }
 
     async fn exchange(&self, peer: &PeerUrl, ask: Ask<'_>) -> Result<Response<Incoming>, PeerError> {
