@@ -176,3 +176,88 @@ async fn an_owner_that_does_not_know_an_upstream_yet_is_not_taken_to_say_a_repos
     }
     assert_eq!(up.requests("HEAD", &format!("/v2/team/two/blobs/{d}")), 2, "each asker confirmed with upstream");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_owner_remembers_what_it_confirmed_with_upstream_for_a_peer() {
+    let blob = random_bytes(64 * KIB, 56);
+    let d = digest(&blob);
+    let up = FakeUpstream::builder().blob(blob.clone()).start().await;
+    let mut cluster = Cluster::builder(upstream(&up)).replicas(3).start().await;
+    let ranked = cluster.ranked(&d);
+    let (owner, askers) = (ranked[0], ranked[1..].to_vec());
+    for &i in &askers {
+        let got = client::get(address(&cluster.replicas[i]), &format!("/v2/team/one/blobs/{d}")).await;
+        assert_eq!((got.status(), got.body == blob), (200, true));
+    }
+    // The owner lost its disk: the askers hold the blob, it does not.
+    cluster.replicas[owner].stop();
+    std::fs::remove_dir_all(cluster.replicas[owner].cache_dir()).expect("wipe the owner's cache");
+    cluster.replicas[owner].restart().await;
+
+    // Each asker asks the owner whether team/two has it before serving it.
+    for &i in &askers {
+        let got = client::get(address(&cluster.replicas[i]), &format!("/v2/team/two/blobs/{d}")).await;
+        assert_eq!((got.status(), got.body == blob), (200, true));
+    }
+    assert_eq!(
+        up.requests("HEAD", &format!("/v2/team/two/blobs/{d}")),
+        1,
+        "the owner asked upstream for the first asker and remembered the answer for the second"
+    );
+}
+
+/// A "replica" that answers every request with error headers and then
+/// never sends the body it announced.
+async fn stalling_peer() -> (String, tokio::task::JoinHandle<()>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind on 127.0.0.1");
+    let url = format!("http://{}", listener.local_addr().expect("address"));
+    let task = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let mut buf = [0u8; 4096];
+            let _ = stream.read(&mut buf).await;
+            let head =
+                "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n";
+            let _ = stream.write_all(head.as_bytes()).await;
+            held.push(stream);
+        }
+    });
+    (url, task)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_peer_that_stalls_its_error_body_costs_a_bounded_wait_not_a_hang() {
+    let (stalling, task) = stalling_peer().await;
+    let ports = [common::free_port(), common::free_port()];
+    let mine: Vec<String> = ports.iter().map(|p| format!("http://127.0.0.1:{p}")).collect();
+    let members = [mine[0].clone(), mine[1].clone(), stalling.clone()];
+    let ring = larder::cluster::ring::Ring::new(members.iter().map(String::as_str));
+    // A blob the stalling "replica" owns.
+    let blob = (0..)
+        .map(|seed| random_bytes(16 * KIB, 200 + seed))
+        .find(|b| ring.owner(&digest(b)).copied() == Some(stalling.as_str()))
+        .expect("some blob is owned by the stalling peer");
+    let up = FakeUpstream::builder().blob(blob.clone()).start().await;
+    let dir = tempfile::tempdir().expect("a temp dir");
+    std::fs::write(dir.path().join("secret"), common::cluster::SECRET).expect("the secret");
+    let list: Vec<String> = members.iter().map(|m| format!("{m:?}")).collect();
+    let mut askers = Vec::new();
+    for (port, me) in ports.iter().zip(&mine) {
+        let table = format!(
+            "[cluster]\nlisten = \"127.0.0.1:{port}\"\nself = {me:?}\npeers = [{}]\nsecret_file = {:?}\n",
+            list.join(", "),
+            dir.path().join("secret").display().to_string()
+        );
+        askers.push(Larder::builder().upstream(upstream(&up)).append_toml(&table).start().await);
+    }
+    let path = blob_path(&digest(&blob));
+    for asker in &askers {
+        let got = tokio::time::timeout(fake::PATIENCE, client::get(address(asker), &path))
+            .await
+            .expect("no hang: the owner's stalled error body is given up on");
+        assert_eq!((got.status(), got.body == blob), (200, true), "fetched from upstream instead");
+    }
+    assert_eq!(up.blob_gets(&digest(&blob)), 2, "each asker went upstream after the owner failed");
+    task.abort();
+}

@@ -299,3 +299,165 @@ async fn a_store_that_does_not_answer_is_skipped_for_a_while_not_waited_on_per_m
     assert!(waited < fills as f64, "fewer lookups waited out than fills: {waited} for {fills}");
     assert!(total(&cluster, "larder_shared_down").await >= 1.0, "the store is shown as down");
 }
+
+/// A stand-in for the EKS Pod Identity agent (the AWS credential chain's
+/// `AWS_CONTAINER_CREDENTIALS_FULL_URI`): answers every GET with `keys`
+/// expiring a minute later (so they are always due for a refresh), and
+/// records the `Authorization` each request carried (the token file's text).
+struct CredentialsAgent {
+    url: String,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl CredentialsAgent {
+    async fn start(key_id: &str, secret: &str) -> CredentialsAgent {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind on 127.0.0.1");
+        let url = format!("http://{}/v1/credentials", listener.local_addr().expect("address"));
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (key_id, secret, log) = (key_id.to_owned(), secret.to_owned(), std::sync::Arc::clone(&seen));
+        let task = tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let head = String::from_utf8_lossy(&head).into_owned();
+                let authorization = head
+                    .lines()
+                    .find_map(|l| l.split_once(':').filter(|(k, _)| k.eq_ignore_ascii_case("authorization")))
+                    .map(|(_, v)| v.trim().to_owned())
+                    .unwrap_or_default();
+                log.lock().unwrap().push(authorization);
+                let expires = std::time::SystemTime::now() + std::time::Duration::from_secs(60);
+                let expires = humantime::format_rfc3339_seconds(expires);
+                let body = format!(
+                    r#"{{"AccessKeyId":"{key_id}","SecretAccessKey":"{secret}","Token":"","Expiration":"{expires}"}}"#
+                );
+                let resp = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = stream.write_all(resp.as_bytes()).await;
+            }
+        });
+        CredentialsAgent { url, seen, task }
+    }
+
+    fn seen(&self) -> Vec<String> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+impl Drop for CredentialsAgent {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn temporary_credentials_from_the_aws_chain_are_fetched_again_as_they_expire() {
+    let blobs = [random_bytes(64 * 1024, 101), random_bytes(64 * 1024, 102)];
+    let up = FakeUpstream::builder().blob(blobs[0].clone()).blob(blobs[1].clone()).start().await;
+    let garage = Garage::builder().start().await;
+    let agent = CredentialsAgent::start(garage.access_key_id(), garage.secret_access_key()).await;
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let token_file = dir.path().join("eks-pod-identity-token");
+    std::fs::write(&token_file, "token-1").unwrap();
+    // No keys in the config: the credential chain finds the agent.
+    let shared = format!(
+        "[shared]\nurl = \"s3://{}/chain\"\nendpoint = {:?}\nregion = \"garage\"\n",
+        garage.bucket(),
+        garage.endpoint()
+    );
+    let larder = Larder::builder()
+        .upstream(upstream(&up))
+        .server_line(common::metrics::ADMIN_LISTEN)
+        .append_toml(&shared)
+        .env("AWS_CONTAINER_CREDENTIALS_FULL_URI", &agent.url)
+        .env("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE", &token_file.display().to_string())
+        .start()
+        .await;
+
+    for (i, blob) in blobs.iter().enumerate() {
+        if i == 1 {
+            // The agent's token rotates (the kubelet rewrites the file).
+            std::fs::write(&token_file, "token-2").unwrap();
+        }
+        let d = digest(blob);
+        let got = client::get(address(&larder), &blob_path(&d)).await;
+        assert_eq!((got.status(), got.body == *blob), (200, true));
+        object_becomes(&garage, &blob_key("chain", &d), Some(blob.len() as u64)).await;
+    }
+    let seen = agent.seen();
+    assert!(seen.contains(&"token-1".to_owned()), "credentials fetched with the first token: {seen:?}");
+    assert!(seen.contains(&"token-2".to_owned()), "and fetched again, with the rotated one: {seen:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_store_read_and_the_membership_check_run_at_once() {
+    let blob = random_bytes(256 * 1024, 111);
+    let d = digest(&blob);
+    let up = FakeUpstream::builder().blob(blob.clone()).start().await;
+    let garage = Garage::builder().start().await;
+    let proxy = CutProxy::start(garage.s3_addr(0)).await;
+    put_object(&garage, &blob_key("both", &d), blob.to_vec()).await;
+    // Two replicas sharing the store, without peers: upstream alone can
+    // say whether a repository has the blob.
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let shared = garage.shared_toml_at(dir.path(), "both", &proxy.url());
+    let replica =
+        || Larder::builder().upstream(upstream(&up)).server_line(common::metrics::ADMIN_LISTEN).append_toml(&shared);
+    let replicas = [replica().start().await, replica().start().await];
+
+    // The store holds its answers: the membership HEADs reach upstream
+    // meanwhile (one after the other, they would wait for the store).
+    proxy.hold_responses();
+    let head = format!("/v2/{}/blobs/{d}", fake::REPO);
+    let asked: Vec<_> = replicas
+        .iter()
+        .map(|r| {
+            let (addr, path) = (address(r), blob_path(&d));
+            tokio::spawn(async move { client::get(addr, &path).await })
+        })
+        .collect();
+    fake::wait_until("both membership HEADs reached upstream", || up.requests("HEAD", &head) == 2).await;
+    proxy.heal();
+    for got in asked {
+        let got = got.await.expect("the request task");
+        assert_eq!((got.status(), got.body == blob), (200, true));
+    }
+    assert_eq!(up.blob_gets(&d), 0, "both read the store once upstream confirmed the repository");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_replica_sweeps_the_shared_tier_for_the_cluster() {
+    let up = FakeUpstream::builder().start().await;
+    let garage = Garage::builder().start().await;
+    let cluster = Cluster::builder(upstream(&up))
+        .replicas(3)
+        .shared(&garage, "swept")
+        .shared_line("max_age = \"1h\"")
+        .start()
+        .await;
+    // A sweep lists the blob and the manifest folders.
+    let lists = "larder_shared_requests_total{op=\"list\",result=\"ok\"}";
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    while total(&cluster, lists).await < 2.0 {
+        assert!(tokio::time::Instant::now() < deadline, "nobody swept");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    // Every replica's first round runs at start: give the others a moment.
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    let each = each(&cluster, lists).await;
+    let sweeper = cluster.owner_of(larder::cache::shared::SWEEPER_KEY);
+    for (i, n) in each.iter().enumerate() {
+        let expected = if i == sweeper { 2.0 } else { 0.0 };
+        assert_eq!(*n, expected, "only the owner of the sweeper key lists the prefix: {each:?}");
+    }
+}

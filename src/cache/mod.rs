@@ -882,10 +882,7 @@ impl Cache {
                     Content::Manifest => Error::ManifestUnknown,
                 });
             }
-            let key = member_key(upstream.name(), repo, digest);
-            let (index, k) = (Arc::clone(&self.index), key.clone());
-            blocking(move || Ok(index.add_members(&[k], unix_ms(SystemTime::now()))?)).await?;
-            self.memory.insert_member(key);
+            self.remember_member(upstream.name(), repo, digest).await?;
         }
         Ok(())
     }
@@ -996,6 +993,41 @@ impl Cache {
                 Ok(None)
             }
         }
+    }
+
+    /// `HEAD` of a blob, which never starts a fill: its size when it is
+    /// cached (or being filled) for `repo`, else upstream's answer to one
+    /// `HEAD` (`None` inside: upstream sent no length). Upstream's yes is
+    /// remembered as a membership row. A peer's `HEAD` is the question
+    /// "does this repository have it" that the owner answers for the
+    /// cluster: a remembered yes answers it without upstream (and without
+    /// a length, which the asker does not need), so each repository costs
+    /// upstream one `HEAD` however many replicas ask.
+    pub async fn head_blob(
+        &self,
+        upstream: &Upstream,
+        repo: &RepoName,
+        digest: &Digest,
+        via: Via,
+    ) -> Result<(Option<u64>, CacheResult), Error> {
+        if let Some(size) = self.blob_size_via(upstream, repo, digest, via).await? {
+            return Ok((Some(size), CacheResult::Hit));
+        }
+        if matches!(via, Via::Peer { .. }) && self.local_member(upstream.name(), repo, digest).await? {
+            return Ok((None, CacheResult::Hit));
+        }
+        let size = upstream.head_blob(repo, digest).await?.ok_or(Error::BlobUnknown(*digest))?;
+        self.remember_member(upstream.name(), repo, digest).await?;
+        Ok((size, CacheResult::Miss))
+    }
+
+    /// Records that upstream confirmed `repo` has `digest`.
+    async fn remember_member(&self, upstream: &str, repo: &RepoName, digest: &Digest) -> Result<(), Error> {
+        let key = member_key(upstream, repo, digest);
+        let (index, k) = (Arc::clone(&self.index), key.clone());
+        blocking(move || Ok(index.add_members(&[k], unix_ms(SystemTime::now()))?)).await?;
+        self.memory.insert_member(key);
+        Ok(())
     }
 
     /// The size of a blob cached (or being filled) for `repo`, for `HEAD`,

@@ -32,7 +32,7 @@ use object_store::{
 };
 
 use crate::blocking::blocking;
-use crate::config::SharedConfig;
+use crate::config::{SharedConfig, SharedCredentials};
 use crate::metrics::metrics;
 use crate::oci::{Digest, Hasher, MAX_MANIFEST_SIZE, MediaType};
 
@@ -86,6 +86,8 @@ pub const BREAKER_MAX: Duration = Duration::from_secs(30);
 pub const ABORT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Deletions in flight at once during a `max_age` sweep.
 const SWEEP_DELETES_IN_FLIGHT: usize = 8;
+/// The key whose owner among the peers runs the `max_age` sweeper.
+pub const SWEEPER_KEY: &str = "larder/shared-sweeper";
 /// How often the `max_age` sweeper lists the prefix.
 pub const SWEEP_INTERVAL: Duration = Duration::from_secs(3600);
 
@@ -298,19 +300,27 @@ impl SharedStore {
             .with_read_timeout(READ_TIMEOUT)
             .with_timeout_disabled()
             .with_user_agent(http::HeaderValue::from_static(crate::USER_AGENT));
-        let mut builder = AmazonS3Builder::new()
-            .with_bucket_name(&config.bucket)
-            .with_region(&config.region)
-            .with_access_key_id(config.access_key_id.expose())
-            .with_secret_access_key(config.secret_access_key.expose())
-            .with_retry(RetryConfig {
+        let builder = match &config.credentials {
+            SharedCredentials::Static { access_key_id, secret_access_key, session_token } => {
+                let builder = AmazonS3Builder::new()
+                    .with_access_key_id(access_key_id.expose())
+                    .with_secret_access_key(secret_access_key.expose());
+                match session_token {
+                    Some(token) => builder.with_token(token.expose()),
+                    None => builder,
+                }
+            }
+            // The `AWS_*` environment: object_store picks web identity,
+            // container credentials or instance metadata from it, and
+            // fetches temporary credentials again before they expire.
+            SharedCredentials::Chain => AmazonS3Builder::from_env(),
+        };
+        let mut builder =
+            builder.with_bucket_name(&config.bucket).with_region(&config.region).with_retry(RetryConfig {
                 backoff: BackoffConfig { init_backoff: INIT_BACKOFF, max_backoff: MAX_BACKOFF, base: 2.0 },
                 max_retries: MAX_RETRIES,
                 retry_timeout: RETRY_TIMEOUT,
             });
-        if let Some(token) = &config.session_token {
-            builder = builder.with_token(token.expose());
-        }
         if let Some(endpoint) = &config.endpoint {
             // S3-compatible stores are addressed path-style (Garage needs a
             // root domain for virtual hosts); a plain-http endpoint must be
@@ -610,23 +620,39 @@ impl SharedStore {
     }
 
     /// Sweeps objects older than `max_age` now and every [`SWEEP_INTERVAL`]
-    /// until `shutdown`. Several replicas sweeping the same prefix is
-    /// harmless: deleting a deleted object succeeds.
+    /// until `shutdown`. With `peers`, only the replica that owns
+    /// [`SWEEPER_KEY`] among the live peers sweeps (once the member set is
+    /// known): listing a large prefix on every replica would cost the store
+    /// N times for nothing. If that replica goes, the next owner sweeps at
+    /// its next round.
     pub fn spawn_sweeper(
         self: &Arc<Self>,
         max_age: Duration,
+        peers: Option<Arc<crate::cluster::Peers>>,
         mut shutdown: crate::shutdown::Shutdown,
     ) -> tokio::task::JoinHandle<()> {
         let store = Arc::clone(self);
         tokio::spawn(async move {
-            loop {
-                let swept = tokio::select! {
+            if let Some(peers) = &peers {
+                tokio::select! {
                     _ = shutdown.changed() => return,
-                    swept = store.sweep(max_age) => swept,
-                };
-                match swept {
-                    Ok(s) => tracing::info!(listed = s.listed, deleted = s.deleted, ?max_age, "swept the shared tier"),
-                    Err(e) => tracing::warn!(error = %e, "sweeping the shared tier failed"),
+                    () = peers.settled() => {}
+                }
+            }
+            loop {
+                if peers.as_ref().is_none_or(|p| p.owns(SWEEPER_KEY)) {
+                    let swept = tokio::select! {
+                        _ = shutdown.changed() => return,
+                        swept = store.sweep(max_age) => swept,
+                    };
+                    match swept {
+                        Ok(s) => {
+                            tracing::info!(listed = s.listed, deleted = s.deleted, ?max_age, "swept the shared tier")
+                        }
+                        Err(e) => tracing::warn!(error = %e, "sweeping the shared tier failed"),
+                    }
+                } else {
+                    tracing::debug!("another replica sweeps the shared tier");
                 }
                 tokio::select! {
                     _ = shutdown.changed() => return,
@@ -748,9 +774,11 @@ mod tests {
             prefix: prefix.into(),
             endpoint: endpoint.map(str::to_owned),
             region: "garage".into(),
-            access_key_id: Secret::new("GK0000"),
-            secret_access_key: Secret::new("s3cret"),
-            session_token: None,
+            credentials: SharedCredentials::Static {
+                access_key_id: Secret::new("GK0000"),
+                secret_access_key: Secret::new("s3cret"),
+                session_token: None,
+            },
             max_age: None,
         }
     }

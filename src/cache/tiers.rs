@@ -116,16 +116,33 @@ impl Cache {
         let Some((store, _)) = &self.shared else {
             return Err(Unavailable::Next(Error::BlobUnknown(*digest)));
         };
-        let blob = match store.get_blob(digest, offset..).await {
-            Ok(Some(blob)) => blob,
-            Ok(None) => return Err(Unavailable::Next(Error::BlobUnknown(*digest))),
-            Err(e) => return Err(Unavailable::Next(Error::Storage(format!("shared tier: {e}")))),
+        let found = |got: Result<Option<super::shared::SharedBlob>, super::shared::SharedError>| match got {
+            Ok(Some(blob)) => Ok(blob),
+            Ok(None) => Err(Unavailable::Next(Error::BlobUnknown(*digest))),
+            Err(e) => Err(Unavailable::Next(Error::Storage(format!("shared tier: {e}")))),
         };
-        match self.confirm_member(upstream, repo, digest, Content::Blob, via).await {
-            Ok(()) => {}
-            Err(e) if e.is_repository_specific() => return Err(Unavailable::Final(e)),
-            Err(e) => return Err(Unavailable::Next(e)),
-        }
+        let member = |checked: Result<(), Error>| match checked {
+            Ok(()) => Ok(()),
+            Err(e) if e.is_repository_specific() => Err(Unavailable::Final(e)),
+            Err(e) => Err(Unavailable::Next(e)),
+        };
+        // The store's answer and the membership check run at once; no byte
+        // is read before both are in. A miss usually comes first (in
+        // milliseconds), and then the check is dropped unsent or half way.
+        let get = store.get_blob(digest, offset..);
+        let check = self.confirm_member(upstream, repo, digest, Content::Blob, via);
+        tokio::pin!(get, check);
+        let blob = tokio::select! {
+            got = &mut get => {
+                let blob = found(got)?;
+                member(check.await)?;
+                blob
+            }
+            checked = &mut check => {
+                member(checked)?;
+                found(get.await)?
+            }
+        };
         if blob.range.start != offset {
             let e = format!("shared tier answered from byte {} for {offset}", blob.range.start);
             return Err(Unavailable::Next(Error::Storage(e)));
@@ -429,6 +446,16 @@ impl Cache {
     }
 }
 
+/// When upstream last confirmed a tag, from an owner's
+/// [`TAG_CONFIRMED_HEADER`] (unix milliseconds): never later than `now`,
+/// so an owner whose clock runs ahead cannot keep a tag fresh past its
+/// TTL; `now` when the header is missing or unreadable.
+fn confirmed_at(header: Option<&str>, now: SystemTime) -> SystemTime {
+    let Some(ms) = header.and_then(|ms| ms.parse::<u64>().ok()) else { return now };
+    let Some(at) = UNIX_EPOCH.checked_add(Duration::from_millis(ms)) else { return now };
+    at.min(now)
+}
+
 /// A manifest as a peer sent it, checked like upstream's: its bytes hash to
 /// the digest asked for (or, for a tag, the one the peer named), and its
 /// JSON agrees with its `Content-Type`.
@@ -440,10 +467,7 @@ async fn read_manifest(
     let header = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
     let declared = header(CONTENT_TYPE.as_str()).as_deref().and_then(MediaType::parse);
     let named: Option<Digest> = header("docker-content-digest").and_then(|d| d.parse().ok());
-    let confirmed = header(TAG_CONFIRMED_HEADER)
-        .and_then(|ms| ms.parse::<u64>().ok())
-        .map(|ms| UNIX_EPOCH + Duration::from_millis(ms))
-        .unwrap_or_else(SystemTime::now);
+    let confirmed = confirmed_at(header(TAG_CONFIRMED_HEADER).as_deref(), SystemTime::now());
     let body = tokio::time::timeout(idle, Limited::new(resp.into_body(), MAX_MANIFEST_SIZE).collect())
         .await
         .map_err(|_| UpstreamError::Timeout("peer manifest body"))?
@@ -461,4 +485,22 @@ async fn read_manifest(
     }
     let (media_type, refs) = inspect_manifest(&bytes, declared).map_err(UpstreamError::Protocol)?;
     Ok((FetchedManifest { bytes, media_type, digest, refs }, confirmed))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_owners_tag_confirmation_is_never_later_than_now() {
+        let now = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let ms = |t: SystemTime| t.duration_since(UNIX_EPOCH).unwrap().as_millis().to_string();
+        let earlier = now - Duration::from_secs(30);
+        assert_eq!(confirmed_at(Some(&ms(earlier)), now), earlier, "as the owner said");
+        let ahead = now + Duration::from_secs(3600);
+        assert_eq!(confirmed_at(Some(&ms(ahead)), now), now, "a clock an hour ahead does not keep the tag fresh");
+        assert_eq!(confirmed_at(None, now), now);
+        assert_eq!(confirmed_at(Some("soon"), now), now);
+        assert_eq!(confirmed_at(Some(&u64::MAX.to_string()), now), now);
+    }
 }

@@ -47,6 +47,10 @@ pub const UNKNOWN_UPSTREAM_HEADER: &str = "larder-unknown-upstream";
 pub const PURGE_PATH: &str = "/larder/purge";
 /// Largest answer to a purge read from a peer (a few counts).
 const MAX_PURGE_ANSWER: usize = 64 << 10;
+/// Longest wait for a peer's error body (which carries its OCI code): a
+/// peer that sent error headers and then stalls costs the asker this
+/// much, then its answer counts as an error without a code.
+pub const PEER_ERROR_BODY_TIMEOUT: Duration = Duration::from_secs(2);
 /// Time to open a connection to a peer (TCP, and TLS for https peers).
 /// Peers are near: a peer that does not accept within this is taken for
 /// down, and the next source is tried.
@@ -245,7 +249,8 @@ impl PeerClient {
             return Err(PeerError::UnknownUpstream);
         }
         let retry_after = resp.headers().get("retry-after").and_then(|v| v.to_str().ok()).map(str::to_owned);
-        let body = Limited::new(resp.into_body(), MAX_ERROR_BODY).collect().await.ok();
+        let body = Limited::new(resp.into_body(), MAX_ERROR_BODY).collect();
+        let body = tokio::time::timeout(PEER_ERROR_BODY_TIMEOUT, body).await.ok().and_then(Result::ok);
         let code = body
             .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b.to_bytes()).ok())
             .and_then(|v| v["errors"][0]["code"].as_str().map(str::to_owned))

@@ -142,13 +142,7 @@ pub async fn blob(
 async fn blob_head(app: &App, route: &Route, digest: Digest) -> Result<(Response<Body>, CacheResult), Error> {
     // Upstream's HEAD may carry no length: then none is sent (a
     // `Content-Length: 0` would claim an empty blob).
-    let (size, result) = match app.cache.blob_size_via(&route.upstream, &route.repo, &digest, route.via).await? {
-        Some(size) => (Some(size), CacheResult::Hit),
-        None => (
-            route.upstream.head_blob(&route.repo, &digest).await?.ok_or(Error::BlobUnknown(digest))?,
-            CacheResult::Miss,
-        ),
-    };
+    let (size, result) = app.cache.head_blob(&route.upstream, &route.repo, &digest, route.via).await?;
     let mut builder = response(StatusCode::OK)
         .header(CONTENT_TYPE, OCTET_STREAM)
         .header(DOCKER_CONTENT_DIGEST, digest.header_value())

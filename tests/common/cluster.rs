@@ -121,6 +121,14 @@ impl ClusterBuilder {
         self
     }
 
+    /// A line for every replica's `[shared]` table (after [`Self::shared`]).
+    pub fn shared_line(mut self, line: &str) -> Self {
+        let (toml, _) = self.shared.as_mut().expect("call shared() first");
+        toml.push_str(line);
+        toml.push('\n');
+        self
+    }
+
     /// `https://` peers: every replica serves `[server.tls]` with `ca`'s
     /// leaf certificate (on 127.0.0.1) and verifies its peers with `ca`.
     pub fn https(mut self, ca: TestCa) -> Self {

@@ -28,6 +28,8 @@ struct State {
     stall_after: AtomicU64,
     /// Bytes per second a client may send past `stall_after` (0: none).
     slow_rate: AtomicU64,
+    /// While set, nothing goes from the server to the client.
+    hold: std::sync::atomic::AtomicBool,
     cuts: AtomicUsize,
 }
 
@@ -48,6 +50,7 @@ impl CutProxy {
             cut_after: AtomicU64::new(NEVER),
             stall_after: AtomicU64::new(NEVER),
             slow_rate: AtomicU64::new(0),
+            hold: std::sync::atomic::AtomicBool::new(false),
             cuts: AtomicUsize::new(0),
         });
         let accept = tokio::spawn(accept_loop(listener, Arc::clone(&state)));
@@ -80,8 +83,15 @@ impl CutProxy {
         self.state.stall_after.store(bytes, Ordering::SeqCst);
     }
 
+    /// Holds every answer (nothing goes from the server to the client)
+    /// until [`Self::heal`]: a store that is slow to answer.
+    pub fn hold_responses(&self) {
+        self.state.hold.store(true, Ordering::SeqCst);
+    }
+
     /// Relays everything again.
     pub fn heal(&self) {
+        self.state.hold.store(false, Ordering::SeqCst);
         self.state.slow_rate.store(0, Ordering::SeqCst);
         self.state.cut_after.store(NEVER, Ordering::SeqCst);
         self.state.stall_after.store(NEVER, Ordering::SeqCst);
@@ -151,6 +161,9 @@ async fn relay(client: TcpStream, state: Arc<State>) {
                 Ok(0) | Err(_) => break,
                 Ok(n) => n,
             };
+            while state.hold.load(Ordering::SeqCst) {
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
             let limit = state.cut_after.load(Ordering::SeqCst);
             let send = if relayed + n as u64 > limit { (limit.saturating_sub(relayed)) as usize } else { n };
             if client_write.write_all(&buf[..send]).await.is_err() {

@@ -272,9 +272,11 @@ impl Garage {
             prefix: prefix.to_owned(),
             endpoint: Some(self.endpoint()),
             region: REGION.to_owned(),
-            access_key_id: larder::config::Secret::new(self.access_key_id.clone()),
-            secret_access_key: larder::config::Secret::new(self.secret_access_key.clone()),
-            session_token: None,
+            credentials: larder::config::SharedCredentials::Static {
+                access_key_id: larder::config::Secret::new(self.access_key_id.clone()),
+                secret_access_key: larder::config::Secret::new(self.secret_access_key.clone()),
+                session_token: None,
+            },
             max_age: None,
         }
     }
