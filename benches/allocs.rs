@@ -78,7 +78,7 @@ fn main() {
     let chunks = (BLOB / CHUNK) as f64;
     let (a, b) = per_op(n.div_ceil(10), || {
         rt.block_on(async {
-            let mut body = read_body(Arc::clone(&file), None, 0, Some(BLOB as u64), None);
+            let mut body = read_body(Arc::clone(&file), None, 0, Some(BLOB as u64), larder::cache::Via::Client, None);
             while let Some(frame) = body.frame().await {
                 frame.expect("frame");
             }

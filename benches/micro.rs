@@ -147,7 +147,7 @@ fn follower_read(c: &mut Criterion) {
     group.bench_function("read_body_committed", |b| {
         b.to_async(&rt).iter(|| async {
             let file = Arc::new(std::fs::File::open(&path).expect("open"));
-            let mut body = read_body(file, None, 0, Some(BLOB as u64), None);
+            let mut body = read_body(file, None, 0, Some(BLOB as u64), larder::cache::Via::Client, None);
             let mut n = 0;
             while let Some(frame) = body.frame().await {
                 n += frame.expect("frame").into_data().map_or(0, |d| d.len());

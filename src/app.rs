@@ -71,7 +71,7 @@ pub async fn start(config: Config, shutdown: crate::shutdown::Shutdown) -> Resul
         None => None,
     };
     if let (Some(store), Some(max_age)) = (&shared, config.shared.as_ref().and_then(|c| c.max_age)) {
-        store.spawn_sweeper(max_age, shutdown.clone());
+        store.spawn_sweeper(max_age, peers.as_ref().map(|l| Arc::clone(&l.peers)), shutdown.clone());
     }
     let cache = Cache::open_with(config.cache.clone(), Tiers { shared, peers })
         .await

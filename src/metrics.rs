@@ -50,8 +50,13 @@ pub struct Metrics {
     pub cache_high_watermark: IntGauge,
     /// `shared_requests_total{op,result}`: requests to the shared object
     /// store; op `head|get|put|put_multipart|delete|list`, result
-    /// `ok|not_found|error`.
+    /// `ok|not_found|error|skipped` (`skipped`: a lookup not sent because
+    /// the store failed a moment ago, see `shared_down`).
     pub shared_requests: IntCounterVec,
+    /// `shared_down`: 1 while lookups skip the shared tier after it failed
+    /// (timed out, refused or errored), for a pause that grows while it
+    /// keeps failing; 0 once it answered again.
+    pub shared_down: IntGauge,
     /// `shared_bytes_total{direction}`: direction `download|upload`.
     pub shared_bytes: IntCounterVec,
     /// `shared_uploads_total{kind,result}`: background uploads; kind
@@ -70,17 +75,21 @@ pub struct Metrics {
     /// skipped (this replica counts as up).
     pub peers_up: IntGauge,
     pub peers_down: IntGauge,
-    /// `peers_marked_down_total`: times a peer failed and was skipped for a while.
+    /// `peers_marked_down_total`: times a peer could not be connected to
+    /// and was skipped for a while.
     pub peers_marked_down: IntCounter,
     /// `peer_requests_total{direction,kind,result}`: direction `out` (asked
-    /// an owner) or `in` (asked by a peer); kind `blob|manifest`; result
-    /// `ok|not_found|unreachable|error|refused` (`refused`: no or a wrong
-    /// cluster secret, or an upstream named by anything but its name).
+    /// an owner) or `in` (asked by a peer); kind `blob|manifest|purge`; result
+    /// `ok|not_found|unreachable|no_answer|error|refused` (`unreachable`:
+    /// no connection, the peer is marked down; `no_answer`: connected but
+    /// no response headers in time, not marked down; `refused`: no or a
+    /// wrong cluster secret, or an upstream named by anything but its name).
     pub peer_requests: IntCounterVec,
     /// `peer_bytes_total`: blob bytes received from owners.
     pub peer_bytes: IntCounter,
-    /// `shared_corrupt_total`: shared-tier blobs whose bytes failed the
-    /// digest check (the object is deleted and the blob fetched elsewhere).
+    /// `shared_corrupt_total`: shared-tier blobs whose size disagreed with
+    /// the manifest's (or upstream's) or whose bytes failed the digest
+    /// check (the object is deleted and the blob fetched elsewhere).
     pub shared_corrupt: IntCounter,
     /// `upstream_ratelimit_limit{upstream}`: the pull limit upstream last
     /// announced (Docker Hub's `ratelimit-limit`).
@@ -154,12 +163,15 @@ fn build() -> Result<Metrics, prometheus::Error> {
     )?;
     let pending_uploads =
         gauge("pending_uploads", "Verified blobs and manifests waiting for upload to the shared tier")?;
+    let shared_down = gauge("shared_down", "1 while lookups skip the shared tier after it failed")?;
     let peers_up = gauge("peers_up", "Cluster members currently answering (this replica included)")?;
     let peers_down = gauge("peers_down", "Cluster members skipped after a failed request")?;
     let peer_bytes = IntCounter::new("peer_bytes_total", "Blob bytes received from owners among the peers")?;
     registry.register(Box::new(peer_bytes.clone()))?;
-    let shared_corrupt =
-        IntCounter::new("shared_corrupt_total", "Shared-tier blobs whose bytes failed the digest check")?;
+    let shared_corrupt = IntCounter::new(
+        "shared_corrupt_total",
+        "Shared-tier blobs of the wrong size or whose bytes failed the digest check",
+    )?;
     registry.register(Box::new(shared_corrupt.clone()))?;
     let peers_marked_down =
         IntCounter::new("peers_marked_down_total", "Times a peer failed a request and was skipped for a while")?;
@@ -228,6 +240,7 @@ fn build() -> Result<Metrics, prometheus::Error> {
             &["kind", "result"],
         )?,
         pending_uploads,
+        shared_down,
         peers_up,
         peers_down,
         peers_marked_down,

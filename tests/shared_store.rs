@@ -54,8 +54,12 @@ async fn lookups_answer_again(store: &SharedStore, digest: &Digest, after: &str)
     eprintln!("measured: lookups answer again {:?} after {after} ({failed} failed first)", started.elapsed());
 }
 
+/// A client for `garage` without a breaker pause: these tests look at
+/// every request's own outcome (the breaker is unit-tested in
+/// `cache::shared`, and shown with replicas in tests/cluster_store.rs).
 fn shared_store(garage: &Garage, prefix: &str) -> Arc<SharedStore> {
-    Arc::new(SharedStore::new(&garage.shared_config(prefix)).unwrap())
+    let store = SharedStore::new(&garage.shared_config(prefix)).unwrap();
+    Arc::new(store.with_breaker(Duration::ZERO, Duration::ZERO))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

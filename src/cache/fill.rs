@@ -38,9 +38,12 @@ pub const READ_CHUNK: usize = 256 << 10;
 pub enum Progress {
     /// Waiting for upstream's response headers.
     Connecting,
-    /// Bytes `0..written` of the temp file are final; `size` is upstream's
-    /// `Content-Length` if it sent one.
-    Streaming { file: Arc<File>, size: Option<u64>, written: u64 },
+    /// Bytes `0..written` of the temp file are final; `size` is the
+    /// source's `Content-Length` if it sent one. Bytes from `vouched_from`
+    /// on came from upstream itself; those before it came from the shared
+    /// tier or a peer, and a client's range gets them only once the digest
+    /// matched ([`UNVOUCHED`]: none came from upstream yet).
+    Streaming { file: Arc<File>, size: Option<u64>, written: u64, vouched_from: u64 },
     /// Every byte is written and the digest matched; the commit (fsync,
     /// rename, index row) is under way. Readers may send the last byte,
     /// and one that has seen this reads on to its end whatever the commit
@@ -51,6 +54,10 @@ pub enum Progress {
     /// Nothing was committed; readers abort their responses.
     Failed(Error),
 }
+
+/// `vouched_from` of a fill whose bytes so far all came from the shared
+/// tier or a peer.
+pub const UNVOUCHED: u64 = u64::MAX;
 
 /// A fill in flight, and the repository it was started for: a failure
 /// that depends on the repository (upstream's 404 or 403 for it) is not
@@ -272,23 +279,40 @@ pub struct Bounds {
 /// A copy that stopped short.
 pub struct Interrupted {
     pub error: Error,
-    /// What was written and hashed so far, when the source failed (it
-    /// broke, stalled or ended early): another source can resume from
-    /// `writer.written()`. `None` when the failure was the fill's own (the
-    /// disk) or the source broke a bound, which no other source mends.
-    pub writer: Option<Writer>,
+    pub cause: Cause,
+}
+
+/// Whose fault an interruption was, and what can still be done.
+pub enum Cause {
+    /// The source broke, stalled or ended early: what was written and
+    /// hashed so far is in the writer, and another source can resume from
+    /// `writer.written()`.
+    Broke(Writer),
+    /// The source sent more than it declared or than is allowed: its bytes
+    /// cannot be trusted, and nothing it wrote is worth resuming.
+    Lied,
+    /// The fill's own failure (the disk): no other source mends it.
+    Local,
 }
 
 impl std::fmt::Debug for Interrupted {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let written = self.writer.as_ref().map(Writer::written);
-        f.debug_struct("Interrupted").field("error", &self.error).field("written", &written).finish()
+        let cause = match &self.cause {
+            Cause::Broke(w) => format!("broke after {} bytes", w.written()),
+            Cause::Lied => "lied".to_owned(),
+            Cause::Local => "local".to_owned(),
+        };
+        f.debug_struct("Interrupted").field("error", &self.error).field("cause", &cause).finish()
     }
 }
 
 impl Interrupted {
-    fn fatal(error: Error) -> Interrupted {
-        Interrupted { error, writer: None }
+    fn local(error: Error) -> Interrupted {
+        Interrupted { error, cause: Cause::Local }
+    }
+
+    fn lied(error: Error) -> Interrupted {
+        Interrupted { error, cause: Cause::Lied }
     }
 }
 
@@ -296,8 +320,8 @@ impl Interrupted {
 /// resume with once its write in flight (if any) has landed.
 async fn resumable(error: Error, slot: Slot) -> Interrupted {
     match slot.settle().await {
-        Ok(writer) => Interrupted { error, writer: Some(writer) },
-        Err(write_error) => Interrupted::fatal(write_error),
+        Ok(writer) => Interrupted { error, cause: Cause::Broke(writer) },
+        Err(write_error) => Interrupted::local(write_error),
     }
 }
 
@@ -348,10 +372,10 @@ pub async fn copy_body(
                     Step::Wrote(done) => {
                         let writer = match done {
                             Ok(Ok(writer)) => writer,
-                            Ok(Err(e)) => return Err(Interrupted::fatal(e)),
+                            Ok(Err(e)) => return Err(Interrupted::local(e)),
                             Err(e) => {
                                 let e = Error::Internal(format!("fill write task failed: {e}"));
-                                return Err(Interrupted::fatal(e));
+                                return Err(Interrupted::local(e));
                             }
                         };
                         publish(writer.written());
@@ -365,20 +389,20 @@ pub async fn copy_body(
             skip -= dropped;
             chunk = chunk.slice(dropped as usize..);
         }
-        let writer = slot.settle().await.map_err(Interrupted::fatal)?;
+        let writer = slot.settle().await.map_err(Interrupted::local)?;
         publish(writer.written());
         slot = if chunk.is_empty() {
             Slot::Idle(writer)
         } else {
             if declared.is_some_and(|d| writer.written() + chunk.len() as u64 > d) {
                 let e = UpstreamError::Protocol("blob body is longer than its Content-Length".into());
-                return Err(Interrupted::fatal(e.into()));
+                return Err(Interrupted::lied(e.into()));
             }
             if writer.written() + chunk.len() as u64 > limit {
                 let e = UpstreamError::Protocol(format!(
                     "blob body is longer than the {limit} bytes allowed (its manifest's size, or cache.max_blob_size)"
                 ));
-                return Err(Interrupted::fatal(e.into()));
+                return Err(Interrupted::lied(e.into()));
             }
             if let Some(received) = received {
                 received.inc_by(chunk.len() as u64);
@@ -389,12 +413,12 @@ pub async fn copy_body(
             break;
         }
     }
-    let writer = slot.settle().await.map_err(Interrupted::fatal)?;
+    let writer = slot.settle().await.map_err(Interrupted::local)?;
     publish(writer.written());
     if let Some(d) = declared.filter(|d| *d != writer.written()) {
         let got = writer.written();
         let e = UpstreamError::Protocol(format!("blob body ended after {got} of {d} bytes"));
-        return Err(Interrupted { error: e.into(), writer: Some(writer) });
+        return Err(Interrupted { error: e.into(), cause: Cause::Broke(writer) });
     }
     Ok(writer)
 }
@@ -436,16 +460,37 @@ async fn next_chunk(body: &mut Body, idle: Duration) -> Result<(Bytes, bool), Er
 /// client's connection. With a `sink` (a cleartext HTTP/1 connection),
 /// ranges already in the page cache are sent from the file with sendfile
 /// instead of being read here (see [`crate::sendfile`]).
+///
+/// `via` says who reads. A client's range (one that starts after byte 0
+/// or ends before the blob does) gets bytes of a fill in flight before
+/// the digest matched only if they came from upstream itself, no worse
+/// than a direct pull: bytes from the shared tier or a peer wait for the
+/// digest, because a range that ends cleanly is taken as correct. A read
+/// of the whole blob streams at once either way, its final byte held back
+/// until the digest matched. A peer's read streams at once too: the peer
+/// hashes every byte itself.
 pub fn read_body(
     file: Arc<File>,
     progress: Option<watch::Receiver<Progress>>,
     start: u64,
     end: Option<u64>,
+    via: super::Via,
     sink: Option<FileSink>,
 ) -> Body {
     let source = if progress.is_some() { "fill" } else { "disk" };
     let served = crate::metrics::metrics().bytes_served.with_label_values(&[source]);
-    let state = Reader { file, progress, offset: start, end, served, buffers: super::pread::Buffers::default(), sink };
+    let state = Reader {
+        file,
+        progress,
+        start,
+        offset: start,
+        end,
+        first_total: None,
+        client: via == super::Via::Client,
+        served,
+        buffers: super::pread::Buffers::default(),
+        sink,
+    };
     let stream = futures_util::stream::try_unfold(state, |mut reader| async move {
         match reader.next().await? {
             Some(bytes) => Ok(Some((Frame::data(bytes), reader))),
@@ -458,32 +503,73 @@ pub fn read_body(
 struct Reader {
     file: Arc<File>,
     progress: Option<watch::Receiver<Progress>>,
+    start: u64,
     offset: u64,
     end: Option<u64>,
+    /// The blob's size as the fill first told it: the response promised it.
+    first_total: Option<u64>,
+    /// A client's read (see [`read_body`]), not a peer's.
+    client: bool,
     served: prometheus::IntCounter,
     buffers: super::pread::Buffers,
     sink: Option<FileSink>,
 }
 
+/// What a fill in flight offers a reader now.
+struct Offer {
+    available: u64,
+    total: Option<u64>,
+    verified: bool,
+    vouched_from: u64,
+}
+
 impl Reader {
+    /// What the fill offers now. A fill that started over in a new temp
+    /// file (its first source's bytes failed the digest) is followed there
+    /// by a reader that has sent nothing yet; one that already sent bytes
+    /// of the bad attempt, or that promised another size, is aborted.
+    fn offer(&mut self) -> Result<Offer, crate::body::BoxError> {
+        let Some(rx) = &mut self.progress else {
+            let end = self.end.unwrap_or(0);
+            return Ok(Offer { available: end, total: self.end, verified: true, vouched_from: 0 });
+        };
+        let (file, offer) = match &*rx.borrow_and_update() {
+            Progress::Connecting => (None, Offer { available: 0, total: None, verified: false, vouched_from: 0 }),
+            Progress::Streaming { file, written, size, vouched_from } => {
+                let offer = Offer { available: *written, total: *size, verified: false, vouched_from: *vouched_from };
+                (Some(Arc::clone(file)), offer)
+            }
+            Progress::Verified { file, size } | Progress::Complete { file, size } => (
+                Some(Arc::clone(file)),
+                Offer { available: *size, total: Some(*size), verified: true, vouched_from: 0 },
+            ),
+            Progress::Failed(e) => return Err(Box::new(e.clone())),
+        };
+        if let Some(file) = file.filter(|f| !Arc::ptr_eq(f, &self.file)) {
+            if self.offset > self.start {
+                return Err("the fill started over after its source failed verification".into());
+            }
+            self.file = file;
+        }
+        match (self.first_total, offer.total) {
+            (Some(a), Some(b)) if a != b => return Err(format!("the blob's size changed from {a} to {b}").into()),
+            (None, Some(b)) => self.first_total = Some(b),
+            _ => {}
+        }
+        Ok(offer)
+    }
+
     /// The next chunk, `None` at the end of the range. While the fill is
     /// not verified, a range that reaches the blob's end is held back by
     /// its final byte: an HTTP/1 client that got all `Content-Length`
     /// bytes would take the blob as complete even if the connection is
     /// then aborted, so the last byte goes out only after the digest
     /// matched. It does not wait for the commit's fsyncs (see
-    /// [`Progress::Verified`]).
+    /// [`Progress::Verified`]). A client's partial range waits for the
+    /// digest before bytes not vouched for by upstream (see [`read_body`]).
     async fn next(&mut self) -> Result<Option<Bytes>, crate::body::BoxError> {
         loop {
-            let (available, total, verified) = match &mut self.progress {
-                None => (self.end.unwrap_or(0), self.end, true),
-                Some(rx) => match &*rx.borrow_and_update() {
-                    Progress::Connecting => (0, None, false),
-                    Progress::Streaming { written, size, .. } => (*written, *size, false),
-                    Progress::Verified { size, .. } | Progress::Complete { size, .. } => (*size, Some(*size), true),
-                    Progress::Failed(e) => return Err(Box::new(e.clone())),
-                },
-            };
+            let Offer { available, total, verified, vouched_from } = self.offer()?;
             if verified && self.progress.is_some() {
                 // The bytes are final: a commit that fails from here on
                 // (the disk, the index) does not make them wrong, so the
@@ -500,6 +586,10 @@ impl Reader {
             let mut limit = end.map_or(available, |e| e.min(available));
             if !verified && reaches_blob_end && total.is_some_and(|t| limit >= t) {
                 limit = limit.saturating_sub(1);
+            }
+            let partial = self.start > 0 || !reaches_blob_end;
+            if !verified && self.client && partial && self.offset < vouched_from {
+                limit = self.offset;
             }
             if self.offset < limit {
                 // With a sink, a chunk wholly in the page cache goes by
@@ -535,6 +625,7 @@ impl Reader {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cache::Via;
     use http_body_util::BodyExt;
 
     /// A fill in progress over a temp file: the test plays the fill's part.
@@ -545,12 +636,27 @@ mod tests {
     }
 
     impl FakeFill {
+        /// A fill from upstream.
         fn new(size: u64) -> (FakeFill, watch::Receiver<Progress>) {
+            FakeFill::vouched_from(size, 0)
+        }
+
+        /// A fill whose bytes before `vouched_from` come from the shared
+        /// tier or a peer.
+        fn vouched_from(size: u64, vouched_from: u64) -> (FakeFill, watch::Receiver<Progress>) {
             let temp = tempfile::NamedTempFile::new().unwrap();
             let file = Arc::new(temp.as_file().try_clone().unwrap());
-            let (tx, rx) =
-                watch::channel(Progress::Streaming { file: Arc::clone(&file), size: Some(size), written: 0 });
+            let progress = Progress::Streaming { file: Arc::clone(&file), size: Some(size), written: 0, vouched_from };
+            let (tx, rx) = watch::channel(progress);
             (FakeFill { temp, file, tx }, rx)
+        }
+
+        /// Starts over in a new temp file (the first source failed the digest).
+        fn start_over(&mut self, size: u64) {
+            self.temp = tempfile::NamedTempFile::new().unwrap();
+            self.file = Arc::new(self.temp.as_file().try_clone().unwrap());
+            let file = Arc::clone(&self.file);
+            self.tx.send_replace(Progress::Streaming { file, size: Some(size), written: 0, vouched_from: 0 });
         }
 
         fn write(&mut self, bytes: &[u8]) {
@@ -573,7 +679,7 @@ mod tests {
     #[tokio::test]
     async fn the_last_byte_waits_for_verification() {
         let (mut fill, rx) = FakeFill::new(10);
-        let mut body = read_body(Arc::clone(&fill.file), Some(rx), 0, Some(10), None);
+        let mut body = read_body(Arc::clone(&fill.file), Some(rx), 0, Some(10), Via::Client, None);
         fill.write(b"0123456789");
         assert_eq!(next_frame(&mut body).await.unwrap().unwrap(), "012345678");
         assert!(next_frame(&mut body).await.is_none(), "the final byte must wait for the digest");
@@ -586,7 +692,7 @@ mod tests {
     async fn a_reader_that_saw_the_digest_match_finishes_even_if_the_commit_then_fails() {
         let size = 2 * READ_CHUNK as u64 + 10;
         let (mut fill, rx) = FakeFill::new(size);
-        let mut body = read_body(Arc::clone(&fill.file), Some(rx), 0, None, None);
+        let mut body = read_body(Arc::clone(&fill.file), Some(rx), 0, None, Via::Client, None);
         fill.write(&vec![b'x'; size as usize]);
         let mut got = next_frame(&mut body).await.unwrap().unwrap().len() as u64;
         fill.tx.send_replace(Progress::Verified { file: Arc::clone(&fill.file), size });
@@ -601,17 +707,66 @@ mod tests {
     #[tokio::test]
     async fn a_range_before_the_end_needs_no_verification() {
         let (mut fill, rx) = FakeFill::new(10);
-        let mut body = read_body(Arc::clone(&fill.file), Some(rx), 2, Some(5), None);
+        let mut body = read_body(Arc::clone(&fill.file), Some(rx), 2, Some(5), Via::Client, None);
         fill.write(b"0123456789");
         assert_eq!(next_frame(&mut body).await.unwrap().unwrap(), "234");
         assert!(body.frame().await.is_none());
     }
 
     #[tokio::test]
+    async fn a_client_range_gets_bytes_from_the_shared_tier_or_a_peer_only_once_the_digest_matched() {
+        let (mut fill, rx) = FakeFill::vouched_from(10, UNVOUCHED);
+        let mut range = read_body(Arc::clone(&fill.file), Some(rx.clone()), 2, Some(5), Via::Client, None);
+        let mut resume = read_body(Arc::clone(&fill.file), Some(rx.clone()), 4, Some(10), Via::Client, None);
+        let mut whole = read_body(Arc::clone(&fill.file), Some(rx.clone()), 0, Some(10), Via::Client, None);
+        let mut peer =
+            read_body(Arc::clone(&fill.file), Some(rx), 2, Some(5), Via::Peer { shared_missed: false }, None);
+        fill.write(b"0123456789");
+        assert!(next_frame(&mut range).await.is_none(), "a range ends cleanly: it must not get unverified bytes");
+        assert!(next_frame(&mut resume).await.is_none(), "nor a resume from a byte after the first");
+        assert_eq!(next_frame(&mut whole).await.unwrap().unwrap(), "012345678", "the whole blob streams");
+        assert_eq!(next_frame(&mut peer).await.unwrap().unwrap(), "234", "a peer hashes them itself");
+        fill.tx.send_replace(Progress::Verified { file: Arc::clone(&fill.file), size: 10 });
+        assert_eq!(next_frame(&mut range).await.unwrap().unwrap(), "234");
+        assert!(range.frame().await.is_none());
+        assert_eq!(next_frame(&mut resume).await.unwrap().unwrap(), "456789");
+    }
+
+    #[tokio::test]
+    async fn a_client_range_gets_what_upstream_sent_after_a_resume_at_once() {
+        // Bytes 0..4 came from the shared tier, 4.. from upstream.
+        let (mut fill, rx) = FakeFill::vouched_from(10, 4);
+        let mut before = read_body(Arc::clone(&fill.file), Some(rx.clone()), 2, Some(6), Via::Client, None);
+        let mut after = read_body(Arc::clone(&fill.file), Some(rx.clone()), 5, Some(8), Via::Client, None);
+        fill.write(b"0123456789");
+        assert_eq!(next_frame(&mut after).await.unwrap().unwrap(), "567");
+        assert!(after.frame().await.is_none());
+        assert!(next_frame(&mut before).await.is_none(), "its first bytes are not vouched for");
+        fill.tx.send_replace(Progress::Complete { file: Arc::clone(&fill.file), size: 10 });
+        assert_eq!(next_frame(&mut before).await.unwrap().unwrap(), "2345");
+    }
+
+    #[tokio::test]
+    async fn a_fill_that_starts_over_keeps_the_readers_that_sent_nothing_and_aborts_the_others() {
+        let (mut fill, rx) = FakeFill::vouched_from(10, UNVOUCHED);
+        let mut streamed = read_body(Arc::clone(&fill.file), Some(rx.clone()), 0, Some(10), Via::Client, None);
+        let mut waiting = read_body(Arc::clone(&fill.file), Some(rx), 3, Some(6), Via::Client, None);
+        fill.write(b"XXXXXXXXXX");
+        assert_eq!(next_frame(&mut streamed).await.unwrap().unwrap(), "XXXXXXXXX");
+        assert!(next_frame(&mut waiting).await.is_none());
+        fill.start_over(10);
+        fill.write(b"0123456789");
+        fill.tx.send_replace(Progress::Verified { file: Arc::clone(&fill.file), size: 10 });
+        assert!(next_frame(&mut streamed).await.unwrap().is_err(), "it sent bytes of the bad attempt");
+        assert_eq!(next_frame(&mut waiting).await.unwrap().unwrap(), "345", "it reads the new file");
+        assert!(waiting.frame().await.is_none());
+    }
+
+    #[tokio::test]
     async fn a_failed_fill_aborts_every_reader() {
         let (mut fill, rx) = FakeFill::new(10);
-        let mut first = read_body(Arc::clone(&fill.file), Some(rx.clone()), 0, None, None);
-        let mut second = read_body(Arc::clone(&fill.file), Some(rx), 0, Some(10), None);
+        let mut first = read_body(Arc::clone(&fill.file), Some(rx.clone()), 0, None, Via::Client, None);
+        let mut second = read_body(Arc::clone(&fill.file), Some(rx), 0, Some(10), Via::Client, None);
         fill.write(b"01234");
         assert_eq!(next_frame(&mut first).await.unwrap().unwrap(), "01234");
         fill.tx.send_replace(Progress::Failed(Error::Internal("digest mismatch".into())));
@@ -623,7 +778,7 @@ mod tests {
     async fn readers_start_mid_fill_and_follow_it() {
         let (mut fill, rx) = FakeFill::new(6);
         fill.write(b"abc");
-        let mut late = read_body(Arc::clone(&fill.file), Some(rx), 0, None, None);
+        let mut late = read_body(Arc::clone(&fill.file), Some(rx), 0, None, Via::Client, None);
         assert_eq!(next_frame(&mut late).await.unwrap().unwrap(), "abc");
         assert!(next_frame(&mut late).await.is_none(), "waits for more bytes");
         fill.write(b"def");
@@ -652,7 +807,7 @@ mod tests {
     #[tokio::test]
     async fn a_fill_whose_sender_vanishes_is_an_error_not_a_hang() {
         let (mut fill, rx) = FakeFill::new(10);
-        let mut body = read_body(Arc::clone(&fill.file), Some(rx), 0, None, None);
+        let mut body = read_body(Arc::clone(&fill.file), Some(rx), 0, None, Via::Client, None);
         fill.write(b"01");
         assert_eq!(next_frame(&mut body).await.unwrap().unwrap(), "01");
         drop(fill);

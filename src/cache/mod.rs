@@ -59,7 +59,7 @@ use crate::oci::{Digest, Reference, RepoName, Tag, tag_list};
 use crate::upstream::{FetchedManifest, Listing, Opened, Page, Upstream, content_length};
 use disk::Store;
 use evict::{Evictor, Limits};
-use fill::{Attach, Fills, Progress, Writer};
+use fill::{Attach, Cause, Fills, Progress, Writer};
 use index::{Entry, Index, Kind};
 use memory::{Memory, TagEntry};
 use shared::SharedStore;
@@ -95,6 +95,17 @@ impl CacheResult {
     }
 }
 
+/// What a purge removed here and, with peers, on each other replica.
+#[derive(Debug, serde::Serialize)]
+pub struct ClusterPurged {
+    /// This replica's counts, at the top level (as without peers).
+    #[serde(flatten)]
+    pub here: Purged,
+    /// One entry per other member of the cluster; absent without peers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<Vec<crate::cluster::purge::ReplicaPurge>>,
+}
+
 /// What a purge removed.
 #[derive(Debug, Default, serde::Serialize, PartialEq, Eq)]
 pub struct Purged {
@@ -128,6 +139,11 @@ pub struct Cache {
     shared: Option<(Arc<SharedStore>, Uploads)>,
     /// The other replicas (`[cluster]`).
     peers: Option<PeerLink>,
+    /// Recent purges: the index prefix purged and when, newest last (at
+    /// most [`MAX_PURGE_BARRIERS`]). A tag mapping a peer confirmed before
+    /// a purge of its repository is not taken from it (see
+    /// [`Cache::purged_after`]).
+    purges: std::sync::Mutex<std::collections::VecDeque<(String, SystemTime)>>,
 }
 
 /// The tiers beyond this replica's own memory and disk: both optional,
@@ -147,7 +163,11 @@ pub struct Tiers {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Via {
     Client,
-    Peer,
+    /// `shared_missed`: the peer looked in the shared tier for this blob
+    /// already, so a fill started for it does not look again.
+    Peer {
+        shared_missed: bool,
+    },
 }
 
 /// The key whose owner fetches a digest (blob or manifest) for the cluster.
@@ -172,6 +192,16 @@ const FOREIGN_FILL_RETRIES: usize = 3;
 /// blobs 3.45 s on one thread, 2.36 s on 8 (benches/scale.rs); more
 /// threads gained little (cold, 648 µs per unlink on 1, 375 on 4, 285 on 64).
 const UNLINK_TASKS: usize = 8;
+/// Times a fill starts over in a new temp file because bytes from the
+/// shared tier or a peer failed the digest (or a size bound). Two: a
+/// corrupt shared object can reach a fill twice, read directly and through
+/// the owner (which streams it before it could know); a third failure can
+/// only be upstream's, whose answer is final.
+const MAX_START_OVERS: usize = 2;
+/// Purges remembered as barriers against older tag mappings from peers.
+/// Past this, the oldest is forgotten: a replica down through that many
+/// purges may hand out a mapping the oldest one removed, until its TTL.
+const MAX_PURGE_BARRIERS: usize = 1024;
 /// How often a graceful stop checks whether the fills in flight have ended.
 const FILLS_POLL: Duration = Duration::from_millis(10);
 /// How often access times collected on the request path are written to the index.
@@ -226,6 +256,27 @@ fn paginate_tags(page: Page, repo: &RepoName, query: Option<&str>) -> Page {
     Page { body: Bytes::from(paginated.body), link, ..page }
 }
 
+/// The blob a fill wants, and for whom.
+#[derive(Clone, Copy)]
+struct Want<'a> {
+    upstream: &'a Upstream,
+    repo: &'a RepoName,
+    digest: &'a Digest,
+    via: Via,
+}
+
+/// What the sources of a fill wrote so far: resumed by the next source
+/// when one breaks off.
+struct Partial {
+    writer: Writer,
+    /// The temp file's handle readers use.
+    file: Arc<File>,
+    /// The blob's size as the sources so far declared it.
+    declared: Option<u64>,
+    /// The sources whose bytes are in the file, in order.
+    used: Vec<Source>,
+}
+
 /// What a membership check confirms upstream, if it must.
 #[derive(Clone, Copy)]
 enum Content {
@@ -274,6 +325,7 @@ impl Cache {
             manifest_fetches: SingleFlight::default(),
             revalidations: SingleFlight::default(),
             listing_fetches: SingleFlight::default(),
+            purges: std::sync::Mutex::default(),
         }))
     }
 
@@ -377,6 +429,13 @@ impl Cache {
     /// that cannot be unlinked is logged and the others are still removed;
     /// the next start-up adopts it or removes it.
     async fn forget_removed(&self, removed: &[Entry]) {
+        // An upload of a removed blob is given up: it would hold the
+        // file (and its disk space) open until done.
+        if let Some((_, uploads)) = &self.shared {
+            for e in removed.iter().filter(|e| e.kind == Kind::Blob) {
+                uploads.cancel_blob(e.digest).await;
+            }
+        }
         for e in removed {
             match e.kind {
                 Kind::Blob => self.memory.remove_blob_size(&e.digest),
@@ -448,6 +507,13 @@ impl Cache {
             Some(repo) => format!("{upstream}\0{repo}\0"),
             None => format!("{upstream}\0"),
         };
+        {
+            let mut purges = self.purges.lock().unwrap_or_else(|p| p.into_inner());
+            if purges.len() >= MAX_PURGE_BARRIERS {
+                purges.pop_front();
+            }
+            purges.push_back((prefix.clone(), SystemTime::now()));
+        }
         let index = Arc::clone(&self.index);
         let rows = blocking(move || Ok(index.purge(&prefix)?)).await?;
         self.memory.forget_tags_and_members();
@@ -455,6 +521,37 @@ impl Cache {
         let bytes = rows.content.iter().map(|e| e.size).sum();
         let blobs = rows.content.iter().filter(|e| e.kind == Kind::Blob).count();
         Ok(Purged { tags: rows.tags, members: rows.members, blobs, manifests: rows.content.len() - blobs, bytes })
+    }
+
+    /// [`Cache::purge`] here, then on every other replica of the cluster
+    /// (see [`crate::cluster::purge`]): the purge takes effect everywhere,
+    /// and what each replica did is listed.
+    pub async fn purge_everywhere(&self, upstream: &str, repo: Option<&RepoName>) -> Result<ClusterPurged, Error> {
+        let here = self.purge(upstream, repo).await?;
+        let replicas = match &self.peers {
+            Some(link) => {
+                let query = {
+                    let mut query = form_urlencoded::Serializer::new(String::new());
+                    query.append_pair("upstream", upstream);
+                    if let Some(repo) = repo {
+                        query.append_pair("repo", repo.as_str());
+                    }
+                    query.finish()
+                };
+                Some(crate::cluster::purge::everywhere(link, &query).await)
+            }
+            None => None,
+        };
+        Ok(ClusterPurged { here, replicas })
+    }
+
+    /// Whether `upstream`'s `repo` was purged here after `confirmed`: a
+    /// tag mapping a peer confirmed then is from before the purge (the
+    /// peer was not purged yet, or was down), and is not taken.
+    fn purged_after(&self, upstream: &str, repo: &RepoName, confirmed: SystemTime) -> bool {
+        let key = format!("{upstream}\0{repo}\0");
+        let purges = self.purges.lock().unwrap_or_else(|p| p.into_inner());
+        purges.iter().any(|(prefix, at)| key.starts_with(prefix.as_str()) && confirmed < *at)
     }
 
     /// Readiness: the index answers a read and the temp folder takes a file.
@@ -785,10 +882,7 @@ impl Cache {
                     Content::Manifest => Error::ManifestUnknown,
                 });
             }
-            let key = member_key(upstream.name(), repo, digest);
-            let (index, k) = (Arc::clone(&self.index), key.clone());
-            blocking(move || Ok(index.add_members(&[k], unix_ms(SystemTime::now()))?)).await?;
-            self.memory.insert_member(key);
+            self.remember_member(upstream.name(), repo, digest).await?;
         }
         Ok(())
     }
@@ -899,6 +993,41 @@ impl Cache {
                 Ok(None)
             }
         }
+    }
+
+    /// `HEAD` of a blob, which never starts a fill: its size when it is
+    /// cached (or being filled) for `repo`, else upstream's answer to one
+    /// `HEAD` (`None` inside: upstream sent no length). Upstream's yes is
+    /// remembered as a membership row. A peer's `HEAD` is the question
+    /// "does this repository have it" that the owner answers for the
+    /// cluster: a remembered yes answers it without upstream (and without
+    /// a length, which the asker does not need), so each repository costs
+    /// upstream one `HEAD` however many replicas ask.
+    pub async fn head_blob(
+        &self,
+        upstream: &Upstream,
+        repo: &RepoName,
+        digest: &Digest,
+        via: Via,
+    ) -> Result<(Option<u64>, CacheResult), Error> {
+        if let Some(size) = self.blob_size_via(upstream, repo, digest, via).await? {
+            return Ok((Some(size), CacheResult::Hit));
+        }
+        if matches!(via, Via::Peer { .. }) && self.local_member(upstream.name(), repo, digest).await? {
+            return Ok((None, CacheResult::Hit));
+        }
+        let size = upstream.head_blob(repo, digest).await?.ok_or(Error::BlobUnknown(*digest))?;
+        self.remember_member(upstream.name(), repo, digest).await?;
+        Ok((size, CacheResult::Miss))
+    }
+
+    /// Records that upstream confirmed `repo` has `digest`.
+    async fn remember_member(&self, upstream: &str, repo: &RepoName, digest: &Digest) -> Result<(), Error> {
+        let key = member_key(upstream, repo, digest);
+        let (index, k) = (Arc::clone(&self.index), key.clone());
+        blocking(move || Ok(index.add_members(&[k], unix_ms(SystemTime::now()))?)).await?;
+        self.memory.insert_member(key);
+        Ok(())
     }
 
     /// The size of a blob cached (or being filled) for `repo`, for `HEAD`,
@@ -1042,34 +1171,45 @@ impl Cache {
         self.memory.declared_size(&member_key(upstream, repo, digest)).unwrap_or(self.config.max_blob_size)
     }
 
-    /// The sources of a fill, in the order they are tried: the shared
-    /// tier, the digest's owner among the peers (not for a peer's request:
-    /// one hop), upstream.
+    /// The sources of a fill, in the order they are tried: the shared tier
+    /// (unless a peer asking this replica already missed there), then for
+    /// a client's request the digest's live owner among the peers and the
+    /// replicas ranked after it, up to this one, then upstream.
+    ///
+    /// The replicas after the owner are for an owner that dies (or cannot
+    /// be reached): every replica ranks them the same way, so every asker
+    /// goes to the same runner-up, which itself goes upstream (it comes
+    /// right before this replica in its own list). An owner lost mid-fill
+    /// thus costs upstream one more GET (the runner-up's resume) whatever
+    /// the number of replicas, not one per asker. A peer's request is
+    /// never passed on (one hop).
     fn fill_sources(&self, digest: &Digest, via: Via) -> Vec<Source> {
         let mut sources = Vec::with_capacity(3);
-        if self.shared.is_some() {
+        if self.shared.is_some() && via != (Via::Peer { shared_missed: true }) {
             sources.push(Source::Shared);
         }
-        if let Some(owner) = self.owner_elsewhere(&digest_owner_key(digest), via) {
-            sources.push(Source::Peer(owner));
+        if let Some(link) = self.peers.as_ref().filter(|_| via == Via::Client) {
+            let ranked = link.peers.candidates(&digest_owner_key(digest));
+            let before_me = ranked.into_iter().take_while(|p| !link.peers.is_me(p));
+            sources.extend(before_me.map(Source::Peer));
         }
         sources.push(Source::Upstream);
         sources
     }
 
-    /// Opens `source` for `digest` from byte `offset`.
+    /// Opens `source` for the blob `want` names from byte `offset`;
+    /// `shared_missed`: the shared tier was tried before.
     async fn open_source(
         &self,
         source: Source,
-        upstream: &Upstream,
-        repo: &RepoName,
-        digest: &Digest,
+        want: Want<'_>,
         offset: u64,
-        via: Via,
+        shared_missed: bool,
     ) -> Result<SourceBody, Unavailable> {
+        let Want { upstream, repo, digest, via } = want;
         match source {
             Source::Shared => self.open_shared(upstream, repo, digest, offset, via).await,
-            Source::Peer(owner) => self.open_peer(owner, upstream, repo, digest, offset).await,
+            Source::Peer(peer) => self.open_peer(peer, upstream, repo, digest, offset, shared_missed).await,
             Source::Upstream => {
                 let opened =
                     upstream.get_blob_from(repo, digest, offset).await.map_err(|e| Unavailable::Final(e.into()))?;
@@ -1103,8 +1243,20 @@ impl Cache {
     }
 
     /// Streams one blob into a temp file from the first source that has
-    /// it (resuming from the next source when one breaks off), verifies
-    /// size and digest, and commits it: fsync, rename, then the index row.
+    /// it, verifies size and digest, and commits it: fsync, rename, then
+    /// the index row.
+    ///
+    /// Sources are tried in order ([`Cache::fill_sources`]); one that
+    /// breaks off mid-body is resumed from the byte reached by the next,
+    /// with the running hash kept. Upstream's word is final, but the shared
+    /// tier's and a peer's are checked before a byte of theirs is kept: one
+    /// whose size disagrees with the manifest's (or with the sources before
+    /// it), or that sends more than it declared, is skipped, and a shared
+    /// object of the wrong size is deleted and counted. A blob that then
+    /// fails its digest with such bytes in it deletes the shared object
+    /// and starts over (at most [`MAX_START_OVERS`] times), in a new temp
+    /// file, from the sources not yet tried (or upstream again): readers
+    /// that sent nothing yet follow it there, the others are aborted.
     async fn fill(
         &self,
         upstream: &Upstream,
@@ -1114,18 +1266,18 @@ impl Cache {
         tx: &watch::Sender<Progress>,
     ) -> Result<(Arc<File>, u64), Error> {
         let limit = self.fill_limit(upstream.name(), repo, &digest);
-        let sources = self.fill_sources(&digest, via);
-        // Which sources gave bytes: a digest mismatch with shared-tier bytes
-        // in it condemns the shared object; bytes from anywhere else are
-        // uploaded to the shared tier once verified.
-        let mut used: Vec<Source> = Vec::new();
-        // What earlier sources wrote: the writer, the temp file's handle
-        // readers use, and the size they declared.
-        let mut resumed: Option<(Writer, Arc<File>, Option<u64>)> = None;
+        let expected = self.memory.declared_size(&member_key(upstream.name(), repo, &digest));
+        let mut sources: std::collections::VecDeque<Source> = self.fill_sources(&digest, via).into();
+        let mut partial: Option<Partial> = None;
+        let mut start_overs = 0;
         let mut last_error = None;
-        for (n, source) in sources.iter().cloned().enumerate() {
-            let offset = resumed.as_ref().map_or(0, |(w, ..)| w.written());
-            let opened = match self.open_source(source.clone(), upstream, repo, &digest, offset, via).await {
+        let mut shared_missed = via == (Via::Peer { shared_missed: true });
+        while let Some(source) = sources.pop_front() {
+            let offset = partial.as_ref().map_or(0, |p| p.writer.written());
+            let want = Want { upstream, repo, digest: &digest, via };
+            let opened = self.open_source(source.clone(), want, offset, shared_missed).await;
+            shared_missed |= source == Source::Shared;
+            let opened = match opened {
                 Ok(opened) => opened,
                 Err(Unavailable::Final(e)) => return Err(e),
                 Err(Unavailable::Next(e)) => {
@@ -1133,54 +1285,119 @@ impl Cache {
                     last_error = Some(e);
                     continue;
                 }
+                Err(Unavailable::Relayed(e)) => {
+                    sources.retain(|s| !matches!(s, Source::Peer(_)));
+                    last_error = Some(e);
+                    continue;
+                }
             };
             let SourceBody { body, total, skip, permit, received, idle } = opened;
+            let known = partial.as_ref().and_then(|p| p.declared);
             if let Some(len) = total.filter(|len| *len > limit) {
-                return Err(UpstreamError::Protocol(format!(
+                let e = UpstreamError::Protocol(format!(
                     "blob {digest} is {len} bytes, more than the {limit} allowed (its manifest's size, or \
                      cache.max_blob_size)"
-                ))
-                .into());
-            }
-            let (writer, file, declared) = match resumed.take() {
-                Some((writer, file, known)) => {
-                    if let (Some(a), Some(b)) = (known, total) {
-                        if a != b {
-                            let e = format!("sources disagree on the size of {digest}: {a} and {b}");
-                            return Err(UpstreamError::Protocol(e).into());
-                        }
-                    }
-                    (writer, file, known.or(total))
+                ));
+                if source.vouched() {
+                    return Err(e.into());
                 }
+                self.refuse_source(&source, digest, &format!("declares {len} bytes, more than the {limit} allowed"));
+                last_error = Some(e.into());
+                continue;
+            }
+            let contradicts = |size: Option<u64>| matches!((size, total), (Some(a), Some(b)) if a != b);
+            if !source.vouched() && (contradicts(expected) || contradicts(known)) {
+                let why = format!(
+                    "declares {total:?} bytes where the manifest or an earlier source says {:?}",
+                    expected.or(known)
+                );
+                self.refuse_source(&source, digest, &why);
+                last_error = Some(UpstreamError::Protocol(format!("{} {why}", source.name())).into());
+                continue;
+            }
+            if contradicts(known) {
+                // Upstream contradicts the sources before it: they were wrong.
+                let p = partial.take().expect("an earlier source declared a size");
+                tracing::warn!(%digest, before = ?known, upstream = ?total, "upstream's size differs from what earlier sources sent; starting over");
+                if p.used.contains(&Source::Shared) {
+                    self.condemn_shared_blob(digest, "its size differs from upstream's");
+                }
+                start_overs += 1;
+            }
+            let Partial { writer, file, declared, mut used } = match partial.take() {
+                Some(p) => p,
                 None => {
                     let store = self.store.clone();
                     let temp = blocking(move || Ok(store.create_temp()?)).await?;
                     let file = Arc::new(temp.as_file().try_clone()?);
-                    tx.send_replace(Progress::Streaming { file: Arc::clone(&file), size: total, written: 0 });
-                    (Writer::new(temp), file, total)
+                    let progress = Progress::Streaming {
+                        file: Arc::clone(&file),
+                        size: total,
+                        written: 0,
+                        vouched_from: fill::UNVOUCHED,
+                    };
+                    tx.send_replace(progress);
+                    Partial { writer: Writer::new(temp), file, declared: total, used: Vec::new() }
                 }
             };
-            let bounds = fill::Bounds { declared, limit, idle };
+            let declared = declared.or(total);
+            let vouched = source.vouched();
+            tx.send_modify(|p| {
+                if let Progress::Streaming { size, vouched_from, .. } = p {
+                    *size = declared;
+                    *vouched_from = match (vouched, *vouched_from) {
+                        (false, _) => fill::UNVOUCHED,
+                        (true, fill::UNVOUCHED) => offset,
+                        (true, from) => from,
+                    };
+                }
+            });
             used.push(source.clone());
+            let bounds = fill::Bounds { declared, limit, idle };
             match fill::copy_body(body, writer, skip, bounds, tx, received.as_ref()).await {
                 Ok(writer) => {
                     drop(permit);
-                    let (temp, size) = self.verify_fill(writer, digest, &used)?;
-                    // Readers send the last byte now; the commit's fsyncs
-                    // (134 ms for 256 MiB on the project's disk, more on a
-                    // slow volume) are no longer on a client's path. A
-                    // client that has the blob may thus find it uncached
-                    // after a crash right after: it is fetched again, and
-                    // nothing committed is lost. A graceful stop waits for
-                    // the commit (`Cache::finish_fills`).
-                    tx.send_replace(Progress::Verified { file: Arc::clone(&file), size });
-                    self.commit_fill(temp, size, upstream, repo, digest, &used).await?;
-                    return Ok((file, size));
+                    let (temp, actual, size) = writer.finish();
+                    if actual == digest {
+                        // Readers send the last byte now; the commit's fsyncs
+                        // (134 ms for 256 MiB on the project's disk, more on a
+                        // slow volume) are no longer on a client's path. A
+                        // client that has the blob may thus find it uncached
+                        // after a crash right after: it is fetched again, and
+                        // nothing committed is lost. A graceful stop waits for
+                        // the commit (`Cache::finish_fills`).
+                        tx.send_replace(Progress::Verified { file: Arc::clone(&file), size });
+                        self.commit_fill(temp, size, upstream, repo, digest, &used).await?;
+                        return Ok((file, size));
+                    }
+                    metrics().digest_mismatch.inc();
+                    let e: Error =
+                        UpstreamError::DigestMismatch { expected: digest, actual: actual.to_string() }.into();
+                    if used.contains(&Source::Shared) {
+                        self.condemn_shared_blob(digest, "its bytes failed the digest check");
+                    }
+                    if used.iter().all(Source::vouched) || start_overs >= MAX_START_OVERS {
+                        return Err(e);
+                    }
+                    tracing::warn!(%digest, sources = ?used, "bytes from the shared tier or a peer failed the digest; starting over");
+                    start_overs += 1;
+                    if sources.is_empty() {
+                        sources.push_back(Source::Upstream);
+                    }
+                    last_error = Some(e);
                 }
-                Err(fill::Interrupted { error, writer: Some(writer) }) if n + 1 < sources.len() => {
+                Err(fill::Interrupted { error, cause: Cause::Broke(writer) }) if !sources.is_empty() => {
                     tracing::warn!(%digest, source = source.name(), written = writer.written(), error = %error,
                         "source broke off; resuming from the next");
-                    resumed = Some((writer, file, declared));
+                    partial = Some(Partial { writer, file, declared, used });
+                }
+                Err(fill::Interrupted { error, cause: Cause::Lied }) if !vouched && start_overs < MAX_START_OVERS => {
+                    self.refuse_source(&source, digest, &error.to_string());
+                    start_overs += 1;
+                    if sources.is_empty() {
+                        sources.push_back(Source::Upstream);
+                    }
+                    last_error = Some(error);
                 }
                 Err(fill::Interrupted { error, .. }) => return Err(error),
             }
@@ -1188,18 +1405,16 @@ impl Cache {
         Err(last_error.unwrap_or_else(|| Error::Internal(format!("no source could serve {digest}"))))
     }
 
-    /// Checks a fully written blob against its digest: the temp file and
-    /// the size if it matches.
-    fn verify_fill(&self, writer: Writer, digest: Digest, used: &[Source]) -> Result<(NamedTempFile, u64), Error> {
-        let (temp, actual, size) = writer.finish();
-        if actual != digest {
-            metrics().digest_mismatch.inc();
-            if used.contains(&Source::Shared) {
-                self.condemn_shared_blob(digest);
+    /// Skips a source other than upstream that sent what the blob cannot be:
+    /// a shared object is deleted and counted, a peer's answer logged.
+    fn refuse_source(&self, source: &Source, digest: Digest, why: &str) {
+        match source {
+            Source::Shared => self.condemn_shared_blob(digest, why),
+            Source::Peer(peer) => {
+                tracing::warn!(%digest, %peer, why, "refusing the peer's bytes; trying the next source")
             }
-            return Err(UpstreamError::DigestMismatch { expected: digest, actual: actual.to_string() }.into());
+            Source::Upstream => {}
         }
-        Ok((temp, size))
     }
 
     /// Commits a verified blob: fsync, rename, then the index row.
@@ -1225,9 +1440,12 @@ impl Cache {
         }
         // Membership was proven on the way: upstream served it for `repo`,
         // the owner checked for it, or it was confirmed before the shared
-        // tier's bytes were read. Bytes that did not all come from the
-        // shared tier go there now, in the background.
-        if used.iter().any(|s| *s != Source::Shared) {
+        // tier's bytes were read. Only the replica that got bytes from
+        // upstream uploads, in the background: a replica that read the
+        // blob from its owner leaves it to the owner (whose upload queue
+        // survives restarts), so the store is written once, not once per
+        // replica that streamed it.
+        if used.contains(&Source::Upstream) {
             self.share_blob(digest).await;
         }
         Ok(())
@@ -1238,6 +1456,21 @@ impl Cache {
 mod tests {
     use super::member_key;
     use crate::oci::Digest;
+
+    #[tokio::test]
+    async fn a_tag_mapping_confirmed_before_a_purge_of_its_repository_is_not_taken_from_a_peer() {
+        let (_dir, cache) = super::test_cache::temporary().await;
+        let (app, other) = ("team/app".parse().unwrap(), "team/other".parse().unwrap());
+        let before = std::time::SystemTime::now() - std::time::Duration::from_secs(1);
+        assert!(!cache.purged_after("hub", &app, before), "nothing purged yet");
+        cache.purge("hub", Some(&app)).await.unwrap();
+        assert!(cache.purged_after("hub", &app, before), "older than the purge");
+        assert!(!cache.purged_after("hub", &app, std::time::SystemTime::now()), "confirmed since");
+        assert!(!cache.purged_after("hub", &other, before), "another repository");
+        assert!(!cache.purged_after("mirror", &app, before), "another upstream");
+        cache.purge("hub", None).await.unwrap();
+        assert!(cache.purged_after("hub", &other, before), "a whole upstream's purge covers its repositories");
+    }
 
     #[test]
     fn a_member_key_is_upstream_repository_and_hex_apart_by_nul_and_exactly_as_long() {

@@ -24,15 +24,15 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::{Bytes, BytesMut};
 use futures_util::stream::{BoxStream, StreamExt, TryStreamExt};
-use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::aws::AmazonS3Builder;
 use object_store::path::Path as ObjectPath;
 use object_store::{
-    Attribute, Attributes, BackoffConfig, ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt,
-    PutMultipartOptions, PutOptions, PutPayload, RetryConfig, WriteMultipart,
+    Attribute, Attributes, BackoffConfig, ClientOptions, GetOptions, GetRange, MultipartUpload, ObjectStore,
+    ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, RetryConfig,
 };
 
 use crate::blocking::blocking;
-use crate::config::SharedConfig;
+use crate::config::{SharedConfig, SharedCredentials};
 use crate::metrics::metrics;
 use crate::oci::{Digest, Hasher, MAX_MANIFEST_SIZE, MediaType};
 
@@ -71,10 +71,40 @@ pub const MAX_PARTS: u64 = 10_000;
 /// Parts of one upload in flight at once; memory per upload is about
 /// (this + 1) x the part size.
 pub const PARTS_IN_FLIGHT: usize = 2;
+/// How long lookups skip the store after one timed out or failed: the
+/// first pause, doubled per failure in a row up to [`BREAKER_MAX`]. A
+/// dead store then costs one [`LOOKUP_TIMEOUT`] per pause, not one per
+/// miss (and a client's retries do not multiply it); the first lookup
+/// after a pause tries the store again, and one that answers closes the
+/// breaker.
+pub const BREAKER_MIN: Duration = Duration::from_secs(1);
+/// Longest pause of lookups while the store keeps failing: how late a
+/// store that came back is used again at worst.
+pub const BREAKER_MAX: Duration = Duration::from_secs(30);
+/// Longest wait for the store to abort a multipart upload that failed or
+/// was given up; past it the parts are left to the bucket's lifecycle rule.
+pub const ABORT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Deletions in flight at once during a `max_age` sweep.
 const SWEEP_DELETES_IN_FLIGHT: usize = 8;
+/// The key whose owner among the peers runs the `max_age` sweeper.
+pub const SWEEPER_KEY: &str = "larder/shared-sweeper";
 /// How often the `max_age` sweeper lists the prefix.
 pub const SWEEP_INTERVAL: Duration = Duration::from_secs(3600);
+
+/// How a cancellable upload ended without the object in the store.
+#[derive(Debug)]
+pub enum PutFailed<C> {
+    /// The store, or the local file, failed.
+    Store(SharedError),
+    /// Given up because the stop future resolved (with this).
+    Stopped(C),
+}
+
+impl<C> From<SharedError> for PutFailed<C> {
+    fn from(e: SharedError) -> Self {
+        PutFailed::Store(e)
+    }
+}
 
 /// How talking to the shared store failed. Any of these means "not from
 /// the shared tier this time": the caller moves on to a peer or upstream.
@@ -152,11 +182,71 @@ pub struct Swept {
     pub deleted: u64,
 }
 
+/// Skips lookups for a growing pause after they fail (see [`BREAKER_MIN`]).
+struct Breaker {
+    min: Duration,
+    max: Duration,
+    // A std Mutex: held for a read or an update, never across `.await`.
+    state: std::sync::Mutex<BreakerState>,
+}
+
+#[derive(Default)]
+struct BreakerState {
+    /// Lookups skip the store until then.
+    open_until: Option<tokio::time::Instant>,
+    /// Failures in a row.
+    failures: u32,
+}
+
+impl Breaker {
+    fn new(min: Duration, max: Duration) -> Breaker {
+        Breaker { min, max, state: std::sync::Mutex::default() }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BreakerState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether lookups skip the store now.
+    fn is_open(&self) -> bool {
+        self.lock().open_until.is_some_and(|until| tokio::time::Instant::now() < until)
+    }
+
+    /// A lookup failed: skip the store for the next pause.
+    fn failed(&self) {
+        let pause = {
+            let mut state = self.lock();
+            state.failures = state.failures.saturating_add(1);
+            let doublings = state.failures.saturating_sub(1).min(16);
+            let pause = self.min.saturating_mul(1 << doublings).min(self.max);
+            state.open_until = Some(tokio::time::Instant::now() + pause);
+            pause
+        };
+        metrics().shared_down.set(1);
+        tracing::warn!(skip_for = ?pause, "shared tier failing; lookups skip it for a while");
+    }
+
+    /// A lookup was answered (found or not): the store works.
+    fn answered(&self) {
+        let was_failing = {
+            let mut state = self.lock();
+            let was = state.failures > 0;
+            *state = BreakerState::default();
+            was
+        };
+        if was_failing {
+            metrics().shared_down.set(0);
+            tracing::info!("shared tier answers again");
+        }
+    }
+}
+
 /// The shared store client; cheap to share behind an `Arc`.
 pub struct SharedStore {
-    store: Arc<AmazonS3>,
+    store: Arc<dyn ObjectStore>,
     /// See [`LOOKUP_TIMEOUT`].
     lookup_timeout: Duration,
+    breaker: Breaker,
     bucket: String,
     /// `""` or `"a/b/"`: prepended to every key.
     prefix: String,
@@ -210,19 +300,27 @@ impl SharedStore {
             .with_read_timeout(READ_TIMEOUT)
             .with_timeout_disabled()
             .with_user_agent(http::HeaderValue::from_static(crate::USER_AGENT));
-        let mut builder = AmazonS3Builder::new()
-            .with_bucket_name(&config.bucket)
-            .with_region(&config.region)
-            .with_access_key_id(config.access_key_id.expose())
-            .with_secret_access_key(config.secret_access_key.expose())
-            .with_retry(RetryConfig {
+        let builder = match &config.credentials {
+            SharedCredentials::Static { access_key_id, secret_access_key, session_token } => {
+                let builder = AmazonS3Builder::new()
+                    .with_access_key_id(access_key_id.expose())
+                    .with_secret_access_key(secret_access_key.expose());
+                match session_token {
+                    Some(token) => builder.with_token(token.expose()),
+                    None => builder,
+                }
+            }
+            // The `AWS_*` environment: object_store picks web identity,
+            // container credentials or instance metadata from it, and
+            // fetches temporary credentials again before they expire.
+            SharedCredentials::Chain => AmazonS3Builder::from_env(),
+        };
+        let mut builder =
+            builder.with_bucket_name(&config.bucket).with_region(&config.region).with_retry(RetryConfig {
                 backoff: BackoffConfig { init_backoff: INIT_BACKOFF, max_backoff: MAX_BACKOFF, base: 2.0 },
                 max_retries: MAX_RETRIES,
                 retry_timeout: RETRY_TIMEOUT,
             });
-        if let Some(token) = &config.session_token {
-            builder = builder.with_token(token.expose());
-        }
         if let Some(endpoint) = &config.endpoint {
             // S3-compatible stores are addressed path-style (Garage needs a
             // root domain for virtual hosts); a plain-http endpoint must be
@@ -231,13 +329,20 @@ impl SharedStore {
             builder = builder.with_endpoint(endpoint).with_virtual_hosted_style_request(false);
         }
         let store = builder.with_client_options(options).build().map_err(|e| SharedError::Config(e.to_string()))?;
-        let prefix = if config.prefix.is_empty() { String::new() } else { format!("{}/", config.prefix) };
-        Ok(SharedStore {
-            store: Arc::new(store),
+        Ok(SharedStore::from_object_store(Arc::new(store), &config.bucket, &config.prefix))
+    }
+
+    /// A client over any object store (`object_store`'s in-memory one in
+    /// tests), keys under `prefix` (`""`, or `a/b` without a trailing `/`).
+    pub fn from_object_store(store: Arc<dyn ObjectStore>, bucket: &str, prefix: &str) -> SharedStore {
+        let prefix = if prefix.is_empty() { String::new() } else { format!("{prefix}/") };
+        SharedStore {
+            store,
             lookup_timeout: LOOKUP_TIMEOUT,
-            bucket: config.bucket.clone(),
+            breaker: Breaker::new(BREAKER_MIN, BREAKER_MAX),
+            bucket: bucket.to_owned(),
             prefix,
-        })
+        }
     }
 
     /// Replaces [`LOOKUP_TIMEOUT`] for this client.
@@ -246,15 +351,39 @@ impl SharedStore {
         self
     }
 
-    /// Runs a lookup with the lookup deadline.
+    /// Replaces [`BREAKER_MIN`] and [`BREAKER_MAX`] for this client.
+    pub fn with_breaker(mut self, min: Duration, max: Duration) -> SharedStore {
+        self.breaker = Breaker::new(min, max);
+        self
+    }
+
+    /// Whether lookups skip the store now, after it failed (see [`BREAKER_MIN`]).
+    pub fn is_down(&self) -> bool {
+        self.breaker.is_open()
+    }
+
+    /// Runs a lookup with the lookup deadline, unless the breaker is open:
+    /// then it fails at once without a request. A timeout or an error
+    /// other than "not found" opens the breaker; an answer closes it.
     async fn lookup<T>(
         &self,
+        op: &str,
         request: impl std::future::Future<Output = Result<T, object_store::Error>>,
     ) -> Result<Option<T>, SharedError> {
-        match tokio::time::timeout(self.lookup_timeout, request).await {
+        if self.breaker.is_open() {
+            metrics().shared_requests.with_label_values(&[op, "skipped"]).inc();
+            return Err(SharedError::Store("skipped: the store failed a moment ago".into()));
+        }
+        let result = match tokio::time::timeout(self.lookup_timeout, request).await {
             Ok(result) => found(result),
             Err(_) => Err(SharedError::Store(format!("no answer within {:?}", self.lookup_timeout))),
+        };
+        match &result {
+            Ok(_) => self.breaker.answered(),
+            Err(_) => self.breaker.failed(),
         }
+        count(op, &result);
+        result
     }
 
     pub fn bucket(&self) -> &str {
@@ -272,9 +401,7 @@ impl SharedStore {
 
     /// The size of the object for `digest`, or `None` if there is none.
     pub async fn head(&self, kind: ObjectKind, digest: &Digest) -> Result<Option<u64>, SharedError> {
-        let result = self.lookup(self.store.head(&self.path(kind, digest))).await.map(|m| m.map(|m| m.size));
-        count("head", &result);
-        result
+        self.lookup("head", self.store.head(&self.path(kind, digest))).await.map(|m| m.map(|m| m.size))
     }
 
     /// Streams the blob `digest`, or the part of it in `range` (`..` for
@@ -287,8 +414,7 @@ impl SharedStore {
     ) -> Result<Option<SharedBlob>, SharedError> {
         let range = get_range(range)?;
         let options = GetOptions { range, ..GetOptions::default() };
-        let result = self.lookup(self.store.get_opts(&self.path(ObjectKind::Blob, digest), options)).await;
-        count("get", &result);
+        let result = self.lookup("get", self.store.get_opts(&self.path(ObjectKind::Blob, digest), options)).await;
         let Some(got) = result? else { return Ok(None) };
         let (size, range) = (got.meta.size, got.range.clone());
         let downloaded = metrics().shared_bytes.with_label_values(&["download"]);
@@ -310,6 +436,28 @@ impl SharedStore {
     /// is aborted before it completes, so no wrong object ever appears).
     /// Returns the bytes uploaded.
     pub async fn put_blob_file(&self, digest: &Digest, path: &Path) -> Result<u64, SharedError> {
+        match self.put_blob_file_until(digest, path, std::future::pending::<()>()).await {
+            Ok(size) => Ok(size),
+            Err(PutFailed::Store(e)) => Err(e),
+            Err(PutFailed::Stopped(())) => unreachable!("a pending future never resolves"),
+        }
+    }
+
+    /// [`SharedStore::put_blob_file`], given up when `stop` resolves first
+    /// (a deadline, a shutdown, the blob's removal): the file is closed at
+    /// once and a multipart upload is aborted (within [`ABORT_TIMEOUT`]),
+    /// as it is after any failure, so no parts are left in the bucket.
+    /// Only a stop that lands while the store is creating the upload (one
+    /// short request) cannot abort it, since its id is not known yet: the
+    /// bucket's `AbortIncompleteMultipartUpload` rule cleans that one, as
+    /// it does after a crash.
+    pub async fn put_blob_file_until<C>(
+        &self,
+        digest: &Digest,
+        path: &Path,
+        stop: impl std::future::Future<Output = C>,
+    ) -> Result<u64, PutFailed<C>> {
+        tokio::pin!(stop);
         let local = |detail: String| SharedError::Local { path: path.display().to_string(), detail };
         let file_path = path.to_owned();
         let (file, size) = blocking(move || {
@@ -324,59 +472,54 @@ impl SharedStore {
         if size <= SINGLE_PUT_MAX {
             let (bytes, hasher) =
                 read_chunk(Arc::clone(&file), 0, size as usize, Hasher::default()).await.map_err(local)?;
+            drop(file);
             verify(digest, hasher, "local file", path)?;
             let options = PutOptions { attributes, ..PutOptions::default() };
-            let result = self.store.put_opts(&location, PutPayload::from(bytes), options).await;
+            let result = tokio::select! {
+                result = self.store.put_opts(&location, PutPayload::from(bytes), options) => result,
+                stopped = &mut stop => return Err(PutFailed::Stopped(stopped)),
+            };
             written("put", result).map_err(|e| self.log_failure("put", digest, e))?;
         } else {
             let options = PutMultipartOptions { attributes, ..PutMultipartOptions::default() };
-            let result = match self.store.put_multipart_opts(&location, options).await {
-                Ok(upload) => self.stream_parts(digest, path, file, size, upload).await,
-                Err(e) => Err(store_err(e)),
+            let created = tokio::select! {
+                created = self.store.put_multipart_opts(&location, options) => created,
+                stopped = &mut stop => return Err(PutFailed::Stopped(stopped)),
+            };
+            let mut upload = match created {
+                Ok(upload) => upload,
+                Err(e) => {
+                    metrics().shared_requests.with_label_values(&["put_multipart", "error"]).inc();
+                    return Err(PutFailed::Store(self.log_failure("put_multipart", digest, store_err(e))));
+                }
+            };
+            let result = tokio::select! {
+                result = stream_parts(&mut *upload, digest, path, file, size) => result.map_err(PutFailed::Store),
+                stopped = &mut stop => Err(PutFailed::Stopped(stopped)),
             };
             let label = if result.is_ok() { "ok" } else { "error" };
             metrics().shared_requests.with_label_values(&["put_multipart", label]).inc();
-            result.map_err(|e| self.log_failure("put_multipart", digest, e))?;
+            if let Err(failed) = &result {
+                if let PutFailed::Store(e) = failed {
+                    tracing::debug!(%digest, error = %e, "multipart upload failed; aborting it");
+                }
+                let aborted = match tokio::time::timeout(ABORT_TIMEOUT, upload.abort()).await {
+                    Ok(Ok(())) => "ok",
+                    Ok(Err(e)) => {
+                        tracing::warn!(%digest, error = %e, "aborting a multipart upload failed; the bucket's lifecycle rule will");
+                        "error"
+                    }
+                    Err(_) => {
+                        tracing::warn!(%digest, "aborting a multipart upload timed out; the bucket's lifecycle rule will");
+                        "error"
+                    }
+                };
+                metrics().shared_requests.with_label_values(&["abort_multipart", aborted]).inc();
+            }
+            result?;
         }
         metrics().shared_bytes.with_label_values(&["upload"]).inc_by(size);
         Ok(size)
-    }
-
-    async fn stream_parts(
-        &self,
-        digest: &Digest,
-        path: &Path,
-        file: Arc<std::fs::File>,
-        size: u64,
-        upload: Box<dyn object_store::MultipartUpload>,
-    ) -> Result<(), SharedError> {
-        let part = part_size(size);
-        let mut writer = WriteMultipart::new_with_chunk_size(upload, part as usize);
-        let mut hasher = Hasher::default();
-        let mut offset = 0;
-        while offset < size {
-            let len = part.min(size - offset);
-            let read = read_chunk(Arc::clone(&file), offset, len as usize, hasher).await;
-            let (bytes, next) = match read {
-                Ok(read) => read,
-                Err(detail) => {
-                    let _ = writer.abort().await;
-                    return Err(SharedError::Local { path: path.display().to_string(), detail });
-                }
-            };
-            hasher = next;
-            if let Err(e) = writer.wait_for_capacity(PARTS_IN_FLIGHT).await {
-                let _ = writer.abort().await;
-                return Err(store_err(e));
-            }
-            writer.put(bytes);
-            offset += len;
-        }
-        if let Err(e) = verify(digest, hasher, "local file", path) {
-            let _ = writer.abort().await;
-            return Err(e);
-        }
-        writer.finish().await.map(|_| ()).map_err(store_err)
     }
 
     fn log_failure(&self, op: &str, digest: &Digest, e: SharedError) -> SharedError {
@@ -415,8 +558,7 @@ impl SharedStore {
             let content_type = got.attributes.get(&Attribute::ContentType).map(|v| v.as_ref().to_owned());
             Ok(Ok((content_type, got.bytes().await?)))
         };
-        let result = self.lookup(read).await;
-        count("get", &result);
+        let result = self.lookup("get", read).await;
         let (content_type, bytes) = match result? {
             None => return Ok(None),
             Some(Err(size)) => return Err(SharedError::Corrupt { what: what(), detail: format!("{size} bytes") }),
@@ -478,23 +620,39 @@ impl SharedStore {
     }
 
     /// Sweeps objects older than `max_age` now and every [`SWEEP_INTERVAL`]
-    /// until `shutdown`. Several replicas sweeping the same prefix is
-    /// harmless: deleting a deleted object succeeds.
+    /// until `shutdown`. With `peers`, only the replica that owns
+    /// [`SWEEPER_KEY`] among the live peers sweeps (once the member set is
+    /// known): listing a large prefix on every replica would cost the store
+    /// N times for nothing. If that replica goes, the next owner sweeps at
+    /// its next round.
     pub fn spawn_sweeper(
         self: &Arc<Self>,
         max_age: Duration,
+        peers: Option<Arc<crate::cluster::Peers>>,
         mut shutdown: crate::shutdown::Shutdown,
     ) -> tokio::task::JoinHandle<()> {
         let store = Arc::clone(self);
         tokio::spawn(async move {
-            loop {
-                let swept = tokio::select! {
+            if let Some(peers) = &peers {
+                tokio::select! {
                     _ = shutdown.changed() => return,
-                    swept = store.sweep(max_age) => swept,
-                };
-                match swept {
-                    Ok(s) => tracing::info!(listed = s.listed, deleted = s.deleted, ?max_age, "swept the shared tier"),
-                    Err(e) => tracing::warn!(error = %e, "sweeping the shared tier failed"),
+                    () = peers.settled() => {}
+                }
+            }
+            loop {
+                if peers.as_ref().is_none_or(|p| p.owns(SWEEPER_KEY)) {
+                    let swept = tokio::select! {
+                        _ = shutdown.changed() => return,
+                        swept = store.sweep(max_age) => swept,
+                    };
+                    match swept {
+                        Ok(s) => {
+                            tracing::info!(listed = s.listed, deleted = s.deleted, ?max_age, "swept the shared tier")
+                        }
+                        Err(e) => tracing::warn!(error = %e, "sweeping the shared tier failed"),
+                    }
+                } else {
+                    tracing::debug!("another replica sweeps the shared tier");
                 }
                 tokio::select! {
                     _ = shutdown.changed() => return,
@@ -505,10 +663,47 @@ impl SharedStore {
     }
 }
 
-async fn delete_counted(store: &AmazonS3, path: &ObjectPath) -> Result<(), SharedError> {
+async fn delete_counted(store: &dyn ObjectStore, path: &ObjectPath) -> Result<(), SharedError> {
     let result = found(store.delete(path).await);
     count("delete", &result);
     result.map(|_| ())
+}
+
+/// Sends the file's parts, at most [`PARTS_IN_FLIGHT`] at once, hashing
+/// them as they are read, and completes the upload if the file matched
+/// `digest`. The caller aborts the upload when this fails or is dropped.
+async fn stream_parts(
+    upload: &mut dyn MultipartUpload,
+    digest: &Digest,
+    path: &Path,
+    file: Arc<std::fs::File>,
+    size: u64,
+) -> Result<(), SharedError> {
+    let part = part_size(size);
+    let mut in_flight: futures_util::stream::FuturesUnordered<object_store::UploadPart> =
+        futures_util::stream::FuturesUnordered::new();
+    let mut hasher = Hasher::default();
+    let mut offset = 0;
+    while offset < size {
+        while in_flight.len() >= PARTS_IN_FLIGHT {
+            if let Some(done) = in_flight.next().await {
+                done.map_err(store_err)?;
+            }
+        }
+        let len = part.min(size - offset);
+        let (bytes, next) = read_chunk(Arc::clone(&file), offset, len as usize, hasher)
+            .await
+            .map_err(|detail| SharedError::Local { path: path.display().to_string(), detail })?;
+        hasher = next;
+        in_flight.push(upload.put_part(PutPayload::from(bytes)));
+        offset += len;
+    }
+    drop(file);
+    while let Some(done) = in_flight.next().await {
+        done.map_err(store_err)?;
+    }
+    verify(digest, hasher, "local file", path)?;
+    upload.complete().await.map(|_| ()).map_err(store_err)
 }
 
 /// `..` → whole object, `n..` → from `n`, `a..b` → bytes `a` to `b - 1`.
@@ -579,9 +774,11 @@ mod tests {
             prefix: prefix.into(),
             endpoint: endpoint.map(str::to_owned),
             region: "garage".into(),
-            access_key_id: Secret::new("GK0000"),
-            secret_access_key: Secret::new("s3cret"),
-            session_token: None,
+            credentials: SharedCredentials::Static {
+                access_key_id: Secret::new("GK0000"),
+                secret_access_key: Secret::new("s3cret"),
+                session_token: None,
+            },
             max_age: None,
         }
     }
@@ -616,6 +813,54 @@ mod tests {
         let part = part_size(huge);
         assert!(huge.div_ceil(part) <= MAX_PARTS, "{part}");
         assert_eq!(part % (1 << 20), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_breaker_pauses_longer_while_the_store_keeps_failing_and_closes_on_an_answer() {
+        let breaker = Breaker::new(Duration::from_secs(1), Duration::from_secs(3));
+        assert!(!breaker.is_open());
+        let mut pauses = Vec::new();
+        for _ in 0..4 {
+            breaker.failed();
+            let started = tokio::time::Instant::now();
+            while breaker.is_open() {
+                tokio::time::advance(Duration::from_millis(100)).await;
+            }
+            pauses.push(started.elapsed().as_millis());
+        }
+        assert_eq!(pauses, [1000, 2000, 3000, 3000], "doubled per failure in a row, up to the cap");
+        breaker.failed();
+        breaker.answered();
+        assert!(!breaker.is_open(), "an answer closes it at once");
+        breaker.failed();
+        assert_eq!(breaker.lock().failures, 1, "and the count starts again");
+    }
+
+    #[tokio::test]
+    async fn a_store_that_does_not_answer_costs_one_lookup_until_the_pause_ends() {
+        // Accepts connections, never answers.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = Arc::clone(&accepted);
+        let hole = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((stream, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                held.push(stream);
+            }
+        });
+        let store = SharedStore::new(&config("", Some(&format!("http://127.0.0.1:{port}"))))
+            .unwrap()
+            .with_lookup_timeout(Duration::from_millis(200))
+            .with_breaker(Duration::from_secs(600), Duration::from_secs(600));
+        for _ in 0..5 {
+            assert!(store.head(ObjectKind::Blob, &Digest::of(b"x")).await.is_err());
+            assert!(store.get_blob(&Digest::of(b"y"), ..).await.is_err());
+        }
+        assert!(store.is_down());
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "one request reached the store; the other nine were skipped");
+        hole.abort();
     }
 
     #[tokio::test]

@@ -16,13 +16,22 @@ use crate::error::Error;
 pub enum Source {
     /// The object store all replicas share (its bytes are hashed here too).
     Shared,
-    /// The digest's owner among the peers, which fills it once for all.
+    /// The digest's owner among the peers, which fills it once for all;
+    /// after it, the next replicas in the digest's ranking, which take
+    /// over its keys when it dies.
     Peer(PeerUrl),
     /// The upstream registry itself: the last resort, whose answers are final.
     Upstream,
 }
 
 impl Source {
+    /// Whether its bytes may reach a client's range before the digest
+    /// matched: only upstream's, since a client pulling directly would get
+    /// the same. Its word on a blob's size is also final.
+    pub fn vouched(&self) -> bool {
+        matches!(self, Source::Upstream)
+    }
+
     /// A label for logs.
     pub fn name(&self) -> &'static str {
         match self {
@@ -58,4 +67,8 @@ pub enum Unavailable {
     Final(Error),
     /// It does not have the blob or cannot be reached: try the next one.
     Next(Error),
+    /// A peer answered with upstream's (or its disk's) failure: another
+    /// peer would only ask upstream the same, so the other peers are
+    /// skipped and upstream is asked directly.
+    Relayed(Error),
 }

@@ -23,7 +23,7 @@ use hyper::body::Incoming;
 use super::source::{SourceBody, Unavailable};
 use super::{Cache, Content, Via, digest_owner_key, tag_owner_key};
 use crate::cluster::PeerUrl;
-use crate::cluster::client::{Ask, PEER_RESPONSE_MARGIN, PeerError, TAG_CONFIRMED_HEADER};
+use crate::cluster::client::{Ask, PEER_LOOKUP_TIMEOUT, PEER_RESPONSE_MARGIN, PeerError, TAG_CONFIRMED_HEADER};
 use crate::error::{Error, UpstreamError};
 use crate::metrics::metrics;
 use crate::oci::{Digest, MAX_MANIFEST_SIZE, MediaType, Reference, RepoName, inspect_manifest};
@@ -64,13 +64,6 @@ pub(super) fn content_range(headers: &http::HeaderMap) -> Option<(u64, Option<u6
 }
 
 impl Cache {
-    /// The owner of `key` when it is another replica and this request may
-    /// be forwarded to it (a client's, not a peer's: one hop).
-    pub(super) fn owner_elsewhere(&self, key: &str, via: Via) -> Option<PeerUrl> {
-        let link = self.peers.as_ref().filter(|_| via == Via::Client)?;
-        link.owner_elsewhere(key)
-    }
-
     /// Who to ask about a manifest, a tag or a membership before upstream,
     /// and how. A client's request goes to the key's owner, which fetches
     /// for everyone. When this replica is the owner (or was asked as one),
@@ -89,10 +82,24 @@ impl Cache {
         link.first_other(key).map(|peer| (peer, true))
     }
 
-    /// The response-header wait for a peer: the owner may itself be
-    /// waiting on upstream for as long as upstream's own timeout.
-    fn peer_timeout(upstream: &Upstream) -> Duration {
-        upstream.config.response_timeout + PEER_RESPONSE_MARGIN
+    /// The response-header wait for a peer asked to fetch (not a lookup):
+    /// the owner's worst legitimate wait before its own answer has headers,
+    /// plus the round trips between the two. The owner may first look in
+    /// the shared tier ([`super::shared::LOOKUP_TIMEOUT`]) and ask its
+    /// runner-up ([`PEER_LOOKUP_TIMEOUT`]), then ask upstream: a token
+    /// round trip and the request itself, each within upstream's
+    /// `response_timeout`. An owner slower than that (a redirect hop, a
+    /// long wait for an upstream slot) is given up on for that one request
+    /// without being marked down (see [`PeerError`]).
+    fn owner_budget(&self, upstream: &Upstream) -> Duration {
+        let store = if self.shared.is_some() { super::shared::LOOKUP_TIMEOUT } else { Duration::ZERO };
+        store + PEER_LOOKUP_TIMEOUT + 2 * upstream.config.response_timeout + PEER_RESPONSE_MARGIN
+    }
+
+    /// The response-header wait for a peer: [`PEER_LOOKUP_TIMEOUT`] for a
+    /// lookup, else [`Cache::owner_budget`].
+    fn peer_timeout(&self, upstream: &Upstream, lookup: bool) -> Duration {
+        if lookup { PEER_LOOKUP_TIMEOUT } else { self.owner_budget(upstream) }
     }
 
     /// Reads a blob from the shared tier from `offset`, once the
@@ -109,16 +116,33 @@ impl Cache {
         let Some((store, _)) = &self.shared else {
             return Err(Unavailable::Next(Error::BlobUnknown(*digest)));
         };
-        let blob = match store.get_blob(digest, offset..).await {
-            Ok(Some(blob)) => blob,
-            Ok(None) => return Err(Unavailable::Next(Error::BlobUnknown(*digest))),
-            Err(e) => return Err(Unavailable::Next(Error::Storage(format!("shared tier: {e}")))),
+        let found = |got: Result<Option<super::shared::SharedBlob>, super::shared::SharedError>| match got {
+            Ok(Some(blob)) => Ok(blob),
+            Ok(None) => Err(Unavailable::Next(Error::BlobUnknown(*digest))),
+            Err(e) => Err(Unavailable::Next(Error::Storage(format!("shared tier: {e}")))),
         };
-        match self.confirm_member(upstream, repo, digest, Content::Blob, via).await {
-            Ok(()) => {}
-            Err(e) if e.is_repository_specific() => return Err(Unavailable::Final(e)),
-            Err(e) => return Err(Unavailable::Next(e)),
-        }
+        let member = |checked: Result<(), Error>| match checked {
+            Ok(()) => Ok(()),
+            Err(e) if e.is_repository_specific() => Err(Unavailable::Final(e)),
+            Err(e) => Err(Unavailable::Next(e)),
+        };
+        // The store's answer and the membership check run at once; no byte
+        // is read before both are in. A miss usually comes first (in
+        // milliseconds), and then the check is dropped unsent or half way.
+        let get = store.get_blob(digest, offset..);
+        let check = self.confirm_member(upstream, repo, digest, Content::Blob, via);
+        tokio::pin!(get, check);
+        let blob = tokio::select! {
+            got = &mut get => {
+                let blob = found(got)?;
+                member(check.await)?;
+                blob
+            }
+            checked = &mut check => {
+                member(checked)?;
+                found(get.await)?
+            }
+        };
         if blob.range.start != offset {
             let e = format!("shared tier answered from byte {} for {offset}", blob.range.start);
             return Err(Unavailable::Next(Error::Storage(e)));
@@ -133,15 +157,24 @@ impl Cache {
         })
     }
 
-    /// Asks the digest's owner for the blob from `offset`. The owner joins
-    /// or starts its one fill and streams while it fills.
+    /// Asks `peer` (the digest's owner, or after it broke off the next
+    /// replica in the digest's ranking) for the blob from `offset`. The
+    /// peer joins or starts its one fill and streams while it fills.
+    /// `shared_missed`: this fill looked in the shared tier already.
+    ///
+    /// A peer that cannot be reached is marked down and the next peer
+    /// tried; one that connects but does not answer in time is skipped for
+    /// this request only. A peer that answers an error relays upstream's
+    /// (or its disk's) trouble: another peer would ask upstream the same,
+    /// so the fill goes to upstream itself ([`Unavailable::Relayed`]).
     pub(super) async fn open_peer(
         &self,
-        owner: PeerUrl,
+        peer: PeerUrl,
         upstream: &Upstream,
         repo: &RepoName,
         digest: &Digest,
         offset: u64,
+        shared_missed: bool,
     ) -> Result<SourceBody, Unavailable> {
         let Some(link) = &self.peers else { return Err(Unavailable::Next(Error::BlobUnknown(*digest))) };
         let path = format!("/v2/{repo}/blobs/{digest}?{}", ns_query(upstream.name()));
@@ -151,23 +184,34 @@ impl Cache {
             accept: None,
             from: Some(offset),
             lookup: false,
-            timeout: Self::peer_timeout(upstream),
+            shared_missed,
+            timeout: self.owner_budget(upstream),
         };
-        let sent = link.client.send(&owner, ask).await;
+        let sent = link.client.send(&peer, ask).await;
         let resp = match sent {
             Ok(resp) => resp,
             Err(PeerError::Unreachable(e)) => {
-                tracing::warn!(peer = %owner, %digest, error = e, "owner unreachable; marked down, fetching elsewhere");
-                link.peers.mark_down(&owner);
-                return Err(Unavailable::Next(UpstreamError::Connect(format!("peer {owner}: {e}")).into()));
+                tracing::warn!(%peer, %digest, error = e, "peer unreachable; marked down, trying the next source");
+                link.peers.mark_down(&peer);
+                return Err(Unavailable::Next(UpstreamError::Connect(format!("peer {peer}: {e}")).into()));
+            }
+            Err(PeerError::NoAnswer(e)) => {
+                tracing::warn!(%peer, %digest, error = e, "peer did not answer; trying the next source");
+                return Err(Unavailable::Next(UpstreamError::Connect(format!("peer {peer}: {e}")).into()));
+            }
+            Err(PeerError::UnknownUpstream) => {
+                tracing::info!(%peer, upstream = upstream.name(), "peer does not know the upstream; trying the next source");
+                return Err(Unavailable::Next(Error::UnknownUpstream(upstream.name().to_owned())));
             }
             Err(PeerError::Status { status, code, retry_after }) => {
                 return Err(match verdict(status, &code, retry_after) {
                     Verdict::NotFound => Unavailable::Final(Error::BlobUnknown(*digest)),
                     Verdict::Final(e) => Unavailable::Final(e),
                     Verdict::Fallback => {
-                        tracing::warn!(peer = %owner, %digest, %status, code, "owner failed; fetching elsewhere");
-                        Unavailable::Next(UpstreamError::Status { status: status.as_u16(), retry_after: None }.into())
+                        tracing::warn!(%peer, %digest, %status, code, "peer failed; fetching from upstream");
+                        Unavailable::Relayed(
+                            UpstreamError::Status { status: status.as_u16(), retry_after: None }.into(),
+                        )
                     }
                 });
             }
@@ -176,7 +220,7 @@ impl Cache {
             match content_range(resp.headers()) {
                 Some((first, total)) if first == offset => (total, 0),
                 _ => {
-                    let e = UpstreamError::Protocol(format!("peer {owner} answered another range than from {offset}"));
+                    let e = UpstreamError::Protocol(format!("peer {peer} answered another range than from {offset}"));
                     return Err(Unavailable::Next(e.into()));
                 }
             }
@@ -218,10 +262,18 @@ impl Cache {
             accept: Some(MediaType::upstream_accept()),
             from: None,
             lookup,
-            timeout: Self::peer_timeout(upstream),
+            shared_missed: false,
+            timeout: self.peer_timeout(upstream, lookup),
         };
         match link.client.send(&owner, ask).await {
             Ok(resp) => match read_manifest(resp, reference, upstream.body_idle_timeout()).await {
+                Ok((_, confirmed))
+                    if matches!(reference, Reference::Tag(_))
+                        && self.purged_after(upstream.name(), repo, confirmed) =>
+                {
+                    tracing::info!(peer = %owner, %repo, %reference, "peer's tag mapping is older than a purge here; asking upstream");
+                    None
+                }
                 Ok(answer) => Some(Ok(answer)),
                 Err(e) => {
                     tracing::warn!(peer = %owner, %repo, %reference, error = %e, "owner's manifest refused");
@@ -231,6 +283,10 @@ impl Cache {
             Err(PeerError::Unreachable(e)) => {
                 tracing::warn!(peer = %owner, %repo, %reference, error = e, "owner unreachable; marked down");
                 link.peers.mark_down(&owner);
+                None
+            }
+            Err(e @ (PeerError::NoAnswer(_) | PeerError::UnknownUpstream)) => {
+                tracing::warn!(peer = %owner, %repo, %reference, lookup, error = %e, "going on without the peer");
                 None
             }
             // A lookup's miss says only that the peer does not hold it.
@@ -266,13 +322,20 @@ impl Cache {
             accept: matches!(content, Content::Manifest).then(MediaType::upstream_accept),
             from: None,
             lookup,
-            timeout: Self::peer_timeout(upstream),
+            shared_missed: false,
+            timeout: self.peer_timeout(upstream, lookup),
         };
         match link.client.send(&owner, ask).await {
             Ok(_) => Some(Ok(true)),
             Err(PeerError::Unreachable(e)) => {
                 tracing::warn!(peer = %owner, %digest, error = e, "owner unreachable; marked down");
                 link.peers.mark_down(&owner);
+                None
+            }
+            // An owner that does not know this upstream yet says nothing
+            // about the repository: ask upstream.
+            Err(e @ (PeerError::NoAnswer(_) | PeerError::UnknownUpstream)) => {
+                tracing::warn!(peer = %owner, %digest, lookup, error = %e, "going on without the peer");
                 None
             }
             Err(PeerError::Status { .. }) if lookup => None,
@@ -367,13 +430,13 @@ impl Cache {
         }
     }
 
-    /// The shared tier's copy of `digest` failed the digest check: delete
-    /// it (in the background), so the next fill reads it from elsewhere
-    /// and uploads a good copy.
-    pub(super) fn condemn_shared_blob(&self, digest: Digest) {
+    /// The shared tier's copy of `digest` is wrong (`why`: its size or its
+    /// digest): count it and delete it (in the background), so that no
+    /// replica reads it again and a good copy is uploaded.
+    pub(super) fn condemn_shared_blob(&self, digest: Digest, why: &str) {
         let Some((store, _)) = &self.shared else { return };
         metrics().shared_corrupt.inc();
-        tracing::error!(%digest, "the shared tier's copy is corrupt; deleting it");
+        tracing::error!(%digest, why, "the shared tier's copy is corrupt; deleting it");
         let store = Arc::clone(store);
         tokio::spawn(async move {
             if let Err(e) = store.delete(super::shared::ObjectKind::Blob, &digest).await {
@@ -381,6 +444,16 @@ impl Cache {
             }
         });
     }
+}
+
+/// When upstream last confirmed a tag, from an owner's
+/// [`TAG_CONFIRMED_HEADER`] (unix milliseconds): never later than `now`,
+/// so an owner whose clock runs ahead cannot keep a tag fresh past its
+/// TTL; `now` when the header is missing or unreadable.
+fn confirmed_at(header: Option<&str>, now: SystemTime) -> SystemTime {
+    let Some(ms) = header.and_then(|ms| ms.parse::<u64>().ok()) else { return now };
+    let Some(at) = UNIX_EPOCH.checked_add(Duration::from_millis(ms)) else { return now };
+    at.min(now)
 }
 
 /// A manifest as a peer sent it, checked like upstream's: its bytes hash to
@@ -394,10 +467,7 @@ async fn read_manifest(
     let header = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
     let declared = header(CONTENT_TYPE.as_str()).as_deref().and_then(MediaType::parse);
     let named: Option<Digest> = header("docker-content-digest").and_then(|d| d.parse().ok());
-    let confirmed = header(TAG_CONFIRMED_HEADER)
-        .and_then(|ms| ms.parse::<u64>().ok())
-        .map(|ms| UNIX_EPOCH + Duration::from_millis(ms))
-        .unwrap_or_else(SystemTime::now);
+    let confirmed = confirmed_at(header(TAG_CONFIRMED_HEADER).as_deref(), SystemTime::now());
     let body = tokio::time::timeout(idle, Limited::new(resp.into_body(), MAX_MANIFEST_SIZE).collect())
         .await
         .map_err(|_| UpstreamError::Timeout("peer manifest body"))?
@@ -415,4 +485,22 @@ async fn read_manifest(
     }
     let (media_type, refs) = inspect_manifest(&bytes, declared).map_err(UpstreamError::Protocol)?;
     Ok((FetchedManifest { bytes, media_type, digest, refs }, confirmed))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_owners_tag_confirmation_is_never_later_than_now() {
+        let now = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let ms = |t: SystemTime| t.duration_since(UNIX_EPOCH).unwrap().as_millis().to_string();
+        let earlier = now - Duration::from_secs(30);
+        assert_eq!(confirmed_at(Some(&ms(earlier)), now), earlier, "as the owner said");
+        let ahead = now + Duration::from_secs(3600);
+        assert_eq!(confirmed_at(Some(&ms(ahead)), now), now, "a clock an hour ahead does not keep the tag fresh");
+        assert_eq!(confirmed_at(None, now), now);
+        assert_eq!(confirmed_at(Some("soon"), now), now);
+        assert_eq!(confirmed_at(Some(&u64::MAX.to_string()), now), now);
+    }
 }

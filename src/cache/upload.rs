@@ -12,11 +12,25 @@
 //! A background task uploads [`UPLOAD_CONCURRENCY`] items at a time, skips
 //! objects the store already has (a HEAD first: another replica may have
 //! uploaded it), and after a failure pauses with a growing backoff, since
-//! a failing store fails every item alike. A blob whose file is gone
-//! (evicted or purged before its turn) or no longer matches its digest is
-//! dropped, not retried.
+//! a failing store fails every item alike. A blob whose file is gone or no
+//! longer matches its digest is dropped, not retried.
+//!
+//! An upload in flight is given up when its deadline passes, when larder
+//! stops, or when its blob is removed from the cache (evicted, purged):
+//! its file is closed at once (an evicted blob's disk space comes back)
+//! and a multipart upload is aborted, so no parts pile up in the bucket. A
+//! blob that runs out of time [`MAX_DEADLINE_FAILURES`] times in a row is
+//! given up (`larder_shared_uploads_total{result="gave_up"}`, alerted):
+//! the store is too slow for it, and retrying from byte 0 for ever would
+//! hold an upload slot for ever.
+//!
+//! Each item moves through [`State`] under one lock, with the marker's
+//! write and removal between two transitions: an enqueue that meets an
+//! upload finishing waits for it, and one that meets an upload running
+//! makes it run again instead of finishing, so no enqueue is ever lost
+//! (see the interleaving test at the bottom).
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -24,11 +38,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::shared::{ObjectKind, SharedError, SharedStore};
+use super::shared::{ObjectKind, PutFailed, SharedError, SharedStore};
 use crate::blocking::blocking;
 use crate::error::Error;
 use crate::metrics::metrics;
@@ -41,13 +55,58 @@ pub const UPLOAD_CONCURRENCY: usize = 2;
 pub const RETRY_BACKOFF_MIN: Duration = Duration::from_secs(1);
 /// Longest pause between attempts while the store keeps failing.
 pub const RETRY_BACKOFF_MAX: Duration = Duration::from_secs(60);
-
 /// Every upload attempt may take this long, plus [`UPLOAD_MIN_RATE`] time
 /// for its bytes; a store that stops reading (a full TCP window never
 /// trips a read timeout) cannot hold an upload slot for ever.
 pub const UPLOAD_DEADLINE_BASE: Duration = Duration::from_secs(30);
 /// The slowest upload rate, in bytes per second, an attempt is allowed.
 pub const UPLOAD_MIN_RATE: u64 = 1 << 20;
+/// Attempts of one item that may run out of time before it is
+/// given up: its marker is removed, `result="gave_up"` counted and
+/// alerted (`LarderSharedUploadsGivenUp`). The blob stays cached locally;
+/// the next replica to fetch it from upstream uploads it again.
+pub const MAX_DEADLINE_FAILURES: u32 = 3;
+/// How long a stop waits for the uploads in flight to abort their
+/// multipart uploads before it leaves them to the bucket's lifecycle rule.
+pub const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// The queue's limits ([`Limits::default`] in production; tests shrink them).
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// See [`UPLOAD_DEADLINE_BASE`].
+    pub deadline_base: Duration,
+    /// See [`UPLOAD_MIN_RATE`].
+    pub min_rate: u64,
+    /// See [`MAX_DEADLINE_FAILURES`].
+    pub max_deadline_failures: u32,
+    /// See [`RETRY_BACKOFF_MIN`].
+    pub backoff_min: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            deadline_base: UPLOAD_DEADLINE_BASE,
+            min_rate: UPLOAD_MIN_RATE,
+            max_deadline_failures: MAX_DEADLINE_FAILURES,
+            backoff_min: RETRY_BACKOFF_MIN,
+        }
+    }
+}
+
+impl Limits {
+    /// The deadline of one attempt to upload `size` bytes.
+    fn deadline(&self, size: u64) -> Duration {
+        self.deadline_base + Duration::from_secs(size / self.min_rate.max(1))
+    }
+
+    /// The pause after `failures` failures in a row: [`Limits::backoff_min`]
+    /// doubled per failure, at most [`RETRY_BACKOFF_MAX`].
+    fn backoff(&self, failures: u32) -> Duration {
+        let doublings = failures.saturating_sub(1).min(16);
+        self.backoff_min.saturating_mul(1 << doublings).min(RETRY_BACKOFF_MAX)
+    }
+}
 
 /// Where the committed file of a blob is (the disk store's layout).
 pub type BlobPath = Arc<dyn Fn(&Digest) -> PathBuf + Send + Sync>;
@@ -58,7 +117,17 @@ struct Job {
     digest: Digest,
 }
 
+/// Why an attempt was given up before it ended by itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stop {
+    /// Its blob left the cache (evicted, purged).
+    Removed,
+    /// larder is stopping.
+    Shutdown,
+}
+
 /// How one attempt ended.
+#[derive(Debug)]
 enum Outcome {
     Uploaded,
     Present,
@@ -66,23 +135,161 @@ enum Outcome {
     Dropped(String),
     /// The store failed; retried after a pause.
     Failed(SharedError),
+    /// Its deadline passed (the multipart upload was aborted).
+    TimedOut(Duration),
+    /// Given up (see [`Stop`]; a multipart upload was aborted).
+    Stopped(Stop),
 }
 
-#[derive(Default)]
+/// Where an item is. Transitions happen under the queue's lock; the
+/// marker is written or removed between two of them, never under it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    /// Its marker is being written; not runnable yet.
+    Writing,
+    /// Marker on disk, in the line.
+    Waiting,
+    /// Being uploaded. `again`: enqueued once more meanwhile (committed
+    /// again after an eviction): it runs again instead of finishing.
+    Running { again: bool },
+    /// Done; its marker is being removed.
+    Finishing,
+}
+
+/// What an enqueue does next.
+#[derive(Debug, PartialEq, Eq)]
+enum Enqueue {
+    /// Write the marker, then [`Queue::end_enqueue`].
+    Write,
+    /// Already queued (or running, now to run again): nothing to do.
+    Done,
+    /// The item is between two states: wait for a change, then again.
+    Wait,
+}
+
+/// What finishing an upload does next.
+#[derive(Debug, PartialEq, Eq)]
+enum Finish {
+    /// Enqueued again while it ran: back in the line, marker kept.
+    Again,
+    /// Remove the marker, then [`Queue::end_finish`].
+    RemoveMarker,
+}
+
+/// What removing an item from the cache does to its upload.
+#[derive(Debug, PartialEq, Eq)]
+enum Cancel {
+    /// Not queued.
+    Nothing,
+    /// Taken out of the line: remove its marker, then [`Queue::end_finish`].
+    RemoveMarker,
+    /// Running: tell the attempt to stop (it then finishes as usual).
+    StopAttempt,
+}
+
+/// The items and their states; pure, so that its transitions can be
+/// tested in every interleaving.
+#[derive(Default, Clone)]
 struct Queue {
-    /// Waiting, in order.
+    /// Runnable items, in order.
     waiting: VecDeque<Job>,
-    /// Waiting or being uploaded: an item is enqueued once.
-    pending: HashSet<Job>,
+    states: HashMap<Job, State>,
+    /// Attempts of an item that ran out of time, in a row.
+    deadline_failures: HashMap<Job, u32>,
+}
+
+impl Queue {
+    fn begin_enqueue(&mut self, job: Job) -> Enqueue {
+        match self.states.get_mut(&job) {
+            None => {
+                self.states.insert(job, State::Writing);
+                Enqueue::Write
+            }
+            Some(State::Waiting) => Enqueue::Done,
+            Some(State::Running { again }) => {
+                *again = true;
+                Enqueue::Done
+            }
+            Some(State::Writing | State::Finishing) => Enqueue::Wait,
+        }
+    }
+
+    /// The marker write ended: the item is runnable, or (the write
+    /// failed) not queued at all.
+    fn end_enqueue(&mut self, job: Job, written: bool) {
+        if written {
+            self.states.insert(job, State::Waiting);
+            self.waiting.push_back(job);
+        } else {
+            self.states.remove(&job);
+        }
+    }
+
+    /// The next item to upload, now running.
+    fn pop(&mut self) -> Option<Job> {
+        let job = self.waiting.pop_front()?;
+        self.states.insert(job, State::Running { again: false });
+        Some(job)
+    }
+
+    /// An attempt failed: back to the end of the line, marker kept.
+    fn requeue(&mut self, job: Job) {
+        self.states.insert(job, State::Waiting);
+        self.waiting.push_back(job);
+    }
+
+    fn begin_finish(&mut self, job: Job) -> Finish {
+        if self.states.get(&job) == Some(&State::Running { again: true }) {
+            self.requeue(job);
+            return Finish::Again;
+        }
+        self.states.insert(job, State::Finishing);
+        self.deadline_failures.remove(&job);
+        Finish::RemoveMarker
+    }
+
+    fn end_finish(&mut self, job: Job) {
+        self.states.remove(&job);
+    }
+
+    /// The item left the cache: nothing is left to upload.
+    fn cancel(&mut self, job: Job) -> Cancel {
+        match self.states.get(&job) {
+            Some(State::Waiting) => {
+                self.waiting.retain(|j| *j != job);
+                self.states.insert(job, State::Finishing);
+                self.deadline_failures.remove(&job);
+                Cancel::RemoveMarker
+            }
+            Some(State::Running { .. }) => {
+                self.states.insert(job, State::Running { again: false });
+                Cancel::StopAttempt
+            }
+            // Being written: an enqueue of a blob committed again after
+            // the removal, which must stand. Finishing: already going.
+            Some(State::Writing | State::Finishing) | None => Cancel::Nothing,
+        }
+    }
+
+    /// Items queued, running or between two states.
+    fn pending(&self) -> usize {
+        self.states.len()
+    }
 }
 
 struct Inner {
     dir: PathBuf,
     store: Arc<SharedStore>,
     blob_path: BlobPath,
-    // A std Mutex: held for a push or pop, never across `.await`.
+    limits: Limits,
+    // A std Mutex: held for a transition, never across `.await`.
     queue: Mutex<Queue>,
+    /// How to stop each attempt in flight.
+    stops: Mutex<HashMap<Job, watch::Sender<Option<Stop>>>>,
+    /// Wakes the uploader: something was queued.
     wake: Notify,
+    /// Bumped after every transition an enqueue may wait for.
+    changed: watch::Sender<u64>,
 }
 
 /// The queue's handle; clone it freely.
@@ -103,44 +310,34 @@ impl Inner {
         self.queue.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn stops(&self) -> std::sync::MutexGuard<'_, HashMap<Job, watch::Sender<Option<Stop>>>> {
+        self.stops.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn marker(&self, job: &Job) -> PathBuf {
         marker_path(&self.dir, job)
     }
 
-    /// Queues `job` unless it is already pending; true if it was new.
-    fn push(&self, job: Job) -> bool {
-        let added = {
-            let mut q = self.lock();
-            let added = q.pending.insert(job);
-            if added {
-                q.waiting.push_back(job);
-            }
-            metrics().pending_uploads.set(q.pending.len() as i64);
-            added
-        };
-        if added {
-            self.wake.notify_one();
-        }
-        added
-    }
-
-    fn pop(&self) -> Option<Job> {
-        self.lock().waiting.pop_front()
-    }
-
-    /// Puts a failed job back at the end of the line.
-    fn requeue(&self, job: Job) {
-        self.lock().waiting.push_back(job);
-    }
-
-    fn finish(&self, job: &Job) {
+    /// Runs a transition and updates the gauge.
+    fn transition<T>(&self, f: impl FnOnce(&mut Queue) -> T) -> T {
         let mut q = self.lock();
-        q.pending.remove(job);
-        metrics().pending_uploads.set(q.pending.len() as i64);
+        let out = f(&mut q);
+        metrics().pending_uploads.set(q.pending() as i64);
+        out
     }
 
-    fn is_pending(&self, job: &Job) -> bool {
-        self.lock().pending.contains(job)
+    fn changed(&self) {
+        self.changed.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Removes the marker of a finishing item, then forgets the item.
+    async fn remove_marker_and_finish(&self, job: Job) {
+        let marker = self.marker(&job);
+        if let Err(e) = blocking(move || remove_marker(&marker)).await {
+            tracing::warn!(%job.digest, error = %e, "removing an upload marker failed");
+        }
+        self.transition(|q| q.end_finish(job));
+        self.changed();
     }
 }
 
@@ -153,15 +350,37 @@ impl Uploads {
     /// a previous run left. `blob_path` says where a committed blob's file
     /// is. Nothing is uploaded until [`Uploads::spawn`].
     pub async fn open(cache_dir: &Path, store: Arc<SharedStore>, blob_path: BlobPath) -> Result<Uploads, Error> {
+        Uploads::open_with(cache_dir, store, blob_path, Limits::default()).await
+    }
+
+    /// [`Uploads::open`] with other [`Limits`].
+    pub async fn open_with(
+        cache_dir: &Path,
+        store: Arc<SharedStore>,
+        blob_path: BlobPath,
+        limits: Limits,
+    ) -> Result<Uploads, Error> {
         let dir = cache_dir.join("uploads");
         let scan_dir = dir.clone();
         let found = blocking(move || scan(&scan_dir)).await?;
-        let inner = Arc::new(Inner { dir, store, blob_path, queue: Mutex::default(), wake: Notify::new() });
+        let inner = Arc::new(Inner {
+            dir,
+            store,
+            blob_path,
+            limits,
+            queue: Mutex::default(),
+            stops: Mutex::default(),
+            wake: Notify::new(),
+            changed: watch::channel(0).0,
+        });
         let resumed = found.len();
-        for job in found {
-            inner.push(job);
-        }
-        metrics().pending_uploads.set(inner.lock().pending.len() as i64);
+        inner.transition(|q| {
+            for job in found {
+                if q.begin_enqueue(job) == Enqueue::Write {
+                    q.end_enqueue(job, true);
+                }
+            }
+        });
         if resumed > 0 {
             tracing::info!(resumed, "resuming uploads to the shared tier");
         }
@@ -170,53 +389,87 @@ impl Uploads {
 
     /// Items waiting or being uploaded.
     pub fn pending(&self) -> usize {
-        self.inner.lock().pending.len()
+        self.inner.lock().pending()
+    }
+
+    /// Uploads in flight right now.
+    pub fn in_flight(&self) -> usize {
+        self.inner.stops().len()
     }
 
     /// Queues the committed blob `digest` for upload. Returns once its
     /// marker is on disk (fsynced), so the upload survives a crash.
     pub async fn enqueue_blob(&self, digest: Digest) -> Result<(), Error> {
-        let job = Job { kind: ObjectKind::Blob, digest };
-        if self.inner.is_pending(&job) {
-            return Ok(());
-        }
-        let path = self.inner.marker(&job);
-        blocking(move || write_marker(&path, &[])).await?;
-        self.inner.push(job);
-        Ok(())
+        self.enqueue(Job { kind: ObjectKind::Blob, digest }, Vec::new()).await
     }
 
     /// Queues a verified manifest for upload; the marker keeps its bytes
     /// and media type (the local index is not this queue's to read).
     pub async fn enqueue_manifest(&self, digest: Digest, media_type: MediaType, bytes: Bytes) -> Result<(), Error> {
-        let job = Job { kind: ObjectKind::Manifest, digest };
-        if self.inner.is_pending(&job) {
-            return Ok(());
-        }
         if Digest::of(&bytes) != digest {
             return Err(Error::Internal(format!("manifest bytes do not match {digest}: not queued")));
         }
-        let path = self.inner.marker(&job);
-        blocking(move || {
-            let mut content = Vec::with_capacity(media_type.as_str().len() + 1 + bytes.len());
-            content.extend_from_slice(media_type.as_str().as_bytes());
-            content.push(b'\n');
-            content.extend_from_slice(&bytes);
-            write_marker(&path, &content)
-        })
-        .await?;
-        self.inner.push(job);
-        Ok(())
+        let mut content = Vec::with_capacity(media_type.as_str().len() + 1 + bytes.len());
+        content.extend_from_slice(media_type.as_str().as_bytes());
+        content.push(b'\n');
+        content.extend_from_slice(&bytes);
+        self.enqueue(Job { kind: ObjectKind::Manifest, digest }, content).await
     }
 
-    /// Uploads queued items until `shutdown`. Uploads in flight then are
-    /// abandoned; their markers stay, so they run again on the next start
-    /// (an abandoned multipart upload is cleaned by the bucket's
-    /// `AbortIncompleteMultipartUpload` rule, see README).
+    async fn enqueue(&self, job: Job, content: Vec<u8>) -> Result<(), Error> {
+        loop {
+            let (step, mut changes) = {
+                let changes = self.inner.changed.subscribe();
+                (self.inner.transition(|q| q.begin_enqueue(job)), changes)
+            };
+            match step {
+                Enqueue::Done => return Ok(()),
+                Enqueue::Wait => {
+                    // The sender lives as long as `inner`, which we hold.
+                    let _ = changes.changed().await;
+                }
+                Enqueue::Write => {
+                    let (path, content) = (self.inner.marker(&job), content);
+                    let written = blocking(move || write_marker(&path, &content)).await;
+                    self.inner.transition(|q| q.end_enqueue(job, written.is_ok()));
+                    self.inner.changed();
+                    self.inner.wake.notify_one();
+                    return written;
+                }
+            }
+        }
+    }
+
+    /// The blob `digest` left the cache: its upload, waiting or in flight,
+    /// is given up (an attempt in flight closes the file and aborts its
+    /// multipart upload), and its marker removed.
+    pub async fn cancel_blob(&self, digest: Digest) {
+        let job = Job { kind: ObjectKind::Blob, digest };
+        match self.inner.transition(|q| q.cancel(job)) {
+            Cancel::Nothing => {}
+            Cancel::RemoveMarker => {
+                metrics().shared_uploads.with_label_values(&["blob", "dropped"]).inc();
+                tracing::debug!(%digest, "blob removed from the cache; not uploading it");
+                self.inner.remove_marker_and_finish(job).await;
+            }
+            Cancel::StopAttempt => {
+                if let Some(stop) = self.inner.stops().get(&job) {
+                    stop.send_replace(Some(Stop::Removed));
+                }
+            }
+        }
+    }
+
+    /// Uploads queued items until `shutdown`. Then the uploads in flight
+    /// are given up: each aborts its multipart upload (waited for up to
+    /// [`STOP_GRACE`]); their markers stay, so they run again on the next
+    /// start. Only what a crash cuts off is left to the bucket's
+    /// `AbortIncompleteMultipartUpload` rule (see README).
     pub fn spawn(&self, mut shutdown: crate::shutdown::Shutdown) -> tokio::task::JoinHandle<()> {
         let inner = Arc::clone(&self.inner);
         tokio::spawn(async move {
             let mut running: JoinSet<(Job, Outcome)> = JoinSet::new();
+            let mut tasks: HashMap<tokio::task::Id, Job> = HashMap::new();
             let mut failures: u32 = 0;
             let mut paused_until: Option<Instant> = None;
             loop {
@@ -224,18 +477,33 @@ impl Uploads {
                     paused_until = None;
                 }
                 while paused_until.is_none() && running.len() < UPLOAD_CONCURRENCY {
-                    let Some(job) = inner.pop() else { break };
-                    let inner = Arc::clone(&inner);
-                    running.spawn(async move { (job, attempt(&inner, job).await) });
+                    let Some(job) = inner.transition(Queue::pop) else { break };
+                    let (stop, stopped) = watch::channel(None);
+                    inner.stops().insert(job, stop);
+                    let attempt_inner = Arc::clone(&inner);
+                    let handle = running.spawn(async move { (job, attempt(&attempt_inner, job, stopped).await) });
+                    tasks.insert(handle.id(), job);
                 }
                 let resume = paused_until.unwrap_or_else(Instant::now);
                 tokio::select! {
                     _ = shutdown.changed() => {
-                        running.shutdown().await;
+                        stop_all(&inner, &mut running, &mut tasks).await;
                         return;
                     }
-                    Some(done) = running.join_next(), if !running.is_empty() => {
-                        let Ok((job, outcome)) = done else { continue };
+                    Some(done) = running.join_next_with_id(), if !running.is_empty() => {
+                        let (job, outcome) = match done {
+                            Ok((id, done)) => {
+                                tasks.remove(&id);
+                                done
+                            }
+                            // A panic in an attempt: its job is retried, not lost.
+                            Err(e) => {
+                                let Some(job) = tasks.remove(&e.id()) else { continue };
+                                let why = if e.is_panic() { "the upload task panicked" } else { "the upload task was cancelled" };
+                                (job, Outcome::Failed(SharedError::Store(why.into())))
+                            }
+                        };
+                        inner.stops().remove(&job);
                         if let Some(pause) = settle(&inner, job, outcome, &mut failures).await {
                             paused_until = Some(Instant::now() + pause);
                         }
@@ -248,54 +516,102 @@ impl Uploads {
     }
 }
 
+/// Gives up every upload in flight (they abort their multipart uploads)
+/// and waits up to [`STOP_GRACE`] for them to end. Their markers stay.
+async fn stop_all(inner: &Inner, running: &mut JoinSet<(Job, Outcome)>, tasks: &mut HashMap<tokio::task::Id, Job>) {
+    for stop in inner.stops().values() {
+        stop.send_replace(Some(Stop::Shutdown));
+    }
+    let deadline = Instant::now() + STOP_GRACE;
+    loop {
+        match tokio::time::timeout_at(deadline, running.join_next()).await {
+            Ok(Some(_)) => {}
+            Ok(None) => break,
+            Err(_) => {
+                tracing::warn!(
+                    left = running.len(),
+                    "uploads did not stop in time; leaving their parts to the bucket's lifecycle rule"
+                );
+                running.shutdown().await;
+                break;
+            }
+        }
+    }
+    tasks.clear();
+    inner.stops().clear();
+}
+
 /// Records how an attempt ended; returns the pause before the next
 /// attempt after a failure.
-async fn settle(inner: &Arc<Inner>, job: Job, outcome: Outcome, failures: &mut u32) -> Option<Duration> {
+async fn settle(inner: &Inner, job: Job, outcome: Outcome, failures: &mut u32) -> Option<Duration> {
     let kind = job.kind.as_str();
     let result = match &outcome {
         Outcome::Uploaded => "uploaded",
         Outcome::Present => "present",
-        Outcome::Dropped(_) => "dropped",
-        Outcome::Failed(_) => "failed",
+        Outcome::Dropped(_) | Outcome::Stopped(Stop::Removed) => "dropped",
+        Outcome::Failed(_) | Outcome::TimedOut(_) => "failed",
+        // Not an outcome: it runs again on the next start.
+        Outcome::Stopped(Stop::Shutdown) => return None,
     };
     metrics().shared_uploads.with_label_values(&[kind, result]).inc();
-    match outcome {
+    let retry = match outcome {
         Outcome::Failed(e) => {
-            *failures = failures.saturating_add(1);
-            let pause = backoff(*failures);
-            tracing::warn!(%job.digest, kind, error = %e, retry_in = ?pause, "upload to the shared tier failed");
-            inner.requeue(job);
-            Some(pause)
+            tracing::warn!(%job.digest, kind, error = %e, "upload to the shared tier failed");
+            true
         }
-        done => {
-            *failures = 0;
-            if let Outcome::Dropped(why) = &done {
-                tracing::warn!(%job.digest, kind, reason = %why, "not uploading to the shared tier");
+        Outcome::TimedOut(deadline) => {
+            let timed_out = inner.transition(|q| {
+                let n = q.deadline_failures.entry(job).or_default();
+                *n += 1;
+                *n
+            });
+            if timed_out >= inner.limits.max_deadline_failures {
+                metrics().shared_uploads.with_label_values(&[kind, "gave_up"]).inc();
+                tracing::error!(%job.digest, kind, attempts = timed_out, ?deadline,
+                    "upload to the shared tier ran out of time every attempt; giving it up");
+                false
             } else {
-                tracing::debug!(%job.digest, kind, result, "shared tier has it");
+                tracing::warn!(%job.digest, kind, ?deadline, attempt = timed_out, "upload to the shared tier ran out of time");
+                true
             }
-            let marker = inner.marker(&job);
-            if let Err(e) = blocking(move || remove_marker(&marker)).await {
-                tracing::warn!(%job.digest, error = %e, "removing an upload marker failed");
-            }
-            inner.finish(&job);
-            None
         }
+        Outcome::Dropped(why) => {
+            tracing::warn!(%job.digest, kind, reason = %why, "not uploading to the shared tier");
+            false
+        }
+        Outcome::Stopped(_) => {
+            tracing::debug!(%job.digest, kind, "removed from the cache during its upload; given up");
+            false
+        }
+        Outcome::Uploaded | Outcome::Present => {
+            tracing::debug!(%job.digest, kind, result, "shared tier has it");
+            false
+        }
+    };
+    if retry {
+        *failures = failures.saturating_add(1);
+        inner.transition(|q| q.requeue(job));
+        let pause = inner.limits.backoff(*failures);
+        tracing::debug!(retry_in = ?pause, "pausing uploads after a failure");
+        return Some(pause);
     }
+    *failures = 0;
+    match inner.transition(|q| q.begin_finish(job)) {
+        Finish::Again => inner.changed(),
+        Finish::RemoveMarker => inner.remove_marker_and_finish(job).await,
+    }
+    None
 }
 
-/// [`RETRY_BACKOFF_MIN`] doubled per failure in a row, at most [`RETRY_BACKOFF_MAX`].
-fn backoff(failures: u32) -> Duration {
-    let doublings = failures.saturating_sub(1).min(16);
-    RETRY_BACKOFF_MIN.saturating_mul(1 << doublings).min(RETRY_BACKOFF_MAX)
-}
-
-/// [`UPLOAD_DEADLINE_BASE`] plus `size` at [`UPLOAD_MIN_RATE`].
-fn upload_deadline(size: u64) -> Duration {
-    UPLOAD_DEADLINE_BASE + Duration::from_secs(size / UPLOAD_MIN_RATE)
-}
-
-async fn attempt(inner: &Inner, job: Job) -> Outcome {
+/// One upload of `job`, given up when `stopped` says so.
+async fn attempt(inner: &Inner, job: Job, mut stopped: watch::Receiver<Option<Stop>>) -> Outcome {
+    let stop = async move {
+        match stopped.wait_for(Option::is_some).await {
+            Ok(stop) => stop.unwrap_or(Stop::Shutdown),
+            // The queue is gone: larder is stopping.
+            Err(_) => Stop::Shutdown,
+        }
+    };
     match job.kind {
         ObjectKind::Blob => {
             let path = (inner.blob_path)(&job.digest);
@@ -310,14 +626,21 @@ async fn attempt(inner: &Inner, job: Job) -> Outcome {
                 Ok(_) => {}
                 Err(e) => return Outcome::Failed(e),
             }
-            let deadline = upload_deadline(local_size);
-            match tokio::time::timeout(deadline, inner.store.put_blob_file(&job.digest, &path)).await {
-                Ok(Ok(_)) => Outcome::Uploaded,
-                Ok(Err(e @ (SharedError::Local { .. } | SharedError::Corrupt { .. }))) => {
+            let deadline = inner.limits.deadline(local_size);
+            let until = async {
+                tokio::select! {
+                    () = tokio::time::sleep(deadline) => None,
+                    stop = stop => Some(stop),
+                }
+            };
+            match inner.store.put_blob_file_until(&job.digest, &path, until).await {
+                Ok(_) => Outcome::Uploaded,
+                Err(PutFailed::Stopped(None)) => Outcome::TimedOut(deadline),
+                Err(PutFailed::Stopped(Some(stop))) => Outcome::Stopped(stop),
+                Err(PutFailed::Store(e @ (SharedError::Local { .. } | SharedError::Corrupt { .. }))) => {
                     Outcome::Dropped(e.to_string())
                 }
-                Ok(Err(e)) => Outcome::Failed(e),
-                Err(_) => Outcome::Failed(SharedError::Store(format!("upload not done within {deadline:?}"))),
+                Err(PutFailed::Store(e)) => Outcome::Failed(e),
             }
         }
         ObjectKind::Manifest => {
@@ -334,12 +657,15 @@ async fn attempt(inner: &Inner, job: Job) -> Outcome {
                 Ok(None) => {}
                 Err(e) => return Outcome::Failed(e),
             }
-            let deadline = upload_deadline(bytes.len() as u64);
-            match tokio::time::timeout(deadline, inner.store.put_manifest(&job.digest, media_type, bytes)).await {
-                Ok(Ok(())) => Outcome::Uploaded,
-                Ok(Err(e @ SharedError::Corrupt { .. })) => Outcome::Dropped(e.to_string()),
-                Ok(Err(e)) => Outcome::Failed(e),
-                Err(_) => Outcome::Failed(SharedError::Store(format!("upload not done within {deadline:?}"))),
+            let deadline = inner.limits.deadline(bytes.len() as u64);
+            tokio::select! {
+                put = inner.store.put_manifest(&job.digest, media_type, bytes) => match put {
+                    Ok(()) => Outcome::Uploaded,
+                    Err(e @ SharedError::Corrupt { .. }) => Outcome::Dropped(e.to_string()),
+                    Err(e) => Outcome::Failed(e),
+                },
+                () = tokio::time::sleep(deadline) => Outcome::TimedOut(deadline),
+                stop = stop => Outcome::Stopped(stop),
             }
         }
     }
@@ -396,32 +722,4 @@ fn remove_marker(path: &Path) -> Result<(), Error> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_doubles_up_to_the_cap() {
-        assert_eq!(backoff(1), RETRY_BACKOFF_MIN);
-        assert_eq!(backoff(2), RETRY_BACKOFF_MIN * 2);
-        assert_eq!(backoff(3), RETRY_BACKOFF_MIN * 4);
-        assert_eq!(backoff(40), RETRY_BACKOFF_MAX);
-    }
-
-    #[test]
-    fn markers_are_found_again_and_strays_removed() {
-        let dir = tempfile::tempdir().unwrap();
-        let blob = Job { kind: ObjectKind::Blob, digest: Digest::of(b"blob") };
-        let manifest = Job { kind: ObjectKind::Manifest, digest: Digest::of(b"{}") };
-        write_marker(&marker_path(dir.path(), &blob), &[]).unwrap();
-        write_marker(&marker_path(dir.path(), &manifest), b"application/vnd.oci.image.manifest.v1+json\n{}").unwrap();
-        std::fs::write(dir.path().join("blob/.tmp-half-written"), b"x").unwrap();
-        let mut found = scan(dir.path()).unwrap();
-        found.sort_by_key(|j| j.kind.as_str());
-        assert_eq!(found, vec![blob, manifest]);
-        assert!(!dir.path().join("blob/.tmp-half-written").exists());
-        let content = std::fs::read(marker_path(dir.path(), &manifest)).unwrap();
-        let (media_type, bytes) = parse_manifest_marker(&content).unwrap();
-        assert_eq!((media_type, &bytes[..]), (MediaType::OciManifest, &b"{}"[..]));
-        assert!(parse_manifest_marker(b"text/plain\n{}").is_none());
-    }
-}
+mod tests;

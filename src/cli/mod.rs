@@ -151,6 +151,36 @@ pub async fn purge(client: &AdminClient, upstream: &str, repo: Option<&str>) -> 
         n("manifests"),
         bytes(n("bytes"))
     );
+    // In a cluster, every other replica was asked to purge the same.
+    let replicas = purged["replicas"].as_array().cloned().unwrap_or_default();
+    let mut missed = Vec::new();
+    for r in &replicas {
+        let peer = r["peer"].as_str().unwrap_or("?");
+        match r["result"].as_str() {
+            Some("purged") => {
+                let n = |k: &str| r["purged"][k].as_u64().unwrap_or(0);
+                println!(
+                    "  replica {peer}: {} tags, {} membership rows, {} blobs, {} manifests, {} freed",
+                    n("tags"),
+                    n("members"),
+                    n("blobs"),
+                    n("manifests"),
+                    bytes(n("bytes"))
+                );
+            }
+            result => {
+                let result = result.unwrap_or("?");
+                println!("  replica {peer}: {result}: {}", r["error"].as_str().unwrap_or(""));
+                missed.push(peer.to_owned());
+            }
+        }
+    }
+    if !missed.is_empty() {
+        return Err(CallError::Protocol(format!(
+            "not purged on {}; it keeps what it held: run the purge again once it is up",
+            missed.join(", ")
+        )));
+    }
     Ok(())
 }
 

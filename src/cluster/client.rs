@@ -34,12 +34,36 @@ pub const LOOKUP_HEADER: &str = "larder-peer-lookup";
 /// tag points (unix milliseconds), so the asker's copy expires with the
 /// owner's and not a TTL later.
 pub const TAG_CONFIRMED_HEADER: &str = "larder-tag-confirmed";
-/// Time to open a connection to a peer. Peers are near: a peer that does
-/// not accept within this is taken for down, and the next source is tried.
+/// On a blob request to the owner: the asker already looked in the shared
+/// tier for it and missed (or the store failed), so the owner does not
+/// look again (one store GET per cold blob, not two).
+pub const SHARED_MISSED_HEADER: &str = "larder-shared-missed";
+/// On a peer's error answer: the upstream named in `?ns=` is not
+/// configured there (yet: a rolling config change). Its 404 then says
+/// nothing about the repository, and the asker goes on to the next source.
+pub const UNKNOWN_UPSTREAM_HEADER: &str = "larder-unknown-upstream";
+/// The peer listener's purge endpoint: `POST` with `?upstream=NAME[&repo=REPO]`
+/// and the cluster secret; the answer is what the replica removed (JSON).
+pub const PURGE_PATH: &str = "/larder/purge";
+/// Largest answer to a purge read from a peer (a few counts).
+const MAX_PURGE_ANSWER: usize = 64 << 10;
+/// Longest wait for a peer's error body (which carries its OCI code): a
+/// peer that sent error headers and then stalls costs the asker this
+/// much, then its answer counts as an error without a code.
+pub const PEER_ERROR_BODY_TIMEOUT: Duration = Duration::from_secs(2);
+/// Time to open a connection to a peer (TCP, and TLS for https peers).
+/// Peers are near: a peer that does not accept within this is taken for
+/// down, and the next source is tried.
 pub const PEER_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
-/// Added to the upstream's response timeout when waiting for a peer's
-/// response headers: the owner may itself be waiting on upstream.
+/// Wait for a lookup's answer ([`LOOKUP_HEADER`]): the peer answers from
+/// its memory and index, in milliseconds when healthy. Past this the
+/// asker goes on without it (the peer is not marked down), so a hung
+/// runner-up adds at most this to an owner's answer.
+pub const PEER_LOOKUP_TIMEOUT: Duration = Duration::from_secs(1);
+/// Added to the owner's worst legitimate wait when waiting for its
+/// response headers: the round trips between the two replicas.
 pub const PEER_RESPONSE_MARGIN: Duration = Duration::from_secs(2);
+
 /// Largest error body read from a peer (to learn its OCI error code).
 const MAX_ERROR_BODY: usize = 64 << 10;
 /// How long an idle pooled connection to a peer is kept.
@@ -47,22 +71,31 @@ const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// Why a peer did not give what was asked.
 ///
-/// Only [`PeerError::Unreachable`] marks a peer down. An owner that answers
-/// 5xx is alive: its 502, 503 and 504 are upstream's failures relayed (or
-/// its disk's, a 503 too), and the asker already goes on to the next
-/// source for that one request. Marking it down would send every asker to
-/// upstream for all of the owner's keys for [`super::peers::PEER_DOWN_FOR`],
-/// N upstream fetches per key exactly while upstream is struggling. Nor
-/// does a body that breaks off mark it down: the owner also aborts its
-/// answer when its own source broke off and nothing could resume, which
-/// the asker cannot tell from the owner dying; the fill resumes from its
-/// next source either way, and a dead owner is marked down by the next
-/// request it misses (a refused connection is immediate, a silent host
-/// costs [`PEER_CONNECT_TIMEOUT`]).
+/// Only [`PeerError::Unreachable`], a failed TCP connect or TLS handshake,
+/// marks a peer down. A peer that is slow to answer is alive: an owner
+/// may legitimately wait on the shared tier, a runner-up lookup, an
+/// upstream slot, a token and upstream itself; marking it down would send
+/// every asker to upstream for all of its keys for
+/// [`super::peers::PEER_DOWN_FOR`], N upstream fetches per key exactly
+/// while upstream is struggling. An owner that answers 5xx is alive too:
+/// its 502, 503 and 504 are upstream's failures relayed (or its disk's,
+/// a 503 too), and the asker goes on for that one request. Nor does a
+/// body that breaks off mark it down: the owner also aborts its answer
+/// when its own source broke off and nothing could resume, which the
+/// asker cannot tell from the owner dying; the fill resumes from its next
+/// source either way, and a dead owner is marked down by the next request
+/// it misses (a refused connection is immediate, a silent host costs
+/// [`PEER_CONNECT_TIMEOUT`]).
 #[derive(Debug)]
 pub enum PeerError {
-    /// No answer: refused, reset, timed out. The peer is marked down.
+    /// No connection: refused, or no TCP or TLS handshake in time, or the
+    /// certificate did not verify. The peer is marked down.
     Unreachable(String),
+    /// Connected, but no response headers in time, or the connection
+    /// broke before them. Not marked down (see above).
+    NoAnswer(String),
+    /// The peer does not know the upstream named ([`UNKNOWN_UPSTREAM_HEADER`]).
+    UnknownUpstream,
     /// The peer answered with an error status and the OCI code of its body.
     /// Not marked down (see above).
     Status { status: StatusCode, code: String, retry_after: Option<String> },
@@ -72,6 +105,8 @@ impl std::fmt::Display for PeerError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             PeerError::Unreachable(e) => write!(f, "peer unreachable: {e}"),
+            PeerError::NoAnswer(e) => write!(f, "peer did not answer: {e}"),
+            PeerError::UnknownUpstream => write!(f, "peer does not know the upstream"),
             PeerError::Status { status, code, .. } => write!(f, "peer answered {status} {code}"),
         }
     }
@@ -87,6 +122,8 @@ pub struct Ask<'a> {
     pub from: Option<u64>,
     /// Only what the peer already holds ([`LOOKUP_HEADER`]).
     pub lookup: bool,
+    /// The asker missed in the shared tier already ([`SHARED_MISSED_HEADER`]).
+    pub shared_missed: bool,
     /// How long to wait for response headers.
     pub timeout: Duration,
 }
@@ -138,16 +175,45 @@ impl PeerClient {
     /// body still open), or why there is none. `from`: a `Range` from that
     /// byte to the end.
     pub async fn send(&self, peer: &PeerUrl, ask: Ask<'_>) -> Result<Response<Incoming>, PeerError> {
-        let kind = if ask.path_and_query.contains("/blobs/") { "blob" } else { "manifest" };
+        let kind = if ask.path_and_query.starts_with(PURGE_PATH) {
+            "purge"
+        } else if ask.path_and_query.contains("/blobs/") {
+            "blob"
+        } else {
+            "manifest"
+        };
         let answer = self.exchange(peer, ask).await;
         let result = match &answer {
             Ok(_) => "ok",
             Err(PeerError::Unreachable(_)) => "unreachable",
+            Err(PeerError::NoAnswer(_)) => "no_answer",
             Err(PeerError::Status { status, .. }) if *status == StatusCode::NOT_FOUND => "not_found",
-            Err(PeerError::Status { .. }) => "error",
+            Err(PeerError::UnknownUpstream | PeerError::Status { .. }) => "error",
         };
         metrics().peer_requests.with_label_values(&["out", kind, result]).inc();
         answer
+    }
+
+    /// Asks `peer` to purge what `query` names (`upstream=NAME[&repo=REPO]`,
+    /// form-encoded): its answer, what it removed, as JSON.
+    pub async fn purge(&self, peer: &PeerUrl, query: &str, timeout: Duration) -> Result<serde_json::Value, PeerError> {
+        let path = format!("{PURGE_PATH}?{query}");
+        let ask = Ask {
+            method: Method::POST,
+            path_and_query: &path,
+            accept: None,
+            from: None,
+            lookup: false,
+            shared_missed: false,
+            timeout,
+        };
+        let resp = self.send(peer, ask).await?;
+        let body = Limited::new(resp.into_body(), MAX_PURGE_ANSWER).collect();
+        let body = tokio::time::timeout(timeout, body)
+            .await
+            .map_err(|_| PeerError::NoAnswer("the purge's answer stalled".into()))?
+            .map_err(|e| PeerError::NoAnswer(format!("the purge's answer: {e}")))?;
+        serde_json::from_slice(&body.to_bytes()).map_err(|e| PeerError::NoAnswer(format!("the purge's answer: {e}")))
     }
 
     async fn exchange(&self, peer: &PeerUrl, ask: Ask<'_>) -> Result<Response<Incoming>, PeerError> {
@@ -165,21 +231,28 @@ impl PeerClient {
         if ask.lookup {
             req = req.header(LOOKUP_HEADER, "1");
         }
-        let req = req.body(Empty::new()).map_err(|e| PeerError::Unreachable(format!("building request: {e}")))?;
+        if ask.shared_missed {
+            req = req.header(SHARED_MISSED_HEADER, "1");
+        }
+        let req = req.body(Empty::new()).map_err(|e| PeerError::NoAnswer(format!("building request: {e}")))?;
         let resp = match tokio::time::timeout(ask.timeout, self.http.request(req)).await {
-            Err(_) => return Err(PeerError::Unreachable("no response headers in time".into())),
-            Ok(Err(e)) => return Err(PeerError::Unreachable(crate::upstream::error_chain(&e))),
+            Err(_) => return Err(PeerError::NoAnswer(format!("no response headers within {:?}", ask.timeout))),
+            Ok(Err(e)) if e.is_connect() => return Err(PeerError::Unreachable(crate::upstream::error_chain(&e))),
+            Ok(Err(e)) => return Err(PeerError::NoAnswer(crate::upstream::error_chain(&e))),
             Ok(Ok(resp)) => resp,
         };
         let status = resp.status();
         if status.is_success() {
             return Ok(resp);
         }
+        if resp.headers().contains_key(UNKNOWN_UPSTREAM_HEADER) {
+            return Err(PeerError::UnknownUpstream);
+        }
         let retry_after = resp.headers().get("retry-after").and_then(|v| v.to_str().ok()).map(str::to_owned);
-        let body = Limited::new(resp.into_body(), MAX_ERROR_BODY).collect().await.map(|b| b.to_bytes());
+        let body = Limited::new(resp.into_body(), MAX_ERROR_BODY).collect();
+        let body = tokio::time::timeout(PEER_ERROR_BODY_TIMEOUT, body).await.ok().and_then(Result::ok);
         let code = body
-            .ok()
-            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b.to_bytes()).ok())
             .and_then(|v| v["errors"][0]["code"].as_str().map(str::to_owned))
             .unwrap_or_default();
         Err(PeerError::Status { status, code, retry_after })

@@ -3,12 +3,14 @@
 //! owner of a key (rendezvous hashing over the live peers) and [`peers`]
 //! keeps the peer set (a static list or a DNS name re-resolved
 //! periodically) and which peers are down for a while. [`client`] asks an
-//! owner. What answers peers is a listener, so it lives with the others in
+//! owner, and [`purge`] asks every replica to forget what a purge names.
+//! What answers peers is a listener, so it lives with the others in
 //! `server::peer`: this folder imports nothing of the server or of `App`,
 //! and the cache can use it without a loop between the modules.
 
 pub mod client;
 pub mod peers;
+pub mod purge;
 pub mod ring;
 
 use std::sync::Arc;

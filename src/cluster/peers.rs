@@ -5,13 +5,14 @@
 //! name, e.g. a Kubernetes headless Service, resolved again every
 //! [`DNS_REFRESH_INTERVAL`]). This replica is always a member, also before
 //! DNS lists it (a headless Service lists only ready pods). A peer that
-//! cannot be reached is marked down for [`PEER_DOWN_FOR`] and skipped, so the
+//! cannot be connected to is marked down for [`PEER_DOWN_FOR`] and skipped, so the
 //! next peer in its keys' rankings stands in for it; this replica is never
 //! skipped, so the candidate list always ends in someone who can fetch.
 
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -31,6 +32,11 @@ pub const PEER_DOWN_FOR: Duration = Duration::from_secs(10);
 /// refreshed). A new replica starts receiving its keys at most this late.
 pub const DNS_REFRESH_INTERVAL: Duration = Duration::from_secs(5);
 
+/// Sets `flag` to `now`; whether it just turned true (to warn once per change).
+fn became_true(flag: &AtomicBool, now: bool) -> bool {
+    !flag.swap(now, Ordering::Relaxed) && now
+}
+
 /// Resolves `host:port` to addresses; tokio's `lookup_host` in production.
 pub type Resolve = Arc<dyn Fn(String) -> BoxFuture<'static, io::Result<Vec<SocketAddr>>> + Send + Sync>;
 
@@ -48,6 +54,13 @@ pub struct Peers {
     ring: RwLock<Arc<Ring<PeerUrl>>>,
     /// Peers skipped until the given time.
     down: Mutex<HashMap<PeerUrl, Instant>>,
+    /// Whether the last answer of `peers_dns` lacked this replica (warned once per change).
+    me_missing: AtomicBool,
+    /// Whether the last answer of `peers_dns` mixed IP families (warned once per change).
+    mixed_families: AtomicBool,
+    /// True once the member set is known: at once for a static list,
+    /// after the first lookup of `peers_dns` (successful or not).
+    settled: tokio::sync::watch::Sender<bool>,
 }
 
 impl Peers {
@@ -71,6 +84,9 @@ impl Peers {
             dns,
             resolve,
             down: Mutex::default(),
+            me_missing: AtomicBool::new(false),
+            mixed_families: AtomicBool::new(false),
+            settled: tokio::sync::watch::channel(matches!(config.peers, PeerSource::Static(_))).0,
         });
         peers.update_gauges();
         peers
@@ -114,9 +130,9 @@ impl Peers {
         self.candidates(key).into_iter().next().unwrap_or_else(|| self.me.clone())
     }
 
-    /// Skips `peer` for [`PEER_DOWN_FOR`] (it refused a connection or gave
-    /// no response headers in time; an error status or a broken body does
-    /// not count, see [`super::client::PeerError`]). This replica is never
+    /// Skips `peer` for [`PEER_DOWN_FOR`] (no TCP or TLS connection could
+    /// be made; a slow answer, an error status or a broken body does not
+    /// count, see [`super::client::PeerError`]). This replica is never
     /// marked down.
     pub fn mark_down(&self, peer: &PeerUrl) {
         if self.is_me(peer) {
@@ -136,18 +152,27 @@ impl Peers {
         self.update_gauges();
     }
 
-    /// Clears a down mark after `peer` answered a request.
-    pub fn mark_up(&self, peer: &PeerUrl) {
-        let removed = self.down_map().remove(peer).is_some();
-        if removed {
-            tracing::info!(%peer, "peer is up again");
-            self.update_gauges();
-        }
-    }
-
     /// Whether `peer` is currently skipped.
     pub fn is_down(&self, peer: &PeerUrl) -> bool {
         self.down_map().get(peer).is_some_and(|until| *until > Instant::now())
+    }
+
+    /// The addresses of `addrs` in the IP family of `cluster.self` (when it
+    /// is an address): a name that resolves to both IPv4 and IPv6 would
+    /// otherwise list every replica twice, and each replica would rank
+    /// the other family's copies as owners nobody else agrees on.
+    fn same_family_as_me(&self, name: &str, addrs: Vec<SocketAddr>) -> Vec<SocketAddr> {
+        let host = self.me.authority().rsplit_once(':').map_or(self.me.authority(), |(h, _)| h);
+        let Ok(ip) = host.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>() else {
+            return addrs;
+        };
+        let (kept, dropped): (Vec<SocketAddr>, Vec<SocketAddr>) =
+            addrs.into_iter().partition(|a| a.is_ipv4() == ip.is_ipv4());
+        if became_true(&self.mixed_families, !dropped.is_empty()) {
+            tracing::warn!(name = %name, ?dropped, me = %self.me, "peers_dns answered both IPv4 and IPv6 \
+                addresses; keeping the family of cluster.self");
+        }
+        kept
     }
 
     /// Resolves `peers_dns` once and makes the result (plus this replica)
@@ -158,14 +183,34 @@ impl Peers {
             match (self.resolve)(name.clone()).await {
                 Ok(addrs) => {
                     let https = self.me.is_https();
-                    let found = addrs.into_iter().map(|a| PeerUrl::from_addr(https, a));
+                    let addrs = self.same_family_as_me(name, addrs);
+                    let found: Vec<PeerUrl> = addrs.into_iter().map(|a| PeerUrl::from_addr(https, a)).collect();
+                    let listed = found.contains(&self.me);
+                    if became_true(&self.me_missing, !listed) {
+                        tracing::warn!(name = %name, me = %self.me, "cluster.self is not in the answer of \
+                            peers_dns: other replicas may not count this one, and disagree with it about owners");
+                    }
                     self.set_members(std::iter::once(self.me.clone()).chain(found).collect());
                 }
                 Err(e) => tracing::warn!(name = %name, error = %e, "resolving peers_dns failed; keeping the peer set"),
             }
         }
+        self.settled.send_replace(true);
         self.expire_down_marks();
         self.update_gauges();
+    }
+
+    /// Waits until the member set is known (see [`Peers::settled`]'s field):
+    /// before that, a `peers_dns` replica counts only itself and would
+    /// take every key for its own.
+    pub async fn settled(&self) {
+        let mut rx = self.settled.subscribe();
+        let _ = rx.wait_for(|s| *s).await;
+    }
+
+    /// Whether this replica owns `key` now (it is the first live candidate).
+    pub fn owns(&self, key: &str) -> bool {
+        self.is_me(&self.owner(key))
     }
 
     fn set_members(&self, members: Vec<PeerUrl>) {
@@ -264,10 +309,6 @@ mod tests {
 
         tokio::time::advance(PEER_DOWN_FOR + Duration::from_millis(1)).await;
         assert_eq!(peers.candidates(&key), before, "back after PEER_DOWN_FOR");
-
-        peers.mark_down(&before[0]);
-        peers.mark_up(&before[0]);
-        assert_eq!(peers.candidates(&key), before, "an answer clears the mark at once");
     }
 
     #[test]
@@ -315,6 +356,40 @@ mod tests {
         let expected = ["http://10.0.0.2:5001", "http://10.0.0.3:5001", "http://10.0.0.4:5001"].map(url).to_vec();
         assert_eq!(peers.members(), expected, "scaled: one gone, one new");
         task.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn peers_dns_keeps_the_family_of_self_and_a_static_list_is_settled_at_once() {
+        // A dual-stack Service: every replica twice, IPv4 and IPv6.
+        let resolve: Resolve = Arc::new(|_| {
+            let addrs = ["10.0.0.1:5001", "[fd00::1]:5001", "10.0.0.2:5001", "[fd00::2]:5001"];
+            Box::pin(async move { Ok(addrs.iter().map(|a| a.parse().unwrap()).collect()) })
+        });
+        let cfg = config("http://10.0.0.2:5001", PeerSource::Dns { name: "larder-headless:5001".into() });
+        let peers = Peers::with_resolver(&cfg, resolve);
+        let settled = tokio::spawn({
+            let peers = Arc::clone(&peers);
+            async move { peers.settled().await }
+        });
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert!(!settled.is_finished(), "not settled before the first lookup");
+        peers.refresh().await;
+        settled.await.unwrap();
+        let expected = ["http://10.0.0.1:5001", "http://10.0.0.2:5001"].map(url).to_vec();
+        assert_eq!(peers.members(), expected, "the IPv6 copies would be owners nobody agrees on");
+
+        // An IPv6 self keeps the IPv6 addresses.
+        let v6 = config("http://[fd00::1]:5001", PeerSource::Dns { name: "larder-headless:5001".into() });
+        let resolve: Resolve = Arc::new(|_| {
+            let addrs = ["10.0.0.1:5001", "[fd00::1]:5001", "[fd00::2]:5001"];
+            Box::pin(async move { Ok(addrs.iter().map(|a| a.parse().unwrap()).collect()) })
+        });
+        let peers = Peers::with_resolver(&v6, resolve);
+        peers.refresh().await;
+        assert_eq!(peers.members(), ["http://[fd00::1]:5001", "http://[fd00::2]:5001"].map(url).to_vec());
+
+        // A static list needs no lookup.
+        tokio::time::timeout(Duration::from_secs(1), Peers::new(&three()).settled()).await.expect("settled at once");
     }
 
     #[tokio::test]

@@ -264,7 +264,10 @@ mod tests {
         assert_eq!((shared.bucket.as_str(), shared.prefix.as_str()), ("larder-cache", "mirror/v1"));
         assert_eq!(shared.endpoint.as_deref(), Some("http://garage.storage:3900"));
         assert_eq!(shared.region, "garage");
-        assert_eq!(shared.access_key_id.expose(), "GK31c2f218a2e44f485b94239e");
+        let crate::config::SharedCredentials::Static { access_key_id, .. } = &shared.credentials else {
+            panic!("keys from files")
+        };
+        assert_eq!(access_key_id.expose(), "GK31c2f218a2e44f485b94239e");
         assert_eq!(shared.max_age, Some(Duration::from_secs(90 * 86400)));
         let cluster = c.cluster.as_ref().unwrap();
         assert_eq!(cluster.listen, "0.0.0.0:5001".parse().unwrap());

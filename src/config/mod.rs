@@ -40,7 +40,7 @@ pub use server::{
     ClientAuthConfig, DEFAULT_MAX_CONNECTIONS, DEFAULT_SHUTDOWN_GRACE, MAX_MAX_CONNECTIONS, SendfileMode, ServerConfig,
     TlsConfig,
 };
-pub use shared::{MIN_SHARED_MAX_AGE, SharedConfig};
+pub use shared::{MIN_SHARED_MAX_AGE, SharedConfig, SharedCredentials};
 pub use upstream::{
     DEFAULT_BODY_IDLE_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_CONCURRENCY, DEFAULT_RESPONSE_TIMEOUT, FallbackUrl,
     MAX_MAX_CONCURRENCY, MAX_UPSTREAM_TIMEOUT, MAX_UPSTREAM_URLS, UpstreamConfig,

@@ -23,13 +23,28 @@ pub struct SharedConfig {
     pub endpoint: Option<String>,
     /// Must equal the store's own region name (Garage: `s3_region`).
     pub region: String,
-    pub access_key_id: Secret,
-    pub secret_access_key: Secret,
-    /// `AWS_SESSION_TOKEN`, when the keys come from the environment.
-    pub session_token: Option<Secret>,
+    /// How larder signs its requests to the store.
+    pub credentials: SharedCredentials,
     /// Objects uploaded longer ago than this are deleted by a sweep; `None`
     /// leaves expiry to the bucket's lifecycle rules.
     pub max_age: Option<Duration>,
+}
+
+/// How the shared tier's requests are signed.
+#[derive(Debug, Clone)]
+pub enum SharedCredentials {
+    /// Keys read once: `access_key_id_file` and `secret_access_key_file`,
+    /// or `AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY` (with
+    /// `AWS_SESSION_TOKEN` if set) from the environment, which a running
+    /// process cannot see change.
+    Static { access_key_id: Secret, secret_access_key: Secret, session_token: Option<Secret> },
+    /// The AWS credential chain (`object_store`'s): web identity
+    /// (`AWS_WEB_IDENTITY_TOKEN_FILE` and `AWS_ROLE_ARN`, as IRSA sets
+    /// them), EKS Pod Identity or ECS container credentials
+    /// (`AWS_CONTAINER_CREDENTIALS_*`), else the instance metadata service.
+    /// Temporary credentials are fetched again before they expire, so
+    /// rotating ones keep working.
+    Chain,
 }
 
 #[cfg_attr(test, derive(schemars::JsonSchema))]
@@ -88,27 +103,34 @@ impl Validator<'_> {
         if region.is_empty() || !region.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
             return Err(self.err("shared.region", format!("{region:?} is not a region name")));
         }
-        let (access_key_id, secret_access_key, session_token) = match (&s.access_key_id_file, &s.secret_access_key_file)
-        {
-            (Some(id), Some(secret)) => (
-                self.secret_file("shared.access_key_id_file", id)?,
-                self.secret_file("shared.secret_access_key_file", secret)?,
-                None,
-            ),
+        let credentials = match (&s.access_key_id_file, &s.secret_access_key_file) {
+            (Some(id), Some(secret)) => SharedCredentials::Static {
+                access_key_id: self.secret_file("shared.access_key_id_file", id)?,
+                secret_access_key: self.secret_file("shared.secret_access_key_file", secret)?,
+                session_token: None,
+            },
             (None, None) => {
-                let id = (self.env)("AWS_ACCESS_KEY_ID").filter(|v| !v.is_empty());
-                let secret = (self.env)("AWS_SECRET_ACCESS_KEY").filter(|v| !v.is_empty());
-                match (id, secret) {
-                    (Some(id), Some(secret)) => (
-                        Secret::new(id),
-                        Secret::new(secret),
-                        (self.env)("AWS_SESSION_TOKEN").filter(|v| !v.is_empty()).map(Secret::new),
-                    ),
+                let var = |name: &str| (self.env)(name).filter(|v| !v.is_empty());
+                let chain_source = ["AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI"]
+                    .iter()
+                    .chain(&["AWS_CONTAINER_CREDENTIALS_FULL_URI"])
+                    .any(|name| var(name).is_some());
+                match (var("AWS_ACCESS_KEY_ID"), var("AWS_SECRET_ACCESS_KEY")) {
+                    (Some(id), Some(secret)) => SharedCredentials::Static {
+                        access_key_id: Secret::new(id),
+                        secret_access_key: Secret::new(secret),
+                        session_token: var("AWS_SESSION_TOKEN").map(Secret::new),
+                    },
+                    // A rotating source, or AWS itself (its instance
+                    // metadata); an S3-compatible store needs one of them
+                    // named or keys.
+                    _ if chain_source || endpoint.is_none() => SharedCredentials::Chain,
                     _ => {
                         return Err(self.err(
                             "shared.access_key_id_file",
-                            "set access_key_id_file and secret_access_key_file, or \
-                                 AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment",
+                            "set access_key_id_file and secret_access_key_file, or AWS_ACCESS_KEY_ID and \
+                             AWS_SECRET_ACCESS_KEY (or a web identity, AWS_WEB_IDENTITY_TOKEN_FILE and \
+                             AWS_ROLE_ARN) in the environment",
                         ));
                     }
                 }
@@ -130,7 +152,7 @@ impl Validator<'_> {
                 ));
             }
         }
-        Ok(SharedConfig { bucket, prefix, endpoint, region, access_key_id, secret_access_key, session_token, max_age })
+        Ok(SharedConfig { bucket, prefix, endpoint, region, credentials, max_age })
     }
 
     fn endpoint(&self, e: &str) -> Result<String, ConfigError> {
@@ -161,6 +183,7 @@ fn valid_bucket(s: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use super::SharedCredentials;
     use crate::config::test_support::*;
 
     #[test]
@@ -178,9 +201,35 @@ mod tests {
         assert_eq!((shared.bucket.as_str(), shared.prefix.as_str()), ("bucket-a", ""));
         assert_eq!(shared.endpoint, None, "AWS S3 itself");
         assert_eq!(shared.region, "eu-west-3");
-        assert_eq!(shared.access_key_id.expose(), "AKIDEXAMPLE");
-        assert_eq!(shared.session_token.map(|t| t.expose().to_owned()).as_deref(), Some("tok"));
-        let e = parse_in(dir.path(), text, &env_of(&[("AWS_REGION", "eu-west-3")])).unwrap_err().to_string();
+        let SharedCredentials::Static { access_key_id, session_token, .. } = shared.credentials else {
+            panic!("keys in the environment are static")
+        };
+        assert_eq!(access_key_id.expose(), "AKIDEXAMPLE");
+        assert_eq!(session_token.map(|t| t.expose().to_owned()).as_deref(), Some("tok"));
+    }
+
+    #[test]
+    fn without_keys_the_shared_tier_uses_the_aws_credential_chain_so_temporary_credentials_rotate() {
+        let dir = secrets_dir();
+        let chain = |text: &str, env: &'static [(&'static str, &'static str)]| {
+            let c = parse_in(dir.path(), text, &env_of(env)).map(|c| c.shared.unwrap().credentials);
+            matches!(c, Ok(SharedCredentials::Chain))
+        };
+        let aws = "[shared]\nurl = \"s3://bucket-a\"\nregion = \"eu-west-3\"\n";
+        const IRSA: &[(&str, &str)] =
+            &[("AWS_WEB_IDENTITY_TOKEN_FILE", "/var/run/secrets/eks/token"), ("AWS_ROLE_ARN", "arn:aws:iam::1:role/l")];
+        assert!(chain(aws, IRSA), "web identity (IRSA)");
+        assert!(chain(aws, &[]), "on AWS: the instance's or pod's role");
+        let garage = "[shared]\nurl = \"s3://bucket-a\"\nregion = \"garage\"\nendpoint = \"http://garage:3900\"\n";
+        assert!(chain(garage, IRSA), "a web identity named for another store");
+        assert!(
+            chain(garage, &[("AWS_CONTAINER_CREDENTIALS_FULL_URI", "http://169.254.170.23/v1/credentials")]),
+            "EKS Pod Identity"
+        );
+        let e = parse_in(dir.path(), garage, &env_of(&[])).unwrap_err().to_string();
         assert!(e.contains("`shared.access_key_id_file`") && e.contains("AWS_ACCESS_KEY_ID"), "{e}");
+        const KEYS: &[(&str, &str)] =
+            &[("AWS_ACCESS_KEY_ID", "AKID"), ("AWS_SECRET_ACCESS_KEY", "s"), ("AWS_WEB_IDENTITY_TOKEN_FILE", "/t")];
+        assert!(!chain(aws, KEYS), "keys given are used as they are");
     }
 }

@@ -53,7 +53,7 @@ pub async fn manifest(
     // A peer keeps the tag as long as this owner would: from when upstream
     // last confirmed it, not from now.
     let confirmed = match (route.via, reference) {
-        (Via::Peer, Reference::Tag(tag)) => app.cache.tag_confirmed(route.upstream.name(), &route.repo, tag),
+        (Via::Peer { .. }, Reference::Tag(tag)) => app.cache.tag_confirmed(route.upstream.name(), &route.repo, tag),
         _ => None,
     };
     Ok((manifest_response(&m, method == Method::HEAD, confirmed)?, result))
@@ -121,13 +121,18 @@ pub async fn blob(
                 .status(StatusCode::PARTIAL_CONTENT)
                 .header(CONTENT_RANGE, format!("bytes {start}-{}/{size}", end - 1))
                 .header(CONTENT_LENGTH, end - start)
-                .body(read_body(file, progress, start, Some(end), sink.cloned()))
+                .body(read_body(file, progress, start, Some(end), route.via, sink.cloned()))
         }
-        (_, Some(size)) => {
-            builder.header(CONTENT_LENGTH, size).body(read_body(file, progress, 0, Some(size), sink.cloned()))
-        }
+        (_, Some(size)) => builder.header(CONTENT_LENGTH, size).body(read_body(
+            file,
+            progress,
+            0,
+            Some(size),
+            route.via,
+            sink.cloned(),
+        )),
         // Chunked: hyper frames each chunk, so no placeholders there.
-        (_, None) => builder.body(read_body(file, progress, 0, None, None)),
+        (_, None) => builder.body(read_body(file, progress, 0, None, route.via, None)),
     };
     Ok((built(resp)?, result))
 }
@@ -137,13 +142,7 @@ pub async fn blob(
 async fn blob_head(app: &App, route: &Route, digest: Digest) -> Result<(Response<Body>, CacheResult), Error> {
     // Upstream's HEAD may carry no length: then none is sent (a
     // `Content-Length: 0` would claim an empty blob).
-    let (size, result) = match app.cache.blob_size_via(&route.upstream, &route.repo, &digest, route.via).await? {
-        Some(size) => (Some(size), CacheResult::Hit),
-        None => (
-            route.upstream.head_blob(&route.repo, &digest).await?.ok_or(Error::BlobUnknown(digest))?,
-            CacheResult::Miss,
-        ),
-    };
+    let (size, result) = app.cache.head_blob(&route.upstream, &route.repo, &digest, route.via).await?;
     let mut builder = response(StatusCode::OK)
         .header(CONTENT_TYPE, OCTET_STREAM)
         .header(DOCKER_CONTENT_DIGEST, digest.header_value())

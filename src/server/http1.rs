@@ -411,7 +411,7 @@ pub(super) mod tests {
                         assert!(sink.is_some(), "a cleartext HTTP/1 request carries its connection's sink");
                         Response::builder()
                             .header(CONTENT_LENGTH, end - start)
-                            .body(read_body(file, None, start, Some(end), sink))
+                            .body(read_body(file, None, start, Some(end), crate::cache::Via::Client, sink))
                             .unwrap()
                     }
                 };

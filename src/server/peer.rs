@@ -2,7 +2,8 @@
 //! listener (`[cluster] listen`, outside the client-facing Service), with
 //! the registry listener's limits, and it serves only what an owner is
 //! asked for: manifests and blobs by `GET`/`HEAD` on the registry paths,
-//! for an upstream named by its configured name in `?ns=`.
+//! for an upstream named by its configured name in `?ns=`; and another
+//! replica's purge (`POST /larder/purge`).
 //!
 //! Every request must carry the cluster secret (compared in constant
 //! time); without it the answer is 401 and nothing is looked up or
@@ -25,7 +26,7 @@ use super::routes::{self, Endpoint, Parsed, Route};
 use super::{handlers, listener};
 use crate::body::Body;
 use crate::cache::Via;
-use crate::cluster::client::{LOOKUP_HEADER, SECRET_HEADER};
+use crate::cluster::client::{LOOKUP_HEADER, PURGE_PATH, SECRET_HEADER, SHARED_MISSED_HEADER, UNKNOWN_UPSTREAM_HEADER};
 use crate::error::Error;
 use crate::metrics::metrics;
 use crate::oci::Reference;
@@ -88,9 +89,20 @@ async fn handle(app: Arc<App>, secret: [u8; 32], req: Request<Incoming>) -> Resp
     let started = Instant::now();
     let (parts, _body) = req.into_parts();
     let head = parts.method == Method::HEAD;
-    let kind = if parts.uri.path().contains("/blobs/") { "blob" } else { "manifest" };
+    let kind = match parts.uri.path() {
+        PURGE_PATH => "purge",
+        path if path.contains("/blobs/") => "blob",
+        _ => "manifest",
+    };
     let (resp, result) = match serve_peer(&app, &secret, &parts).await {
         Ok(resp) => (resp, "ok"),
+        Err(Refused::Refused(e @ Error::UnknownUpstream(_))) => {
+            // Still a 404 (with NAME_UNKNOWN), but marked: the asker must
+            // not read it as "this repository lacks it".
+            let mut resp = e.into_response(head);
+            resp.headers_mut().insert(UNKNOWN_UPSTREAM_HEADER, http::HeaderValue::from_static("1"));
+            (resp, "refused")
+        }
         Err(Refused::Refused(e)) => (e.into_response(head), "refused"),
         Err(Refused::Failed(e)) => {
             let result = if e.status() == http::StatusCode::NOT_FOUND { "not_found" } else { "error" };
@@ -121,6 +133,9 @@ async fn serve_peer(
     if !has_secret(&parts.headers, secret) {
         return Err(Refused::Refused(Error::Unauthorized { realm: "larder-cluster".into() }));
     }
+    if parts.uri.path() == PURGE_PATH && parts.method == Method::POST {
+        return purge(app, parts.uri.query()).await;
+    }
     // Peers ask for manifests and blobs, by their upstream's own name.
     let Some(ns) = named_upstream(parts.uri.query()) else {
         return Err(Refused::Refused(Error::UnknownUpstream(String::new())));
@@ -136,8 +151,33 @@ async fn serve_peer(
     if parts.headers.contains_key(LOOKUP_HEADER) {
         return lookup(app, &route, &parts.method).await.map_err(Refused::Failed);
     }
-    route.via = Via::Peer;
+    route.via = Via::Peer { shared_missed: parts.headers.contains_key(SHARED_MISSED_HEADER) };
     handlers::route(app, route, parts).await.map(|(resp, _)| resp).map_err(Refused::Failed)
+}
+
+/// Another replica's purge (`POST /larder/purge?upstream=NAME[&repo=REPO]`,
+/// see [`crate::cluster::purge`]): this replica forgets the same, and
+/// answers what it removed. Passed on to nobody.
+async fn purge(app: &App, query: Option<&str>) -> Result<Response<Body>, Refused> {
+    let params: Vec<(String, String)> = form_urlencoded::parse(query.unwrap_or("").as_bytes()).into_owned().collect();
+    let param = |k: &str| params.iter().find(|(key, _)| key == k).map(|(_, v)| v.as_str());
+    let name = param("upstream").unwrap_or_default();
+    // By its configured name, as every peer request names an upstream.
+    let upstream = app.upstreams.get(name).filter(|u| u.name() == name);
+    let Some(upstream) = upstream else {
+        return Err(Refused::Refused(Error::UnknownUpstream(name.chars().take(255).collect())));
+    };
+    let repo = param("repo").map(|r| r.parse::<crate::oci::RepoName>().map_err(Error::NameInvalid)).transpose();
+    let repo = repo.map_err(Refused::Refused)?;
+    let purged = app.cache.purge(upstream.name(), repo.as_ref()).await.map_err(Refused::Failed)?;
+    tracing::info!(upstream = upstream.name(), repo = ?repo, ?purged, "purged at a peer's request");
+    let body =
+        serde_json::to_vec(&purged).map_err(|e| Refused::Failed(Error::Internal(format!("purge answer: {e}"))))?;
+    Response::builder()
+        .status(http::StatusCode::OK)
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(crate::body::full(body.into()))
+        .map_err(|e| Refused::Failed(Error::Internal(format!("building response: {e}"))))
 }
 
 /// A lookup: what this replica already holds, never fetched or forwarded.

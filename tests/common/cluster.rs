@@ -27,6 +27,8 @@ pub const SECRET: &str = "larder-test-cluster-secret";
 /// Builds a [`Cluster`]; see the module docs.
 pub struct ClusterBuilder {
     upstream: Upstream,
+    /// More upstreams every replica has.
+    more: Vec<Upstream>,
     replicas: usize,
     /// Serve the registry and peer listeners over TLS with this CA's leaf.
     tls: Option<TestCa>,
@@ -41,6 +43,7 @@ pub struct Cluster {
     /// `http://127.0.0.1:<peer port>` of each replica, in order.
     pub peer_urls: Vec<String>,
     upstream: Upstream,
+    more: Vec<Upstream>,
     tls: Option<TestCa>,
     shared: Option<(String, TempDir)>,
     customize: Vec<fn(LarderBuilder) -> LarderBuilder>,
@@ -49,7 +52,14 @@ pub struct Cluster {
 
 impl Cluster {
     pub fn builder(upstream: impl Into<Upstream>) -> ClusterBuilder {
-        ClusterBuilder { upstream: upstream.into(), replicas: 3, tls: None, shared: None, customize: Vec::new() }
+        ClusterBuilder {
+            upstream: upstream.into(),
+            more: Vec::new(),
+            replicas: 3,
+            tls: None,
+            shared: None,
+            customize: Vec::new(),
+        }
     }
 
     /// The index of the replica that owns `key` (a digest, or
@@ -58,6 +68,14 @@ impl Cluster {
         let ring = Ring::new(self.peer_urls.iter().map(String::as_str));
         let owner = ring.owner(key).expect("a cluster has replicas");
         self.peer_urls.iter().position(|u| u == owner).expect("the owner is a replica")
+    }
+
+    /// Every replica's index, ranked for `key` as every replica ranks them
+    /// when all are up: the owner first, then who takes over its keys.
+    pub fn ranked(&self, key: &str) -> Vec<usize> {
+        let ring = Ring::new(self.peer_urls.iter().map(String::as_str));
+        let ranked = ring.ranked(key);
+        ranked.into_iter().map(|u| self.peer_urls.iter().position(|p| p == u).expect("a replica")).collect()
     }
 
     /// An index other than `owner`.
@@ -77,6 +95,12 @@ impl Cluster {
 }
 
 impl ClusterBuilder {
+    /// Another upstream every replica has.
+    pub fn upstream(mut self, upstream: Upstream) -> Self {
+        self.more.push(upstream);
+        self
+    }
+
     /// How many replicas (default 3).
     pub fn replicas(mut self, n: usize) -> Self {
         self.replicas = n;
@@ -84,10 +108,24 @@ impl ClusterBuilder {
     }
 
     /// Share `garage`'s bucket, under key prefix `prefix`.
-    pub fn shared(mut self, garage: &Garage, prefix: &str) -> Self {
+    pub fn shared(self, garage: &Garage, prefix: &str) -> Self {
+        let endpoint = garage.endpoint();
+        self.shared_at(garage, prefix, &endpoint)
+    }
+
+    /// Share `garage`'s bucket through another S3 endpoint (a proxy).
+    pub fn shared_at(mut self, garage: &Garage, prefix: &str, endpoint: &str) -> Self {
         let dir = tempfile::Builder::new().prefix("larder-s3-keys-").tempdir().expect("a temp dir for S3 keys");
-        let toml = garage.shared_toml(dir.path(), prefix);
+        let toml = garage.shared_toml_at(dir.path(), prefix, endpoint);
         self.shared = Some((toml, dir));
+        self
+    }
+
+    /// A line for every replica's `[shared]` table (after [`Self::shared`]).
+    pub fn shared_line(mut self, line: &str) -> Self {
+        let (toml, _) = self.shared.as_mut().expect("call shared() first");
+        toml.push_str(line);
+        toml.push('\n');
         self
     }
 
@@ -114,6 +152,7 @@ impl ClusterBuilder {
             replicas: Vec::new(),
             peer_urls,
             upstream: self.upstream,
+            more: self.more,
             tls: self.tls,
             shared: self.shared,
             customize: self.customize,
@@ -138,6 +177,9 @@ impl Cluster {
         let _ = writeln!(table, "peers = [{}]", list.join(", "));
         let _ = writeln!(table, "secret_file = {:?}", dir.join("secret").display().to_string());
         let mut builder = Larder::builder().upstream(self.upstream.clone()).server_line(ADMIN_LISTEN);
+        for upstream in &self.more {
+            builder = builder.upstream(upstream.clone());
+        }
         if let Some(ca) = &self.tls {
             // The registry listener's certificate serves the peer listener
             // too; peers are verified with the test CA.

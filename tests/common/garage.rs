@@ -240,6 +240,11 @@ impl Garage {
         format!("http://127.0.0.1:{}", self.nodes[index].s3_port)
     }
 
+    /// Node `index`'s S3 address.
+    pub fn s3_addr(&self, index: usize) -> std::net::SocketAddr {
+        std::net::SocketAddr::from(([127, 0, 0, 1], self.nodes[index].s3_port))
+    }
+
     pub fn bucket(&self) -> &str {
         &self.bucket
     }
@@ -267,9 +272,11 @@ impl Garage {
             prefix: prefix.to_owned(),
             endpoint: Some(self.endpoint()),
             region: REGION.to_owned(),
-            access_key_id: larder::config::Secret::new(self.access_key_id.clone()),
-            secret_access_key: larder::config::Secret::new(self.secret_access_key.clone()),
-            session_token: None,
+            credentials: larder::config::SharedCredentials::Static {
+                access_key_id: larder::config::Secret::new(self.access_key_id.clone()),
+                secret_access_key: larder::config::Secret::new(self.secret_access_key.clone()),
+                session_token: None,
+            },
             max_age: None,
         }
     }
@@ -277,6 +284,12 @@ impl Garage {
     /// A `[shared]` table for a larder config file under key prefix
     /// `prefix`; the key files are written into `dir` (mode 0600).
     pub fn shared_toml(&self, dir: &Path, prefix: &str) -> String {
+        self.shared_toml_at(dir, prefix, &self.endpoint())
+    }
+
+    /// [`Garage::shared_toml`] with another S3 endpoint (a proxy in front
+    /// of node 0).
+    pub fn shared_toml_at(&self, dir: &Path, prefix: &str, endpoint: &str) -> String {
         let id_file = dir.join("s3-access-key-id");
         let secret_file = dir.join("s3-secret-access-key");
         write_private(&id_file, &self.access_key_id);
@@ -285,7 +298,7 @@ impl Garage {
             if prefix.is_empty() { format!("s3://{}", self.bucket) } else { format!("s3://{}/{prefix}", self.bucket) };
         format!(
             "[shared]\nurl = {url:?}\nendpoint = {:?}\nregion = {REGION:?}\naccess_key_id_file = {:?}\nsecret_access_key_file = {:?}\n",
-            self.endpoint(),
+            endpoint,
             id_file.display().to_string(),
             secret_file.display().to_string(),
         )
@@ -404,6 +417,27 @@ impl Garage {
         }
     }
 
+    /// Multipart uploads begun in the bucket and neither completed nor
+    /// aborted (what `garage bucket info` reports).
+    pub async fn incomplete_multipart_uploads(&self) -> u64 {
+        let output = tokio::process::Command::new(&self.binary)
+            .arg("-c")
+            .arg(&self.nodes[0].config_path)
+            .args(["bucket", "info", &self.bucket])
+            .env("NO_COLOR", "1")
+            .output()
+            .await
+            .unwrap_or_else(|e| panic!("cannot run {}: {e}", self.binary.display()));
+        assert!(output.status.success(), "garage bucket info: {}", String::from_utf8_lossy(&output.stderr));
+        let info = String::from_utf8_lossy(&output.stdout).into_owned();
+        // Garage lists unfinished uploads only when there are some.
+        let Some(line) = info.lines().find(|l| l.to_lowercase().contains("multipart")) else { return 0 };
+        line.split(|c: char| !c.is_ascii_digit())
+            .find(|w| !w.is_empty())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no count in {line:?}"))
+    }
+
     /// Prints the last lines of every node's log.
     pub fn print_logs(&self) {
         for node in &self.nodes {
@@ -441,4 +475,31 @@ pub async fn put_object(garage: &Garage, key: &str, bytes: Vec<u8>) {
         .put(&object_store::path::Path::from(key), bytes.into())
         .await
         .unwrap_or_else(|e| panic!("PUT {key} into Garage: {e}"));
+}
+
+/// The size of the object under `key` in `garage`'s bucket, or `None` if
+/// there is none (read directly, bypassing larder).
+pub async fn object_size(garage: &Garage, key: &str) -> Option<u64> {
+    use object_store::ObjectStoreExt as _;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let store = object_store::aws::AmazonS3Builder::new()
+        .with_endpoint(garage.endpoint())
+        .with_allow_http(true)
+        .with_region(REGION)
+        .with_bucket_name(garage.bucket())
+        .with_access_key_id(garage.access_key_id())
+        .with_secret_access_key(garage.secret_access_key())
+        .build()
+        .unwrap_or_else(|e| panic!("an S3 client for Garage: {e}"));
+    match store.head(&object_store::path::Path::from(key)).await {
+        Ok(meta) => Some(meta.size),
+        Err(object_store::Error::NotFound { .. }) => None,
+        Err(e) => panic!("HEAD {key} in Garage: {e}"),
+    }
+}
+
+/// The key of blob `digest` (`sha256:<hex>`) under `prefix`.
+pub fn blob_key(prefix: &str, digest: &str) -> String {
+    let hex = digest.strip_prefix("sha256:").unwrap_or_else(|| panic!("not a sha256 digest: {digest}"));
+    format!("{prefix}/blobs/sha256/{hex}")
 }

@@ -384,6 +384,32 @@ impl Larder {
         }
     }
 
+    /// Rewrites the config file with `edit` (takes effect at the next
+    /// [`Larder::restart`]).
+    pub fn edit_config(&self, edit: impl FnOnce(String) -> String) {
+        write_file(&self.config_path, &edit(self.config_text()));
+    }
+
+    /// Stops the process where it is (SIGSTOP): it keeps its sockets, the
+    /// kernel still accepts connections for it, and nothing answers. A
+    /// hung replica, not a dead one.
+    pub fn pause(&mut self) {
+        self.signal("STOP");
+    }
+
+    /// Lets a paused process go on (SIGCONT).
+    pub fn resume(&mut self) {
+        self.signal("CONT");
+    }
+
+    fn signal(&mut self, name: &str) {
+        let process = self.process.as_mut().expect("larder is running");
+        let pid = process.pid().expect("larder has a pid");
+        process.write_log_marker(&format!("SIG{name}"));
+        let sent = Command::new("kill").arg(format!("-{name}")).arg(pid.to_string()).status().expect("run kill");
+        assert!(sent.success(), "kill -{name} {pid} failed");
+    }
+
     /// Sends SIGTERM, what Kubernetes sends to stop a pod.
     pub fn send_sigterm(&mut self) {
         let process = self.process.as_mut().expect("larder is running");

@@ -23,6 +23,7 @@
 pub mod access_log;
 pub mod admin;
 pub mod cluster;
+pub mod cut_proxy;
 pub mod garage;
 pub mod http;
 pub mod image;
@@ -40,6 +41,7 @@ pub mod tools;
 pub use access_log::{AccessLog, AccessLogEntry, LogMark};
 pub use admin::Admin;
 pub use cluster::Cluster;
+pub use cut_proxy::CutProxy;
 pub use garage::{Garage, GarageBuilder};
 pub use image::{Blob, ImageBuilder, ManifestFormat, PushedImage, PushedManifest};
 pub use larder::{Larder, LarderBuilder, Upstream};

@@ -163,6 +163,8 @@ struct Content {
     accepted_authorization: Option<String>,
     /// Body of `GET /token`.
     token_response: Option<Bytes>,
+    /// How long `GET /token` waits before it answers.
+    token_delay: Option<Duration>,
     /// `tags/list` of a repository, answered as a registry that paginates
     /// does: sorted, `n` and `last` applied, a `Link` to the next page.
     tag_lists: HashMap<String, Vec<String>>,
@@ -332,6 +334,12 @@ impl FakeUpstreamBuilder {
     /// `GET /token` answers `200` with this JSON body.
     pub fn token_response(mut self, body: impl Into<Bytes>) -> Self {
         self.content.token_response = Some(body.into());
+        self
+    }
+
+    /// `GET /token` waits `d` before it answers (a slow token service).
+    pub fn token_delay(mut self, d: Duration) -> Self {
+        self.content.token_delay = Some(d);
         self
     }
 
@@ -749,11 +757,15 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<FakeBody>
     let guard = OpenGuard::new(&state);
     let head = method == Method::HEAD;
 
-    let (challenge, accepted, token) = {
+    let (challenge, accepted, token, token_delay) = {
         let content = lock(&state.content);
-        (content.challenge.clone(), content.accepted_authorization.clone(), content.token_response.clone())
+        let token = content.token_response.clone();
+        (content.challenge.clone(), content.accepted_authorization.clone(), token, content.token_delay)
     };
     if let (Some(body), "/token") = (token, path.as_str()) {
+        if let Some(d) = token_delay {
+            tokio::time::sleep(d).await;
+        }
         return Response::builder()
             .header(CONTENT_TYPE, "application/json")
             .header(CONTENT_LENGTH, body.len())

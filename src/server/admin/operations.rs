@@ -215,7 +215,8 @@ pub async fn purge(app: &App, params: &Params) -> Result<Response<Body>, Error> 
     // The canonical name, so that an alias purges the same rows.
     let upstream = app.upstreams.get(name).ok_or_else(|| Error::UnknownUpstream(name.to_owned()))?;
     let repo = params.get("repo").map(|r| r.parse::<RepoName>().map_err(Error::NameInvalid)).transpose()?;
-    let purged = app.cache.purge(upstream.name(), repo.as_ref()).await?;
+    // Here, then on every other replica of a cluster (listed in `replicas`).
+    let purged = app.cache.purge_everywhere(upstream.name(), repo.as_ref()).await?;
     tracing::info!(upstream = upstream.name(), repo = ?repo, ?purged, "purged");
     Ok(json(StatusCode::OK, &serde_json::json!(purged)))
 }
