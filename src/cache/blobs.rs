@@ -1,0 +1,228 @@
+//! Blobs for a client or a peer: committed on disk, or a fill in flight to
+//! attach to (one fill per digest, started here when none runs).
+
+use std::fs::File;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use super::*;
+
+/// Times a request may find that the fill it joined, started for another
+/// repository, failed for a reason about that repository, before it takes
+/// that answer as its own.
+const FOREIGN_FILL_RETRIES: usize = 3;
+
+impl Cache {
+    /// A committed blob: the handle kept open since it was last served, or
+    /// the file opened and checked against its index row. Only a file that
+    /// is genuinely missing, or of the wrong size, drops its row (with
+    /// exact accounting, see [`Cache::forget_removed`]); any other failure
+    /// to open it (too many open files, EIO) is a 503 that changes nothing.
+    async fn committed_blob(&self, digest: &Digest) -> Result<Option<(Arc<File>, u64)>, Error> {
+        if let Some(open) = self.memory.open_blob(digest) {
+            return Ok(Some(open));
+        }
+        let size = match self.memory.blob_size(digest) {
+            Some(size) => Some(size),
+            None => {
+                let (index, d) = (Arc::clone(&self.index), *digest);
+                blocking(move || Ok(index.blob_size(&d)?)).await?
+            }
+        };
+        let Some(size) = size else { return Ok(None) };
+        let (store, d) = (self.store.clone(), *digest);
+        let opened = blocking(move || {
+            let storage = |e: std::io::Error| Error::Storage(format!("opening blob {d}: {e}"));
+            match store.open_blob(&d) {
+                Ok(f) => {
+                    let len = f.metadata().map_err(storage)?.len();
+                    Ok(if len == size { Some(f) } else { None })
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                Err(e) => Err(storage(e)),
+            }
+        })
+        .await?;
+        match opened {
+            Some(f) => {
+                let file = Arc::new(f);
+                self.memory.insert_blob_size(*digest, size);
+                self.memory.insert_open_blob(*digest, Arc::clone(&file), size);
+                Ok(Some((file, size)))
+            }
+            None => {
+                tracing::warn!(%digest, "index row without a matching blob file; dropping it");
+                self.memory.remove_blob_size(digest);
+                self.remove_content(vec![(Kind::Blob, *digest)]).await?;
+                Ok(None)
+            }
+        }
+    }
+
+    /// `HEAD` of a blob, which never starts a fill: its size when it is
+    /// cached (or being filled) for `repo`, else upstream's answer to one
+    /// `HEAD` (`None` inside: upstream sent no length). Upstream's yes is
+    /// remembered as a membership row. A peer's `HEAD` is the question
+    /// "does this repository have it" that the owner answers for the
+    /// cluster: a remembered yes answers it without upstream (and without
+    /// a length, which the asker does not need), so each repository costs
+    /// upstream one `HEAD` however many replicas ask.
+    pub async fn head_blob(
+        &self,
+        upstream: &Upstream,
+        repo: &RepoName,
+        digest: &Digest,
+        via: Via,
+    ) -> Result<(Option<u64>, CacheResult), Error> {
+        if let Some(size) = self.blob_size_via(upstream, repo, digest, via).await? {
+            return Ok((Some(size), CacheResult::Hit));
+        }
+        if matches!(via, Via::Peer { .. }) && self.local_member(upstream.name(), repo, digest).await? {
+            return Ok((None, CacheResult::Hit));
+        }
+        let size = upstream.head_blob(repo, digest).await?.ok_or(Error::BlobUnknown(*digest))?;
+        self.remember_member(upstream.name(), repo, digest).await?;
+        Ok((size, CacheResult::Miss))
+    }
+
+    /// The size of a blob cached (or being filled) for `repo`, for `HEAD`,
+    /// which never starts a fill.
+    pub async fn blob_size(&self, upstream: &Upstream, repo: &RepoName, digest: &Digest) -> Result<Option<u64>, Error> {
+        self.blob_size_via(upstream, repo, digest, Via::Client).await
+    }
+
+    /// [`Cache::blob_size`], for a client or a peer.
+    pub async fn blob_size_via(
+        &self,
+        upstream: &Upstream,
+        repo: &RepoName,
+        digest: &Digest,
+        via: Via,
+    ) -> Result<Option<u64>, Error> {
+        let filling = self.fills.get(digest).and_then(|flight| match &*flight.progress.borrow() {
+            Progress::Streaming { size: Some(size), .. }
+            | Progress::Verified { size, .. }
+            | Progress::Complete { size, .. } => Some(*size),
+            _ => None,
+        });
+        let size = match filling {
+            Some(size) => Some(size),
+            None => self.committed_blob(digest).await?.map(|(_, size)| size),
+        };
+        if size.is_some() {
+            self.ensure_member(upstream, repo, digest, Content::Blob, via).await?;
+        }
+        Ok(size)
+    }
+
+    /// A blob to serve: committed, joined to the fill in flight, or a new
+    /// fill from `upstream`.
+    ///
+    /// A fill is shared by digest, but its failure may be about the
+    /// repository it was started for (upstream's 404 or 403 there): a
+    /// request for another repository that joined it, and that upstream
+    /// confirmed has the blob, then starts (or joins) a fill of its own
+    /// instead of inheriting that answer.
+    pub async fn blob(
+        self: &Arc<Self>,
+        upstream: &Arc<Upstream>,
+        repo: &RepoName,
+        digest: Digest,
+    ) -> Result<(BlobSource, CacheResult), Error> {
+        self.blob_via(upstream, repo, digest, Via::Client).await
+    }
+
+    /// [`Cache::blob`], for a client or a peer: a fill started for a peer
+    /// reads the shared tier or upstream, never another peer.
+    pub async fn blob_via(
+        self: &Arc<Self>,
+        upstream: &Arc<Upstream>,
+        repo: &RepoName,
+        digest: Digest,
+        via: Via,
+    ) -> Result<(BlobSource, CacheResult), Error> {
+        let owner = format!("{}\0{repo}", upstream.name());
+        let mut foreign_failures = 0;
+        loop {
+            let joined = match self.fills.get(&digest) {
+                Some(flight) => flight,
+                None => {
+                    if let Some((file, size)) = self.committed_blob(&digest).await? {
+                        self.ensure_member(upstream, repo, &digest, Content::Blob, via).await?;
+                        self.evictor.record_access(Kind::Blob, digest, unix_ms(SystemTime::now()));
+                        return Ok((BlobSource::Committed { file, size }, CacheResult::Hit));
+                    }
+                    let attach = self.fills.join_or_start(
+                        digest,
+                        &owner,
+                        || self.memory.blob_size(&digest).is_some(),
+                        |tx| self.spawn_fill(Arc::clone(upstream), repo.clone(), digest, via, tx),
+                    );
+                    match attach {
+                        Attach::Started(rx) => return Ok((BlobSource::Filling(rx), CacheResult::Miss)),
+                        Attach::Joined(flight) => flight,
+                        // Committed between our index read and the lock: read it again.
+                        Attach::Committed => continue,
+                        Attach::Removing(done) => {
+                            fill::removal_finished(done).await;
+                            continue;
+                        }
+                    }
+                }
+            };
+            self.ensure_member(upstream, repo, &digest, Content::Blob, via).await?;
+            let mut rx = joined.progress;
+            if joined.owner != owner && foreign_failures < FOREIGN_FILL_RETRIES {
+                if let Err(e) = fill::wait_for_headers(&mut rx).await {
+                    if e.is_repository_specific() {
+                        foreign_failures += 1;
+                        tracing::debug!(%digest, %repo, error = %e, "another repository's fill failed; fetching for this one");
+                        continue;
+                    }
+                }
+            }
+            return Ok((BlobSource::Filling(rx), CacheResult::Coalesced));
+        }
+    }
+
+    fn spawn_fill(
+        self: &Arc<Self>,
+        upstream: Arc<Upstream>,
+        repo: RepoName,
+        digest: Digest,
+        via: Via,
+        tx: watch::Sender<Progress>,
+    ) {
+        let cache = Arc::clone(self);
+        metrics().fills_in_flight.inc();
+        tokio::spawn(async move {
+            match cache.fill(&upstream, &repo, digest, via, &tx).await {
+                Ok((file, size)) => {
+                    cache.memory.insert_blob_size(digest, size);
+                    cache.memory.insert_open_blob(digest, Arc::clone(&file), size);
+                    tx.send_replace(Progress::Complete { file, size });
+                    cache.fills.remove(&digest);
+                    tracing::debug!(%digest, size, upstream = upstream.name(), "fill committed");
+                }
+                Err(e) => {
+                    if matches!(e, Error::DiskFull) {
+                        cache.evictor.disk_full();
+                    }
+                    tracing::warn!(%digest, upstream = upstream.name(), %repo, error = %e, "fill failed");
+                    // Out of the map first: a follower that retries for its
+                    // own repository must not find this fill again.
+                    cache.fills.remove(&digest);
+                    tx.send_replace(Progress::Failed(e));
+                }
+            }
+            metrics().fills_in_flight.dec();
+        });
+    }
+
+    /// The most bytes a fill of `digest` for `repo` may write: the size a
+    /// manifest of that repository declared for it, else `max_blob_size`.
+    /// Bounds an upstream that streams without `Content-Length`.
+    pub(super) fn fill_limit(&self, upstream: &str, repo: &RepoName, digest: &Digest) -> u64 {
+        self.memory.declared_size(&member_key(upstream, repo, digest)).unwrap_or(self.config.max_blob_size)
+    }
+}
