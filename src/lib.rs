@@ -1,7 +1,25 @@
 //! larder: a pull-through caching proxy for OCI/Docker registries.
 //!
-//! A request flows listener → [`server::routes`] (parse) → [`server::handlers`]
-//! → [`cache`] (memory tier, disk tier, fill in flight) → [`upstream`].
+//! A request flows listener → [`server::routes`] (parse, and the
+//! upstream's [`policy`]) → client grants → [`server::handlers`] →
+//! [`cache`] (memory → disk → fill in flight → shared tier → the owner
+//! among the peers) → [`upstream`].
+//!
+//! The rooms, from the bottom up:
+//!
+//! - vocabulary and rules without I/O: [`oci`] (digests, names,
+//!   references, media types), [`policy`] (who may pull what), [`site`]
+//!   (which hosts are one operator's), [`config`] (one room per section);
+//! - plumbing: [`error`] (the one mapping to responses), [`metrics`],
+//!   [`blocking`], [`coalesce`], [`body`], [`sendfile`], [`log_filter`],
+//!   [`log_writer`], [`shutdown`];
+//! - [`upstream`]: registries larder pulls from (auth, redirects and the
+//!   dial guard, credentials, pull limits);
+//! - [`cluster`]: the other replicas (ring, peer set, peer client);
+//! - [`cache`]: the facade and its tiers;
+//! - [`client_auth`] and [`state`]: what the server's handlers share;
+//! - [`server`]: the registry, admin and peer listeners;
+//! - [`app`] (start-up order) and [`cli`] (the operator commands).
 
 // One `unsafe` block, in `cache::residency` (a syscall neither rustix nor
 // libc wraps); everything else is safe code.

@@ -19,6 +19,14 @@
 //! (one hop; at most a lookup of what another replica holds). Handlers ask
 //! the facade for a manifest or a blob and get back
 //! something to serve plus how it was served (hit, miss, coalesced, stale).
+//!
+//! The facade's rooms: `manifests` (by digest and by tag), `blobs` (a
+//! committed file or a fill to attach to) and `fill_chain` (the sources a
+//! fill walks), `membership`, `listings`, and `maintenance` (eviction,
+//! purges). Beneath them: [`memory`](StoredManifest) (moka), `disk` (the
+//! content-addressed files), [`index`] (redb), [`fill`] (fills in flight and
+//! their readers), `tiers` (how the shared tier and the owners are asked),
+//! [`shared`] and [`upload`] (the shared tier), [`prefetch`] and [`stats`].
 
 mod blobs;
 mod disk;

@@ -24,7 +24,7 @@
 //! the store is too slow for it, and retrying from byte 0 for ever would
 //! hold an upload slot for ever.
 //!
-//! Each item moves through [`State`] under one lock, with the marker's
+//! Each item moves through `State` under one lock, with the marker's
 //! write and removal between two transitions: an enqueue that meets an
 //! upload finishing waits for it, and one that meets an upload running
 //! makes it run again instead of finishing, so no enqueue is ever lost

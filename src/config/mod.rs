@@ -3,11 +3,11 @@
 //! the key. Secrets are read here and kept in a redacting [`Secret`].
 //!
 //! One room per section, each holding its raw struct, its typed struct and
-//! its own validation: [`server`], [`cache`], [`log`], [`admin`],
-//! [`upstream`] (with its [`credentials`]), [`shared`], [`cluster`]. Here: loading, the error type, the
+//! its own validation: `server`, `cache`, `log`, `admin`,
+//! `upstream` (with its `credentials`), `shared`, `cluster`. Here: loading, the error type, the
 //! validator's common parsers (durations, sizes, paths, secret files,
 //! `${ENV}`), and the order sections are checked in, where one depends on
-//! another (`[admin] tls` and `[cluster]` on `[server]`, [`grants`] on the
+//! another (`[admin] tls` and `[cluster]` on `[server]`, `grants` on the
 //! upstreams and `[server]`'s ways of identifying clients).
 
 mod admin;

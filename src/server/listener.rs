@@ -2,7 +2,7 @@
 //! listener and the admin listener so that both get the same protections:
 //! a connection cap taken before `accept` (backpressure into the kernel's
 //! accept queue, not a queue in memory), hyper's header-read timeout, and
-//! the [`watchdog`](super::watchdog) deadlines (first request, then idle).
+//! the [`watchdog`] deadlines (first request, then idle).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -48,7 +48,7 @@ pub fn http_builder() -> auto::Builder<TokioExecutor> {
 }
 
 /// [`http_builder`], HTTP/2 alone, and [`http1::Http1`], for cleartext
-/// connections whose version was [`sniff`]ed; and which of those HTTP/1
+/// connections whose version was `sniff`ed; and which of those HTTP/1
 /// connections send cached blob bytes with sendfile.
 pub struct Builders {
     any: auto::Builder<TokioExecutor>,
@@ -168,7 +168,7 @@ pub async fn accept_loop<F, Fut>(
 
 /// Serves one accepted connection, over TLS when there is an `acceptor`
 /// (the handshake bounded by [`TLS_HANDSHAKE_TIMEOUT`]), else in the clear
-/// with its version [`sniff`]ed first: within [`FIRST_REQUEST_TIMEOUT`],
+/// with its version `sniff`ed first: within [`FIRST_REQUEST_TIMEOUT`],
 /// and given up at once when `shutdown` fires (no request is in flight).
 ///
 /// The TLS arm is boxed: rustls' connection state lives inline in its

@@ -2,7 +2,7 @@
 //! status page, `larder status`): its last failure and when, and its last
 //! success. Updated from every upstream response; a std Mutex held only to
 //! copy a few fields. (The rate-limit headroom upstream announces is kept
-//! by [`super::ratelimit`] and its gauges.)
+//! by `super::ratelimit` and its gauges.)
 
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};

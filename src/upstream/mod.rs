@@ -1,11 +1,11 @@
 //! One configured upstream registry: the only hosts larder ever dials are
 //! the `url`s of these (plus token realms and redirect targets they name,
-//! under the rules in [`auth`], [`realm`] and [`Upstream::open`]).
+//! under the rules in `auth`, `realm` and `Upstream::open`).
 //!
-//! The request loop is here; who gets which credentials is in [`auth`]
-//! (with [`realm`], [`scope`], [`tokens`], [`credentials`] and [`helper`]);
-//! Docker Hub's pull limit in [`ratelimit`]; the pause of tag
-//! revalidation after failures in [`backoff`].
+//! The request loop is here; who gets which credentials is in `auth`
+//! (with `realm`, `scope`, `tokens`, `credentials` and `helper`);
+//! Docker Hub's pull limit in `ratelimit`; the pause of tag
+//! revalidation after failures in `backoff`.
 
 mod auth;
 mod backoff;

@@ -1,5 +1,5 @@
 //! `GET /` on the admin listener: one small server-rendered HTML page with
-//! the facts of [`Status`](super::status::Status). No JavaScript, no
+//! the facts of [`Status`]. No JavaScript, no
 //! external assets (styles inline), so it works from a port-forward or an
 //! air-gapped cluster; it reloads itself every [`REFRESH_SECONDS`].
 //! Everything that came from outside (repository names, upstream errors)
