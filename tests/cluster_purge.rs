@@ -54,7 +54,9 @@ async fn pull(larder: &Larder, blobs: &[String]) {
 /// `POST /purge` on `larder`'s admin listener: the JSON it answers.
 async fn purge(larder: &Larder) -> serde_json::Value {
     let url = format!("http://{}/purge?upstream={UPSTREAM_NAME}&repo={REPO}", admin_address(larder));
-    let resp = reqwest::Client::new().post(url).send().await.expect("POST /purge");
+    // A loopback admin listener without a token file needs the token larder generated.
+    let token = std::fs::read_to_string(larder.cache_dir().join("admin-token")).expect("the generated admin token");
+    let resp = reqwest::Client::new().post(url).bearer_auth(token.trim()).send().await.expect("POST /purge");
     assert_eq!(resp.status(), 200);
     serde_json::from_slice(&resp.bytes().await.expect("body")).expect("JSON")
 }
@@ -109,6 +111,8 @@ async fn a_replica_that_is_down_during_a_purge_is_reported_and_the_cli_fails() {
     let out = Command::new(common::larder::binary())
         .args(["purge", UPSTREAM_NAME, REPO, "--admin"])
         .arg(format!("http://{}", admin_address(&cluster.replicas[0])))
+        .arg("--token-file")
+        .arg(cluster.replicas[0].cache_dir().join("admin-token"))
         .env_remove("LARDER_ADMIN")
         .env_remove("LARDER_ADMIN_TOKEN")
         .env_remove("LARDER_ADMIN_TOKEN_FILE")
