@@ -29,6 +29,7 @@ pub mod http;
 pub mod image;
 pub mod larder;
 pub mod metrics;
+pub mod netns;
 pub mod origin;
 pub mod process;
 pub mod settle;
