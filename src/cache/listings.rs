@@ -47,9 +47,18 @@ impl Cache {
         let fallback_key = format!("{key}\0fallback");
         let (page, result) = match (self.upstream_page(upstream, repo, listing, query, &key, &what).await, listing) {
             (Ok(answer), _) => answer,
-            // Upstream failed and nothing of its answer is cached (a restart
-            // during an outage): a fallback tag larder holds still answers.
-            (Err(Error::Upstream(e)), Listing::Referrers(subject)) => {
+            // Upstream is down and nothing of its answer is cached (a
+            // restart during an outage): a fallback tag larder holds still
+            // answers. Not when upstream answered wrongly: that is a 502.
+            (
+                Err(Error::Upstream(
+                    e @ (UpstreamError::Connect(_)
+                    | UpstreamError::Timeout(_)
+                    | UpstreamError::Status { .. }
+                    | UpstreamError::RateLimited { .. }),
+                )),
+                Listing::Referrers(subject),
+            ) => {
                 return self
                     .referrers_from_tag(upstream, repo, subject, query, via, &fallback_key)
                     .await
