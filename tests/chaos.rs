@@ -323,9 +323,9 @@ async fn run(lab: Arc<Lab>, rounds: usize, limit: Duration) -> Vec<Row> {
 
         // Every replica pulls, twice, at once.
         let mut pulls = Vec::new();
-        for r in &replicas {
+        for (i, r) in replicas.iter().enumerate() {
             for _ in 0..PULLS_PER_REPLICA {
-                pulls.push(tokio::spawn(pull(address(r), Arc::clone(&image))));
+                pulls.push((i, tokio::spawn(pull(address(r), Arc::clone(&image)))));
             }
         }
         let mut killed = None;
@@ -336,8 +336,21 @@ async fn run(lab: Arc<Lab>, rounds: usize, limit: Duration) -> Vec<Row> {
             killed = Some(owner);
         }
         let mut outcomes = Vec::new();
-        for p in pulls {
-            outcomes.push(p.await.expect("a pull task"));
+        let mut failed_at = BTreeSet::new();
+        for (i, p) in pulls {
+            let outcome = p.await.expect("a pull task");
+            if !matches!(outcome, Pulled::Exact) && killed != Some(i) {
+                failed_at.insert(i);
+            }
+            outcomes.push(outcome);
+        }
+        // A pull that failed at a replica still running: what it logged.
+        for &i in &failed_at {
+            let log = replicas[i].log();
+            let lines: Vec<&str> =
+                log.lines().filter(|l| ["WARN", "ERROR", "panicked"].iter().any(|w| l.contains(w))).collect();
+            let recent = &lines[lines.len().saturating_sub(40)..];
+            eprintln!("chaos round {round}: {} warned:\n{}", REPLICAS[i], recent.join("\n"));
         }
 
         // Heal, and check the cluster is whole again. A replica skips a
