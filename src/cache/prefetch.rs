@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use super::fill::Progress;
-use super::{BlobSource, Cache, CacheResult};
+use super::{BlobSource, Cache, CacheResult, StoredManifest};
 use crate::error::Error;
 use crate::oci::{Digest, Reference, RepoName, inspect_manifest};
 use crate::upstream::Upstream;
@@ -77,25 +77,34 @@ fn declared_sizes(bytes: &[u8], sizes: &mut HashMap<Digest, u64>) {
     }
 }
 
-/// Fetches the manifest(s) of `repo:reference` and every blob into the
-/// cache. For an index, every platform, or those whose `os/arch[/variant]`
-/// starts with `platform`. `image` is only echoed in the report. Progress
-/// goes to `progress` (nobody needs to be listening).
-pub async fn prefetch(
+/// What an image is made of, for the platforms chosen: its manifests (in
+/// the cache now) and the blobs they name.
+pub struct Plan {
+    pub top: Arc<StoredManifest>,
+    /// The child manifests chosen, for an index (empty for an image).
+    pub children: Vec<Arc<StoredManifest>>,
+    /// Every blob of the chosen image manifests, once each, sorted.
+    pub blobs: Vec<Digest>,
+    /// The sizes the manifests declare.
+    pub sizes: HashMap<Digest, u64>,
+}
+
+/// Reads the manifest(s) of `repo:reference` through the cache: for an
+/// index, every platform, or those whose `os/arch[/variant]` starts with
+/// `platform`.
+pub async fn plan(
     cache: &Arc<Cache>,
     upstream: &Arc<Upstream>,
     repo: &RepoName,
     reference: &Reference,
-    image: &str,
     platform: Option<&str>,
-    progress: &watch::Sender<PrefetchProgress>,
-) -> Result<Prefetched, Error> {
+) -> Result<Plan, Error> {
     let (top, _) = cache.manifest(upstream, repo, reference).await?;
     let (_, refs) = inspect_manifest(&top.bytes, Some(top.media_type)).map_err(Error::Internal)?;
     let mut sizes = HashMap::new();
     declared_sizes(&top.bytes, &mut sizes);
     let mut blobs: Vec<Digest> = refs.blobs.clone();
-    let mut manifests = usize::from(refs.manifests.is_empty());
+    let mut children = Vec::new();
     for (child, child_platform) in refs.manifests.iter().zip(&refs.platforms) {
         let selected = match (platform, child_platform) {
             (None, _) => true,
@@ -109,15 +118,44 @@ pub async fn prefetch(
         let (_, child_refs) = inspect_manifest(&m.bytes, Some(m.media_type)).map_err(Error::Internal)?;
         declared_sizes(&m.bytes, &mut sizes);
         blobs.extend(child_refs.blobs);
-        manifests += 1;
+        children.push(m);
     }
     blobs.sort();
     blobs.dedup();
-    let bytes_total = blobs.iter().map(|d| sizes.get(d).copied().unwrap_or(0)).sum();
+    Ok(Plan { top, children, blobs, sizes })
+}
+
+/// Fetches the manifest(s) of `repo:reference` and every blob into the
+/// cache (see [`plan`] for `platform`). `image` is only echoed in the
+/// report. Progress goes to `progress` (nobody needs to be listening).
+pub async fn prefetch(
+    cache: &Arc<Cache>,
+    upstream: &Arc<Upstream>,
+    repo: &RepoName,
+    reference: &Reference,
+    image: &str,
+    platform: Option<&str>,
+    progress: &watch::Sender<PrefetchProgress>,
+) -> Result<Prefetched, Error> {
+    let plan = plan(cache, upstream, repo, reference, platform).await?;
+    fetch(cache, upstream, repo, &plan, image, progress).await
+}
+
+/// Fetches every blob of `plan` into the cache.
+pub async fn fetch(
+    cache: &Arc<Cache>,
+    upstream: &Arc<Upstream>,
+    repo: &RepoName,
+    plan: &Plan,
+    image: &str,
+    progress: &watch::Sender<PrefetchProgress>,
+) -> Result<Prefetched, Error> {
+    let manifests = plan.children.len().max(1);
+    let blobs = plan.blobs.clone();
+    let bytes_total = blobs.iter().map(|d| plan.sizes.get(d).copied().unwrap_or(0)).sum();
     progress.send_modify(|p| {
         *p = PrefetchProgress { planned: true, manifests, blobs_total: blobs.len(), bytes_total, ..p.clone() };
     });
-
     let mut report = Prefetched { image: image.to_owned(), manifests, blobs: blobs.len(), ..Prefetched::default() };
     let mut results = futures_util::stream::iter(blobs)
         .map(|digest| async move {
