@@ -50,6 +50,11 @@ enum Command {
         /// Only this platform of a multi-platform image, e.g. `linux/arm64`.
         #[arg(long)]
         platform: Option<String>,
+        /// Also cache its referrers (signatures, SBOMs, attestations, from
+        /// the referrers API or cosign's `sha256-<hex>.sig` tags) and their
+        /// blobs, so they are served with upstream gone.
+        #[arg(long)]
+        referrers: bool,
         #[command(flatten)]
         admin: AdminArgs,
     },
@@ -219,9 +224,9 @@ fn operator(command: Command, config_path: Option<&PathBuf>) -> ExitCode {
         }
         let client = target.client(config.as_ref())?;
         match &command {
-            Command::Prefetch { image, platform, .. } => {
+            Command::Prefetch { image, platform, referrers, .. } => {
                 let terminal = std::io::stdout().is_terminal();
-                larder::cli::prefetch::run(&client, image, platform.as_deref(), terminal).await
+                larder::cli::prefetch::run(&client, image, platform.as_deref(), *referrers, terminal).await
             }
             Command::Purge { upstream, repo, .. } => larder::cli::purge(&client, upstream, repo.as_deref()).await,
             Command::Status { json, .. } => larder::cli::status(&client, *json).await,

@@ -50,7 +50,7 @@ pub async fn export(
     let usage = |e: std::io::Error| CallError::Usage(format!("{}: {e}", output.display()));
     std::fs::create_dir_all(output.join("blobs/sha256")).map_err(usage)?;
     for image in images {
-        super::prefetch::run(client, image, platform, terminal).await?;
+        super::prefetch::run(client, image, platform, false, terminal).await?;
         let mut query = form_urlencoded::Serializer::new(String::new());
         query.append_pair("image", image);
         if let Some(platform) = platform {

@@ -1,4 +1,4 @@
-//! The admin listener's operations: `POST /prefetch?image=REF[&platform=os/arch]`
+//! The admin listener's operations: `POST /prefetch?image=REF[&platform=os/arch][&referrers=true]`
 //! and `POST /purge?upstream=NAME[&repo=REPO]`. Callers have passed the
 //! token check already (see [`super::auth`]).
 //!
@@ -95,14 +95,21 @@ impl Drop for AbortOnDrop {
 pub async fn prefetch(app: &Arc<App>, params: &Params, stream: bool) -> Result<Response<Body>, Error> {
     let image = params.get("image").ok_or(Error::NameInvalid(crate::oci::NameError::Empty))?.to_owned();
     let platform = params.get("platform").map(str::to_owned);
+    let referrers = matches!(params.get("referrers"), Some("1" | "true"));
     let (route, reference) = route_image(&app.upstreams, &image)?;
     let (tx, mut rx) = watch::channel(PrefetchProgress::default());
     let task = {
         let app = Arc::clone(app);
         tokio::spawn(async move {
+            use crate::cache::prefetch::{fetch, plan, prefetch_referrers};
             let cache = &app.cache;
             let (upstream, repo) = (&route.upstream, &route.repo);
-            crate::cache::prefetch::prefetch(cache, upstream, repo, &reference, &image, platform.as_deref(), &tx).await
+            let plan = plan(cache, upstream, repo, &reference, platform.as_deref()).await?;
+            let mut report = fetch(cache, upstream, repo, &plan, &image, &tx).await?;
+            if referrers {
+                prefetch_referrers(cache, upstream, repo, &plan, &mut report).await?;
+            }
+            Ok(report)
         })
     };
     let mut task = AbortOnDrop(task);
