@@ -609,7 +609,9 @@ async fn the_operating_guides_admin_commands_work_against_a_running_larder() {
         .replace("http://127.0.0.1:9090", &admin.url())
         .replace("/run/secrets/larder-admin/token", &admin.token_file().display().to_string());
     let script = format!("set -eu\ncurl() {{ command curl -sS --fail-with-body \"$@\" && echo; }}\n{script}");
-    let out = Command::new("bash").arg("-c").arg(&script).output().expect("bash");
+    // In a folder of its own: the export writes alpine.tar where it runs.
+    let workdir = tempfile::tempdir().expect("a temp dir");
+    let out = Command::new("bash").arg("-c").arg(&script).current_dir(workdir.path()).output().expect("bash");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}: {stdout}{}", curl.at(), String::from_utf8_lossy(&out.stderr));
     let answers: Vec<serde_json::Value> =
