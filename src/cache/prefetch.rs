@@ -1,7 +1,8 @@
 //! Warming the cache with an image before anyone pulls it (admin
-//! `POST /prefetch`): the same path a client's pull takes through the cache
-//! facade, so it is coalesced with concurrent pulls and verified the same
-//! way, without sending any bytes anywhere. Progress (blobs and bytes done
+//! `POST /prefetch`, and each round of the keep-warm loop): the same path a
+//! client's pull takes through the cache facade, so it is coalesced with
+//! concurrent pulls and verified the same way, without sending any bytes
+//! anywhere. Progress (blobs and bytes done
 //! of the totals the manifests declare) is published on a watch channel as
 //! it happens, so that the admin API can stream it to `larder prefetch`.
 
@@ -13,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use super::fill::Progress;
+use super::pins::platform_selected;
 use super::{BlobSource, Cache, CacheResult};
 use crate::error::Error;
 use crate::oci::{Digest, Reference, RepoName, inspect_manifest};
@@ -51,75 +53,85 @@ pub struct PrefetchProgress {
     pub fetched: usize,
 }
 
-/// The sizes an image manifest declares for its config and layers.
-#[derive(Deserialize)]
-struct DeclaredSizes {
-    config: Option<Sized>,
-    #[serde(default)]
-    layers: Vec<Sized>,
+/// An image's manifests, read through the cache, and the blobs they name:
+/// what a prefetch or a warm round fetches.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// The digest of the manifest (or index) the reference resolved to.
+    pub digest: Digest,
+    /// Image manifests whose blobs are listed (one per selected platform).
+    pub manifests: usize,
+    /// Each blob once, with the size its manifest declares (0 if none).
+    pub blobs: Vec<(Digest, u64)>,
 }
 
-#[derive(Deserialize)]
-struct Sized {
-    digest: String,
-    size: u64,
-}
-
-fn declared_sizes(bytes: &[u8], sizes: &mut HashMap<Digest, u64>) {
-    // The manifest already passed `inspect_manifest`; sizes only feed the
-    // progress totals, so a manifest without them just counts 0 bytes.
-    if let Ok(declared) = serde_json::from_slice::<DeclaredSizes>(bytes) {
-        for d in declared.config.into_iter().chain(declared.layers) {
-            if let Ok(digest) = d.digest.parse() {
-                sizes.insert(digest, d.size);
-            }
-        }
+impl Plan {
+    /// Sum of the sizes the manifests declare for the blobs.
+    pub fn bytes(&self) -> u64 {
+        self.blobs.iter().map(|(_, size)| size).sum()
     }
 }
 
-/// Fetches the manifest(s) of `repo:reference` and every blob into the
-/// cache. For an index, every platform, or those whose `os/arch[/variant]`
-/// starts with `platform`. `image` is only echoed in the report. Progress
-/// goes to `progress` (nobody needs to be listening).
-pub async fn prefetch(
+/// Reads the manifest(s) of `repo:reference` into the cache (from upstream
+/// where missing) and lists their blobs. For an index, the platforms of
+/// `platforms` (see [`platform_selected`]; empty: every platform).
+pub async fn plan(
     cache: &Arc<Cache>,
     upstream: &Arc<Upstream>,
     repo: &RepoName,
     reference: &Reference,
-    image: &str,
-    platform: Option<&str>,
-    progress: &watch::Sender<PrefetchProgress>,
-) -> Result<Prefetched, Error> {
+    platforms: &[String],
+) -> Result<Plan, Error> {
     let (top, _) = cache.manifest(upstream, repo, reference).await?;
     let (_, refs) = inspect_manifest(&top.bytes, Some(top.media_type)).map_err(Error::Internal)?;
-    let mut sizes = HashMap::new();
-    declared_sizes(&top.bytes, &mut sizes);
-    let mut blobs: Vec<Digest> = refs.blobs.clone();
+    let mut sizes: HashMap<Digest, u64> = HashMap::new();
+    let mut declare = |refs: &crate::oci::ManifestRefs| {
+        for (digest, size) in refs.blobs.iter().zip(&refs.blob_sizes) {
+            // Sizes only feed the progress totals: a manifest without them
+            // counts 0 bytes.
+            sizes.insert(*digest, size.unwrap_or(0));
+        }
+    };
+    declare(&refs);
     let mut manifests = usize::from(refs.manifests.is_empty());
     for (child, child_platform) in refs.manifests.iter().zip(&refs.platforms) {
-        let selected = match (platform, child_platform) {
-            (None, _) => true,
-            (Some(want), Some(have)) => have.starts_with(want),
-            (Some(_), None) => false,
-        };
-        if !selected {
+        if !platform_selected(child_platform.as_deref(), platforms) {
             continue;
         }
         let (m, _) = cache.manifest(upstream, repo, &Reference::Digest(*child)).await?;
         let (_, child_refs) = inspect_manifest(&m.bytes, Some(m.media_type)).map_err(Error::Internal)?;
-        declared_sizes(&m.bytes, &mut sizes);
-        blobs.extend(child_refs.blobs);
+        declare(&child_refs);
         manifests += 1;
     }
+    let mut blobs: Vec<(Digest, u64)> = sizes.into_iter().collect();
     blobs.sort();
-    blobs.dedup();
-    let bytes_total = blobs.iter().map(|d| sizes.get(d).copied().unwrap_or(0)).sum();
-    progress.send_modify(|p| {
-        *p = PrefetchProgress { planned: true, manifests, blobs_total: blobs.len(), bytes_total, ..p.clone() };
-    });
+    Ok(Plan { digest: top.digest, manifests, blobs })
+}
 
-    let mut report = Prefetched { image: image.to_owned(), manifests, blobs: blobs.len(), ..Prefetched::default() };
-    let mut results = futures_util::stream::iter(blobs)
+/// Fetches every blob of `plan` into the cache, `parallelism` at once, as
+/// a client's pull would (coalesced with pulls of the same blobs, verified
+/// the same way). Progress goes to `progress`, whose totals are set first.
+/// Returns the bytes of the blobs, and how many were fetched (not cached
+/// before).
+pub async fn fetch_blobs(
+    cache: &Arc<Cache>,
+    upstream: &Arc<Upstream>,
+    repo: &RepoName,
+    plan: &Plan,
+    parallelism: usize,
+    progress: &watch::Sender<PrefetchProgress>,
+) -> Result<(u64, usize), Error> {
+    progress.send_modify(|p| {
+        *p = PrefetchProgress {
+            planned: true,
+            manifests: plan.manifests,
+            blobs_total: plan.blobs.len(),
+            bytes_total: plan.bytes(),
+            ..PrefetchProgress::default()
+        };
+    });
+    let digests: Vec<Digest> = plan.blobs.iter().map(|(d, _)| *d).collect();
+    let mut results = futures_util::stream::iter(digests)
         .map(|digest| async move {
             let (source, result) = cache.blob(upstream, repo, digest).await?;
             let size = match source {
@@ -136,13 +148,33 @@ pub async fn prefetch(
             });
             Ok::<_, Error>((size, fetched))
         })
-        .buffer_unordered(PREFETCH_PARALLELISM);
+        .buffer_unordered(parallelism.max(1));
+    let (mut bytes, mut fetched) = (0, 0);
     while let Some(result) = results.next().await {
-        let (size, fetched) = result?;
-        report.bytes += size;
-        report.fetched += usize::from(fetched);
+        let (size, was_fetched) = result?;
+        bytes += size;
+        fetched += usize::from(was_fetched);
     }
-    Ok(report)
+    Ok((bytes, fetched))
+}
+
+/// Fetches the manifest(s) of `repo:reference` and every blob into the
+/// cache. For an index, every platform, or those `platform` selects (see
+/// [`platform_selected`]). `image` is only echoed in the report. Progress
+/// goes to `progress` (nobody needs to be listening).
+pub async fn prefetch(
+    cache: &Arc<Cache>,
+    upstream: &Arc<Upstream>,
+    repo: &RepoName,
+    reference: &Reference,
+    image: &str,
+    platform: Option<&str>,
+    progress: &watch::Sender<PrefetchProgress>,
+) -> Result<Prefetched, Error> {
+    let platforms: Vec<String> = platform.map(str::to_owned).into_iter().collect();
+    let plan = plan(cache, upstream, repo, reference, &platforms).await?;
+    let (bytes, fetched) = fetch_blobs(cache, upstream, repo, &plan, PREFETCH_PARALLELISM, progress).await?;
+    Ok(Prefetched { image: image.to_owned(), manifests: plan.manifests, blobs: plan.blobs.len(), fetched, bytes })
 }
 
 /// Waits for a fill to commit, adding its bytes to `bytes_done` as they
