@@ -69,6 +69,11 @@ async fn a_warm_tag_is_cached_before_anyone_asks_survives_eviction_and_pulls_wit
     assert!(out.status.success(), "{text}");
     let line = text.lines().find(|l| l.contains("origin.test/team/base:stable")).unwrap_or_else(|| panic!("{text}"));
     assert!(line.contains("ready") && line.contains("pinned") && line.contains("checked"), "{line}");
+    let page = page(&admin).await;
+    let row =
+        page.split("<tr>").find(|r| r.contains("origin.test/team/base:stable")).unwrap_or_else(|| panic!("{page}"));
+    let short = &v2.digest[..19];
+    assert!(row.contains(">ready<") && row.contains(short) && row.contains(">yes<"), "status page row: {row}");
 
     // Other images fill the cache past max_size: only they are evicted.
     let mut others = Vec::new();
@@ -191,6 +196,9 @@ async fn an_upstream_over_its_own_max_size_evicts_only_its_own_content() {
     let other_status = upstreams.iter().find(|u| u["name"] == "other.test").unwrap();
     assert_eq!(other_status["max_size_bytes"], Value::Null, "{other_status}");
     assert!(other_status["cache_bytes"].as_u64().unwrap() >= 1024 * KIB as u64, "{other_status}");
+    let page = page(&admin).await;
+    let row = page.split("<tr>").find(|r| r.contains("<b>origin.test</b>")).unwrap_or_else(|| panic!("{page}"));
+    assert!(row.contains(" of 2.0 MiB<"), "the status page shows origin.test's usage of its max_size: {row}");
 }
 
 // ---- helpers ----------------------------------------------------------------
@@ -206,6 +214,14 @@ async fn status(admin: &Admin) -> Value {
     assert_eq!(response.status(), 200, "GET /status");
     let body = response.text().await.expect("the /status body");
     serde_json::from_str(&body).unwrap_or_else(|e| panic!("/status is not JSON ({e}): {body}"))
+}
+
+/// The status page (`GET /` on the admin listener), as HTML.
+async fn page(admin: &Admin) -> String {
+    let url = format!("{}/", admin.url());
+    let response = http::client().get(&url).bearer_auth(TOKEN).send().await.expect("GET /");
+    assert_eq!(response.status(), 200, "GET /");
+    response.text().await.expect("the status page")
 }
 
 /// Polls `check` until it holds, or fails the test after [`PATIENCE`].
