@@ -4,15 +4,18 @@
 //! previous digests survive eviction by other images, and it still pulls
 //! with the origin gone. A warm file is re-read when it changes, its bad
 //! lines skipped; a warm tag deleted at the origin is counted as
-//! `missing_upstream` and still served. Per-upstream `max_size`: an
+//! `missing_upstream` and still served. Clients go first: a warm download
+//! that stalls never holds a client back. Per-upstream `max_size`: an
 //! upstream over its share evicts only its own content.
 
 mod common;
+mod fake;
 
 use std::time::{Duration, Instant};
 
 use common::metrics::{metric, wait_for_commits};
 use common::{Admin, ImageBuilder, KIB, Larder, Origin, PushedImage, Upstream, http, skopeo};
+use fake::FakeUpstream;
 use serde_json::Value;
 
 const TOKEN: &str = "warm-test-admin-token-0123456789";
@@ -149,6 +152,60 @@ async fn a_warm_file_is_reread_its_bad_lines_skipped_and_a_tag_deleted_upstream_
     assert_eq!(warm["state"], "missing_upstream", "{warm}");
     let pulled = skopeo::pull(&larder.image_ref("team/base:1"), false).await.expect("the deleted warm tag still pulls");
     assert_eq!(pulled.manifest_digest, base.digest);
+}
+
+#[tokio::test]
+async fn a_stalled_warm_download_never_holds_back_a_clients_fill_and_warm_work_stays_bounded() {
+    // A warm image of four layers that the upstream stalls after 1 KiB, and
+    // an upstream that allows clients one open request at a time.
+    let layers: Vec<_> = (0..4).map(|n| fake::random_bytes(256 * KIB, 10 + n)).collect();
+    let config = fake::random_bytes(512, 9);
+    let descriptors: Vec<(String, usize)> = layers.iter().map(|l| (fake::digest(l), l.len())).collect();
+    let descriptors: Vec<(&str, usize)> = descriptors.iter().map(|(d, n)| (d.as_str(), *n)).collect();
+    let manifest = fake::image_manifest((&fake::digest(&config), config.len()), &descriptors);
+    let wanted = fake::random_bytes(512 * KIB, 20);
+    let mut builder = FakeUpstream::builder()
+        .manifest(fake::REPO, "warm", fake::OCI_MANIFEST, manifest)
+        .blob(config)
+        .blob(wanted.clone());
+    for layer in &layers {
+        builder = builder.blob(layer.clone());
+    }
+    let up = builder.start().await;
+    for layer in &layers {
+        up.set_faults(&fake::digest(layer), fake::Faults { stall_after: Some(KIB), ..Default::default() });
+    }
+    let upstream = Upstream::new(fake::UPSTREAM_NAME, &up.url()).default(true).line("max_concurrency = 1");
+    let (builder, admin) = Admin::with_token(Larder::builder().upstream(upstream), TOKEN);
+    let larder =
+        builder.cache_line(WARM_INTERVAL).append_toml("[[warm]]\nimage = \"fake.test/test/app:warm\"").start().await;
+
+    // The warm loop is stuck on two layers at once, never more.
+    wait_until("two warm layers are downloading", || async {
+        layers.iter().filter(|l| up.bytes_sent(&fake::digest(l)) > 0).count() == 2
+    })
+    .await;
+    assert_eq!(status(&admin).await["warm"]["images"][0]["state"], "fetching");
+
+    // A client's blob: its own permit, not one the stalled downloads hold.
+    let addr = ([127, 0, 0, 1], larder.port()).into();
+    let got = tokio::time::timeout(PATIENCE, fake::client::get(addr, &fake::blob_path(&fake::digest(&wanted))))
+        .await
+        .expect("the client's fill waited for the warm loop");
+    assert_eq!(got.status(), 200);
+    assert_eq!(got.body, wanted.to_vec());
+
+    // Released, the warm image completes, each layer fetched once, and the
+    // upstream never saw more than the warm loop's two requests plus the
+    // client's one.
+    for layer in &layers {
+        up.release(&fake::digest(layer));
+    }
+    wait_until("the warm image is ready", || async { metric(&larder, READY).await == 1.0 }).await;
+    for layer in &layers {
+        assert_eq!(up.blob_gets(&fake::digest(layer)), 1);
+    }
+    assert!(up.max_open_requests() <= 3, "{} requests open at once", up.max_open_requests());
 }
 
 #[tokio::test]
