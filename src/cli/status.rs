@@ -3,7 +3,7 @@
 use std::fmt::Write as _;
 
 use crate::server::admin::status::{Repository, Status};
-use crate::server::admin::status_page::{ago, bytes, of_total, percent, short_digest, span};
+use crate::server::admin::status_page::{ago, bytes, images, of_total, percent, short_digest, span};
 use crate::warm::status::WarmReport;
 
 fn repositories(out: &mut String, title: &str, repos: &[Repository], now_ms: u64) {
@@ -26,7 +26,7 @@ fn repositories(out: &mut String, title: &str, repos: &[Repository], now_ms: u64
 }
 
 fn warm(out: &mut String, w: &WarmReport, now_ms: u64) {
-    let _ = writeln!(out, "\nkept warm ({} images)", w.images.len());
+    let _ = writeln!(out, "\nkept warm ({})", images(w.images.len()));
     let width = w.images.iter().map(|i| i.image.len()).max().unwrap_or(0).max(10);
     for i in &w.images {
         let digest = i.digest.as_deref().map_or_else(|| "-".to_owned(), short_digest);
@@ -45,7 +45,7 @@ fn warm(out: &mut String, w: &WarmReport, now_ms: u64) {
         }
     }
     if let Some(f) = &w.file {
-        let _ = writeln!(out, "  warm file {}: {} images", f.path, f.images);
+        let _ = writeln!(out, "  warm file {}: {}", f.path, images(f.images));
         if let Some(e) = &f.error {
             let _ = writeln!(out, "    {e}");
         }

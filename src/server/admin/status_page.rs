@@ -110,8 +110,13 @@ pub fn of_total(cached: u64, total: u64) -> String {
     if total == 0 { bytes(cached) } else { format!("{} of {}", bytes(cached), bytes(total)) }
 }
 
+/// `1 image`, `3 images`.
+pub fn images(n: usize) -> String {
+    format!("{n} image{}", if n == 1 { "" } else { "s" })
+}
+
 fn warm_section(out: &mut String, w: &WarmReport, now_ms: u64) {
-    let _ = write!(out, "<section style=\"grid-column:1/-1\"><h2>Kept warm ({} images)</h2>", w.images.len());
+    let _ = write!(out, "<section style=\"grid-column:1/-1\"><h2>Kept warm ({})</h2>", images(w.images.len()));
     if w.images.is_empty() {
         out.push_str("<p class=muted>No warm images: list them with [[warm]] or cache.warm_file.</p>");
     } else {
@@ -150,7 +155,7 @@ fn warm_section(out: &mut String, w: &WarmReport, now_ms: u64) {
         out.push_str("</table>");
     }
     if let Some(f) = &w.file {
-        let _ = write!(out, "<p class=muted>Warm file <code>{}</code>: {} images", escape(&f.path), f.images);
+        let _ = write!(out, "<p class=muted>Warm file <code>{}</code>: {}", escape(&f.path), images(f.images));
         if let Some(e) = &f.error {
             let _ = write!(out, "; <span class=warn-text>{}</span>", escape(e));
         }
