@@ -155,6 +155,41 @@ async fn a_warm_file_is_reread_its_bad_lines_skipped_and_a_tag_deleted_upstream_
 }
 
 #[tokio::test]
+async fn pinned_content_over_max_size_is_reported_at_start_on_status_and_in_a_metric_and_kept() {
+    const OVER: &str = "above the cache's high watermark";
+    let origin = Origin::start().await;
+    // Six 200 KiB layers (each under max_size / 4, so each is cached):
+    // 1.2 MiB pinned in a 1 MiB cache.
+    let big = ImageBuilder::oci().layers(&[200 * KIB; 6]).push(&origin, "team/big", "1").await;
+    let (builder, admin) = Admin::with_token(Larder::builder().upstream(&origin), TOKEN);
+    let mut larder = builder
+        .max_size("1MiB")
+        .cache_line(WARM_INTERVAL)
+        .append_toml("[[warm]]\nimage = \"origin.test/team/big:1\"")
+        .start()
+        .await;
+
+    wait_until("the pinned image is cached and reported over the limit", || async {
+        all_cached(&larder, &big) && metric(&larder, "larder_cache_pinned_over_limit").await == 1.0
+    })
+    .await;
+    let over = status(&admin).await["cache"]["pinned"]["over_limit"].clone();
+    assert!(over[0].as_str().is_some_and(|s| s.contains(OVER)), "/status: {over}");
+    assert!(larder.log().contains(OVER), "logged");
+    let out = admin.cli(&["status"]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains(OVER), "larder status says so too");
+
+    // Restarted with the origin gone: said again at start, from the index
+    // alone, and nothing pinned was evicted.
+    drop(origin);
+    let said = larder.log().matches(OVER).count();
+    larder.restart().await;
+    wait_until("said again at start", || async { larder.log().matches(OVER).count() > said }).await;
+    assert_eq!(metric(&larder, "larder_cache_pinned_over_limit").await, 1.0);
+    assert!(all_cached(&larder, &big), "pinned content stays, over the limit or not");
+}
+
+#[tokio::test]
 async fn a_stalled_warm_download_never_holds_back_a_clients_fill_and_warm_work_stays_bounded() {
     // A warm image of four layers that the upstream stalls after 1 KiB, and
     // an upstream that allows clients one open request at a time.
