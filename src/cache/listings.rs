@@ -30,7 +30,7 @@ impl Cache {
     /// here ([`crate::oci::tag_list`]). Upstream's 404 to a tag list is a
     /// 404; to referrers it means the registry has no referrers API, and
     /// larder answers from the `sha256-<hex>` fallback tag itself
-    /// ([`Cache::referrers_from_tag`]).
+    /// (`referrers_from_tag` below).
     pub async fn listing(
         self: &Arc<Self>,
         upstream: &Arc<Upstream>,
