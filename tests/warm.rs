@@ -155,6 +155,36 @@ async fn a_warm_file_is_reread_its_bad_lines_skipped_and_a_tag_deleted_upstream_
 }
 
 #[tokio::test]
+async fn only_the_chosen_platforms_of_a_warm_index_are_fetched() {
+    let origin = Origin::start().await;
+    let image = ImageBuilder::oci().multi_arch().layers(&[64 * KIB, 32 * KIB]).push(&origin, "team/multi", "1").await;
+    let (builder, admin) = Admin::with_token(Larder::builder().upstream(&origin), TOKEN);
+    let larder = builder
+        .cache_line(WARM_INTERVAL)
+        .append_toml("[[warm]]\nimage = \"origin.test/team/multi:1\"\nplatforms = [\"linux/arm64\"]")
+        .start()
+        .await;
+    wait_until("ready", || async { metric(&larder, READY).await == 1.0 }).await;
+    let blobs = |m: &common::PushedManifest| {
+        std::iter::once(&m.config).chain(&m.layers).map(|b| b.digest.clone()).collect::<Vec<_>>()
+    };
+    let (arm, amd): (Vec<_>, Vec<_>) =
+        image.manifests.iter().partition(|m| m.platform.as_deref() == Some("linux/arm64"));
+    assert_eq!((arm.len(), amd.len()), (1, 1), "{:?}", image.manifests);
+    for d in blobs(arm[0]) {
+        assert!(larder.blob_file(&d).exists(), "arm64 blob {d} is cached");
+    }
+    for d in blobs(amd[0]) {
+        assert!(!larder.blob_file(&d).exists(), "amd64 blob {d} was not chosen");
+    }
+    let warm = status(&admin).await["warm"]["images"][0].clone();
+    let arm_bytes: u64 = std::iter::once(&arm[0].config).chain(&arm[0].layers).map(|b| b.size).sum();
+    assert_eq!(warm["bytes_total"], arm_bytes, "{warm}");
+    assert_eq!(warm["bytes_cached"], arm_bytes, "{warm}");
+    assert_eq!(warm["platforms"], serde_json::json!(["linux/arm64"]), "{warm}");
+}
+
+#[tokio::test]
 async fn pinned_content_over_max_size_is_reported_at_start_on_status_and_in_a_metric_and_kept() {
     const OVER: &str = "above the cache's high watermark";
     let origin = Origin::start().await;
