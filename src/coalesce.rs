@@ -58,8 +58,8 @@ where
                     let task_key = key.clone();
                     let fut = work();
                     // The leader's priority goes with the work (clients
-                    // first, see `crate::priority`).
-                    let task = tokio::spawn(crate::priority::inherit(async move {
+                    // first, see `crate::background`).
+                    let task = tokio::spawn(crate::background::inherit(async move {
                         let result = fut.await;
                         inflight.lock().unwrap_or_else(|p| p.into_inner()).remove(&task_key);
                         result

@@ -11,7 +11,7 @@
 //!   references, media types), [`policy`] (who may pull what), [`site`]
 //!   (which hosts are one operator's), [`config`] (one room per section);
 //! - plumbing: [`error`] (the one mapping to responses), [`metrics`],
-//!   [`blocking`], [`coalesce`], [`priority`], [`body`], [`sendfile`],
+//!   [`blocking`], [`coalesce`], [`background`], [`body`], [`sendfile`],
 //!   [`log_filter`], [`log_writer`], [`shutdown`];
 //! - [`upstream`]: registries larder pulls from (auth, redirects and the
 //!   dial guard, credentials, pull limits);
@@ -27,6 +27,7 @@
 #![deny(unsafe_code)]
 
 pub mod app;
+pub mod background;
 pub mod blocking;
 pub mod body;
 pub mod cache;
@@ -41,7 +42,6 @@ pub mod log_writer;
 pub mod metrics;
 pub mod oci;
 pub mod policy;
-pub mod priority;
 pub mod sendfile;
 pub mod server;
 pub mod shutdown;

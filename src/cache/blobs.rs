@@ -196,7 +196,7 @@ impl Cache {
         let cache = Arc::clone(self);
         metrics().fills_in_flight.inc();
         // A fill the warm loop starts stays background work (clients first).
-        tokio::spawn(crate::priority::inherit(async move {
+        tokio::spawn(crate::background::inherit(async move {
             match cache.fill(&upstream, &repo, digest, via, &tx).await {
                 Ok((file, size)) => {
                     cache.memory.insert_blob_size(digest, size);

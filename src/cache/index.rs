@@ -13,9 +13,9 @@
 //!   start-up knows the cache's usage without reading every row;
 //! - `charged`, `upstream_access` and `meta["bytes\0<upstream>"]`: the
 //!   upstream each item is charged to, each upstream's own access order and
-//!   its running total, for per-upstream quotas (see [`quota`]).
+//!   its running total, for per-upstream quotas (see `quota`).
 //!
-//! The warm images' digests live here too ([`warm`]).
+//! The warm images' digests live here too (`warm`).
 
 use std::path::Path;
 

@@ -6,7 +6,7 @@
 //! (with `realm`, `scope`, `tokens`, `credentials` and `helper`);
 //! Docker Hub's pull limit in `ratelimit`; the pause of tag
 //! revalidation after failures in `backoff`. Background work has permits
-//! of its own ([`crate::priority`]).
+//! of its own ([`crate::background`]).
 
 mod auth;
 mod backoff;
@@ -63,7 +63,7 @@ pub struct Upstream {
     /// open (until its body is read or dropped). Waiters are served in order.
     permits: Arc<Semaphore>,
     /// The permits of background work (the warm loop), apart from
-    /// clients' (see [`crate::priority`]).
+    /// clients' (see [`crate::background`]).
     background_permits: Arc<Semaphore>,
     /// Last error, last success and rate-limit headroom, for operators.
     pub health: health::Health,
@@ -161,7 +161,7 @@ impl Upstream {
             http,
             auth,
             permits,
-            background_permits: Arc::new(Semaphore::new(crate::priority::BACKGROUND_CONCURRENCY)),
+            background_permits: Arc::new(Semaphore::new(crate::background::CONCURRENCY)),
             health: health::Health::default(),
         })
     }
@@ -218,7 +218,7 @@ impl Upstream {
     /// the first of the upstream's `urls` that connects and does not answer
     /// 5xx (the last one's answer, whatever it is). One permit of
     /// `max_concurrency` is held throughout (of background work's own
-    /// pool for background work: clients go first, see [`crate::priority`]).
+    /// pool for background work: clients go first, see [`crate::background`]).
     async fn open(
         &self,
         method: Method,
@@ -227,7 +227,7 @@ impl Upstream {
         accept: Option<&'static str>,
         from: Option<u64>,
     ) -> Result<Opened, UpstreamError> {
-        let permits = if crate::priority::is_background() { &self.background_permits } else { &self.permits };
+        let permits = if crate::background::active() { &self.background_permits } else { &self.permits };
         let permit = Arc::clone(permits)
             .acquire_owned()
             .await

@@ -11,7 +11,7 @@
 //! later checks only see that its blobs are still cached (an unpinned
 //! image may have been evicted) and fetch what is missing.
 //!
-//! Clients go first: the loop is background work ([`crate::priority`]),
+//! Clients go first: the loop is background work ([`crate::background`]),
 //! whose upstream requests use permits of their own, and it fetches
 //! [`BACKGROUND_CONCURRENCY`] blobs at once, one image at a time.
 //!
@@ -35,6 +35,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use crate::background::CONCURRENCY as BACKGROUND_CONCURRENCY;
 use crate::blocking::blocking;
 use crate::cache::Cache;
 use crate::cache::pins::PinnedImage;
@@ -43,7 +44,6 @@ use crate::cache::warm::{Seen, WarmRow, now_ms};
 use crate::config::{CacheConfig, Config, UpstreamConfig, WarmImage};
 use crate::error::Error;
 use crate::oci::{Digest, Reference};
-use crate::priority::BACKGROUND_CONCURRENCY;
 use crate::upstream::{Upstream, Upstreams};
 use list::{FileReport, Stamp};
 use status::{WarmReport, WarmState, WarmStatus};
@@ -297,7 +297,7 @@ impl Warm {
             return;
         }
         let warm = Arc::clone(self);
-        tokio::spawn(crate::priority::background(async move {
+        tokio::spawn(crate::background::run(async move {
             loop {
                 if warm.file_changed().await && warm.read_list().await {
                     if let Err(e) = warm.list_changed().await {

@@ -1,11 +1,11 @@
 //! Background work (the keep-warm loop) and clients' requests to the same
 //! upstream: clients go first. Background requests take their permits from
-//! a pool of their own ([`BACKGROUND_CONCURRENCY`] per upstream) instead
+//! a pool of their own ([`CONCURRENCY`] per upstream) instead
 //! of the upstream's `max_concurrency`, so a client never waits for a
 //! permit that a background download holds, however long it runs.
 //!
 //! Whether a request is background work is a property of the task that
-//! makes it: the warm loop runs inside [`background`], and a fill it
+//! makes it: the warm loop runs inside [`run`], and a fill it
 //! starts, which runs in a task of its own so that it survives its first
 //! reader, takes the priority along ([`inherit`]). A client that joins such
 //! a fill reads it as it is (it started already); one that asks for
@@ -16,25 +16,25 @@ use std::future::Future;
 /// Requests to one upstream that background work has open at most; the
 /// warm loop fetches this many blobs at once, so its fills never wait for
 /// a background permit either (and a client joining one is not delayed).
-pub const BACKGROUND_CONCURRENCY: usize = 2;
+pub const CONCURRENCY: usize = 2;
 
 tokio::task_local! {
     static BACKGROUND: bool;
 }
 
 /// Runs `f` as background work.
-pub async fn background<F: Future>(f: F) -> F::Output {
+pub async fn run<F: Future>(f: F) -> F::Output {
     BACKGROUND.scope(true, f).await
 }
 
 /// Whether the current task is background work.
-pub fn is_background() -> bool {
+pub fn active() -> bool {
     BACKGROUND.try_with(|b| *b).unwrap_or(false)
 }
 
 /// `f`, with the current task's priority: for a task spawned on its behalf.
 pub fn inherit<F: Future>(f: F) -> impl Future<Output = F::Output> {
-    BACKGROUND.scope(is_background(), f)
+    BACKGROUND.scope(active(), f)
 }
 
 #[cfg(test)]
@@ -43,14 +43,14 @@ mod tests {
 
     #[tokio::test]
     async fn the_priority_follows_the_work_into_spawned_tasks() {
-        assert!(!is_background(), "a client's task");
-        let inside = background(async {
-            let spawned = tokio::spawn(inherit(async { is_background() }));
-            let plain = tokio::spawn(async { is_background() });
-            (is_background(), spawned.await.unwrap(), plain.await.unwrap())
+        assert!(!active(), "a client's task");
+        let inside = run(async {
+            let spawned = tokio::spawn(inherit(async { active() }));
+            let plain = tokio::spawn(async { active() });
+            (active(), spawned.await.unwrap(), plain.await.unwrap())
         })
         .await;
         assert_eq!(inside, (true, true, false), "inherited only where asked");
-        assert!(!tokio::spawn(inherit(async { is_background() })).await.unwrap(), "a client's spawn stays a client's");
+        assert!(!tokio::spawn(inherit(async { active() })).await.unwrap(), "a client's spawn stays a client's");
     }
 }
