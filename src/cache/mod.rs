@@ -33,8 +33,10 @@
 mod blobs;
 mod disk;
 mod evict;
+pub mod export;
 pub mod fill;
 mod fill_chain;
+pub mod import;
 pub mod index;
 mod listings;
 mod maintenance;
@@ -196,10 +198,7 @@ const FILLS_POLL: Duration = Duration::from_millis(10);
 fn open_locked(dir: &std::path::Path) -> Result<(Store, Index), Error> {
     let store = Store::new(dir)?;
     let index = Index::open(&store.index_path()).map_err(|e| match e {
-        redb::Error::DatabaseAlreadyOpen => Error::Internal(format!(
-            "{} is in use by another larder process (its index is locked); stop it first",
-            dir.display()
-        )),
+        redb::Error::DatabaseAlreadyOpen => Error::CacheInUse(dir.display().to_string()),
         e => e.into(),
     })?;
     store.prepare()?;

@@ -1,8 +1,7 @@
 //! Warming the cache with an image before anyone pulls it (admin
-//! `POST /prefetch`, and each round of the keep-warm loop): the same path a
-//! client's pull takes through the cache facade, so it is coalesced with
-//! concurrent pulls and verified the same way, without sending any bytes
-//! anywhere. Progress (blobs and bytes done
+//! `POST /prefetch`): the same path a client's pull takes through the cache
+//! facade, so it is coalesced with concurrent pulls and verified the same
+//! way, without sending any bytes anywhere. Progress (blobs and bytes done
 //! of the totals the manifests declare) is published on a watch channel as
 //! it happens, so that the admin API can stream it to `larder prefetch`.
 
@@ -15,14 +14,21 @@ use tokio::sync::watch;
 
 use super::fill::Progress;
 use super::pins::platform_selected;
-use super::{BlobSource, Cache, CacheResult};
+use super::{BlobSource, Cache, CacheResult, StoredManifest};
 use crate::error::Error;
-use crate::oci::{Digest, Reference, RepoName, inspect_manifest};
-use crate::upstream::Upstream;
+use crate::oci::referrers::ReferrersIndex;
+use crate::oci::{Digest, Reference, RepoName, Tag, inspect_manifest};
+use crate::upstream::{Listing, Upstream};
 
 /// Blobs of one prefetch fetched at once (each still counts against the
 /// upstream's `max_concurrency`).
 pub const PREFETCH_PARALLELISM: usize = 4;
+
+/// Referrers of referrers are followed this deep (a signature of an SBOM).
+pub const REFERRER_DEPTH: usize = 2;
+/// The tags cosign keeps a manifest's signature, attestations and SBOM
+/// under on registries without the referrers API: `sha256-<hex>.<suffix>`.
+pub const COSIGN_TAG_SUFFIXES: [&str; 3] = ["sig", "att", "sbom"];
 
 /// What a prefetch did, once done.
 #[derive(Debug, Default, Serialize, PartialEq, Eq)]
@@ -34,6 +40,11 @@ pub struct Prefetched {
     /// Blobs that were not cached before (fetched from upstream now).
     pub fetched: usize,
     pub bytes: u64,
+    /// With referrers: the referrer manifests (signatures, SBOMs,
+    /// attestations) cached with their blobs (counted in `blobs`, `fetched`
+    /// and `bytes` too).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub referrers: Option<usize>,
 }
 
 /// Where a prefetch is, published as it goes. Totals are known once the
@@ -53,29 +64,68 @@ pub struct PrefetchProgress {
     pub fetched: usize,
 }
 
-/// An image's manifests, read through the cache, and the blobs they name:
-/// what a prefetch or a warm round fetches.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// The sizes an image manifest declares for its config and layers.
+#[derive(Deserialize)]
+struct DeclaredSizes {
+    config: Option<Sized>,
+    #[serde(default)]
+    layers: Vec<Sized>,
+}
+
+#[derive(Deserialize)]
+struct Sized {
+    digest: String,
+    size: u64,
+}
+
+fn declared_sizes(bytes: &[u8], sizes: &mut HashMap<Digest, u64>) {
+    // The manifest already passed `inspect_manifest`; sizes only feed the
+    // progress totals, so a manifest without them just counts 0 bytes.
+    if let Ok(declared) = serde_json::from_slice::<DeclaredSizes>(bytes) {
+        for d in declared.config.into_iter().chain(declared.layers) {
+            if let Ok(digest) = d.digest.parse() {
+                sizes.insert(digest, d.size);
+            }
+        }
+    }
+}
+
+/// What an image is made of, for the platforms chosen: its manifests (in
+/// the cache now) and the blobs they name.
 pub struct Plan {
-    /// The digest of the manifest (or index) the reference resolved to.
-    pub digest: Digest,
-    /// Image manifests whose blobs are listed (one per selected platform).
-    pub manifests: usize,
-    /// Each blob once, with the size its manifest declares (0 if none).
-    pub blobs: Vec<(Digest, u64)>,
+    pub top: Arc<StoredManifest>,
+    /// The child manifests chosen, for an index (empty for an image).
+    pub children: Vec<Arc<StoredManifest>>,
+    /// Every blob of the chosen image manifests, once each, sorted.
+    pub blobs: Vec<Digest>,
+    /// The sizes the manifests declare.
+    pub sizes: HashMap<Digest, u64>,
 }
 
 impl Plan {
     /// Sum of the sizes the manifests declare for the blobs.
     pub fn bytes(&self) -> u64 {
-        self.blobs.iter().map(|(_, size)| size).sum()
+        self.blobs.iter().map(|d| self.sizes.get(d).copied().unwrap_or(0)).sum()
     }
 }
 
-/// Reads the manifest(s) of `repo:reference` into the cache (from upstream
-/// where missing) and lists their blobs. For an index, the platforms of
-/// `platforms` (see [`platform_selected`]; empty: every platform).
+/// Reads the manifest(s) of `repo:reference` through the cache: for an
+/// index, every platform, or those `platform` selects (`linux/arm64`, or
+/// `linux` for every Linux platform: see [`platform_selected`]).
 pub async fn plan(
+    cache: &Arc<Cache>,
+    upstream: &Arc<Upstream>,
+    repo: &RepoName,
+    reference: &Reference,
+    platform: Option<&str>,
+) -> Result<Plan, Error> {
+    let platforms: Vec<String> = platform.map(str::to_owned).into_iter().collect();
+    plan_platforms(cache, upstream, repo, reference, &platforms).await
+}
+
+/// [`plan`] for the platforms of `platforms` (empty: every platform), as a
+/// warm image lists them.
+pub async fn plan_platforms(
     cache: &Arc<Cache>,
     upstream: &Arc<Upstream>,
     repo: &RepoName,
@@ -84,28 +134,53 @@ pub async fn plan(
 ) -> Result<Plan, Error> {
     let (top, _) = cache.manifest(upstream, repo, reference).await?;
     let (_, refs) = inspect_manifest(&top.bytes, Some(top.media_type)).map_err(Error::Internal)?;
-    let mut sizes: HashMap<Digest, u64> = HashMap::new();
-    let mut declare = |refs: &crate::oci::ManifestRefs| {
-        for (digest, size) in refs.blobs.iter().zip(&refs.blob_sizes) {
-            // Sizes only feed the progress totals: a manifest without them
-            // counts 0 bytes.
-            sizes.insert(*digest, size.unwrap_or(0));
-        }
-    };
-    declare(&refs);
-    let mut manifests = usize::from(refs.manifests.is_empty());
+    let mut sizes = HashMap::new();
+    declared_sizes(&top.bytes, &mut sizes);
+    let mut blobs: Vec<Digest> = refs.blobs.clone();
+    let mut children = Vec::new();
     for (child, child_platform) in refs.manifests.iter().zip(&refs.platforms) {
         if !platform_selected(child_platform.as_deref(), platforms) {
             continue;
         }
         let (m, _) = cache.manifest(upstream, repo, &Reference::Digest(*child)).await?;
         let (_, child_refs) = inspect_manifest(&m.bytes, Some(m.media_type)).map_err(Error::Internal)?;
-        declare(&child_refs);
-        manifests += 1;
+        declared_sizes(&m.bytes, &mut sizes);
+        blobs.extend(child_refs.blobs);
+        children.push(m);
     }
-    let mut blobs: Vec<(Digest, u64)> = sizes.into_iter().collect();
     blobs.sort();
-    Ok(Plan { digest: top.digest, manifests, blobs })
+    blobs.dedup();
+    Ok(Plan { top, children, blobs, sizes })
+}
+
+/// Fetches the manifest(s) of `repo:reference` and every blob into the
+/// cache (see [`plan`] for `platform`). `image` is only echoed in the
+/// report. Progress goes to `progress` (nobody needs to be listening).
+pub async fn prefetch(
+    cache: &Arc<Cache>,
+    upstream: &Arc<Upstream>,
+    repo: &RepoName,
+    reference: &Reference,
+    image: &str,
+    platform: Option<&str>,
+    progress: &watch::Sender<PrefetchProgress>,
+) -> Result<Prefetched, Error> {
+    let plan = plan(cache, upstream, repo, reference, platform).await?;
+    fetch(cache, upstream, repo, &plan, image, progress).await
+}
+
+/// Fetches every blob of `plan` into the cache.
+pub async fn fetch(
+    cache: &Arc<Cache>,
+    upstream: &Arc<Upstream>,
+    repo: &RepoName,
+    plan: &Plan,
+    image: &str,
+    progress: &watch::Sender<PrefetchProgress>,
+) -> Result<Prefetched, Error> {
+    let (bytes, fetched) = fetch_blobs(cache, upstream, repo, plan, PREFETCH_PARALLELISM, progress).await?;
+    let manifests = plan.children.len().max(1);
+    Ok(Prefetched { image: image.to_owned(), manifests, blobs: plan.blobs.len(), fetched, bytes, referrers: None })
 }
 
 /// Fetches every blob of `plan` into the cache, `parallelism` at once, as
@@ -121,17 +196,13 @@ pub async fn fetch_blobs(
     parallelism: usize,
     progress: &watch::Sender<PrefetchProgress>,
 ) -> Result<(u64, usize), Error> {
+    let manifests = plan.children.len().max(1);
+    let blobs = plan.blobs.clone();
+    let bytes_total = plan.bytes();
     progress.send_modify(|p| {
-        *p = PrefetchProgress {
-            planned: true,
-            manifests: plan.manifests,
-            blobs_total: plan.blobs.len(),
-            bytes_total: plan.bytes(),
-            ..PrefetchProgress::default()
-        };
+        *p = PrefetchProgress { planned: true, manifests, blobs_total: blobs.len(), bytes_total, ..p.clone() };
     });
-    let digests: Vec<Digest> = plan.blobs.iter().map(|(d, _)| *d).collect();
-    let mut results = futures_util::stream::iter(digests)
+    let mut results = futures_util::stream::iter(blobs)
         .map(|digest| async move {
             let (source, result) = cache.blob(upstream, repo, digest).await?;
             let size = match source {
@@ -156,25 +227,6 @@ pub async fn fetch_blobs(
         fetched += usize::from(was_fetched);
     }
     Ok((bytes, fetched))
-}
-
-/// Fetches the manifest(s) of `repo:reference` and every blob into the
-/// cache. For an index, every platform, or those `platform` selects (see
-/// [`platform_selected`]). `image` is only echoed in the report. Progress
-/// goes to `progress` (nobody needs to be listening).
-pub async fn prefetch(
-    cache: &Arc<Cache>,
-    upstream: &Arc<Upstream>,
-    repo: &RepoName,
-    reference: &Reference,
-    image: &str,
-    platform: Option<&str>,
-    progress: &watch::Sender<PrefetchProgress>,
-) -> Result<Prefetched, Error> {
-    let platforms: Vec<String> = platform.map(str::to_owned).into_iter().collect();
-    let plan = plan(cache, upstream, repo, reference, &platforms).await?;
-    let (bytes, fetched) = fetch_blobs(cache, upstream, repo, &plan, PREFETCH_PARALLELISM, progress).await?;
-    Ok(Prefetched { image: image.to_owned(), manifests: plan.manifests, blobs: plan.blobs.len(), fetched, bytes })
 }
 
 /// Waits for a fill to commit, adding its bytes to `bytes_done` as they
@@ -202,5 +254,67 @@ async fn follow_fill(
         if rx.changed().await.is_err() {
             return Err(Error::Internal("fill ended without a result".into()));
         }
+    }
+}
+
+/// Caches the referrers of `plan`'s manifests (signatures, SBOMs,
+/// attestations), each with its blobs, and theirs down to
+/// [`REFERRER_DEPTH`]: those the referrers API (or larder's answer from the
+/// fallback tag) lists, and cosign's `sha256-<hex>.sig|att|sbom` tags. So
+/// `cosign verify` and SBOM lookups work with upstream gone. Adds what it
+/// cached to `report`.
+pub async fn prefetch_referrers(
+    cache: &Arc<Cache>,
+    upstream: &Arc<Upstream>,
+    repo: &RepoName,
+    plan: &Plan,
+    report: &mut Prefetched,
+) -> Result<(), Error> {
+    let mut subjects: Vec<Digest> =
+        std::iter::once(plan.top.digest).chain(plan.children.iter().map(|m| m.digest)).collect();
+    let mut seen: std::collections::HashSet<Digest> = subjects.iter().copied().collect();
+    let (progress, _) = watch::channel(PrefetchProgress::default());
+    let mut cached = 0;
+    for _ in 0..REFERRER_DEPTH {
+        let mut next = Vec::new();
+        for subject in &subjects {
+            let listing = Listing::Referrers(*subject);
+            let (page, _) = cache.listing(upstream, repo, &listing, None, super::Via::Client).await?;
+            let listed = ReferrersIndex::parse(&page.body).map_err(Error::Internal)?.digests();
+            let mut references: Vec<Reference> = listed.into_iter().map(Reference::Digest).collect();
+            for suffix in COSIGN_TAG_SUFFIXES {
+                let tag = format!("sha256-{}.{suffix}", subject.hex().as_str());
+                references.extend(tag.parse::<Tag>().ok().map(Reference::Tag));
+            }
+            for reference in references {
+                let referrer = match plan_of(cache, upstream, repo, &reference).await? {
+                    Some(referrer) if seen.insert(referrer.top.digest) => referrer,
+                    _ => continue,
+                };
+                let fetched = fetch(cache, upstream, repo, &referrer, &reference.to_string(), &progress).await?;
+                report.blobs += fetched.blobs;
+                report.bytes += fetched.bytes;
+                report.fetched += fetched.fetched;
+                cached += 1;
+                next.push(referrer.top.digest);
+            }
+        }
+        subjects = next;
+    }
+    report.referrers = Some(cached);
+    Ok(())
+}
+
+/// [`plan`] of every platform, `None` for a tag or digest upstream does not have.
+async fn plan_of(
+    cache: &Arc<Cache>,
+    upstream: &Arc<Upstream>,
+    repo: &RepoName,
+    reference: &Reference,
+) -> Result<Option<Plan>, Error> {
+    match plan(cache, upstream, repo, reference, None).await {
+        Ok(plan) => Ok(Some(plan)),
+        Err(Error::ManifestUnknown | Error::NotFound) => Ok(None),
+        Err(e) => Err(e),
     }
 }

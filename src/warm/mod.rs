@@ -423,16 +423,17 @@ impl Warm {
             }
         };
         let reference = Reference::Digest(digest);
-        let plan = match prefetch::plan(&self.cache, upstream, &image.repo, &reference, &image.platforms).await {
-            Ok(plan) => plan,
-            Err(e) => return failed(Some(row), None, e),
-        };
+        let plan =
+            match prefetch::plan_platforms(&self.cache, upstream, &image.repo, &reference, &image.platforms).await {
+                Ok(plan) => plan,
+                Err(e) => return failed(Some(row), None, e),
+            };
         // The manifests are cached now: pin what they name before fetching.
         if let Err(e) = self.pin().await {
             return failed(Some(row), None, e);
         }
         let total = plan.bytes();
-        let digests: Vec<Digest> = plan.blobs.iter().map(|(d, _)| *d).collect();
+        let digests: Vec<Digest> = plan.blobs.clone();
         let cached = match self.cache.cached_blob_sizes(digests).await {
             Ok(sizes) => sizes.iter().flatten().sum::<u64>(),
             Err(e) => return failed(Some(row), None, e),
@@ -476,8 +477,9 @@ impl Warm {
         row: Option<WarmRow>,
     ) -> Option<(u64, u64)> {
         let reference = Reference::Digest(row?.digest);
-        let plan = prefetch::plan(&self.cache, upstream, &image.repo, &reference, &image.platforms).await.ok()?;
-        let digests: Vec<Digest> = plan.blobs.iter().map(|(d, _)| *d).collect();
+        let plan =
+            prefetch::plan_platforms(&self.cache, upstream, &image.repo, &reference, &image.platforms).await.ok()?;
+        let digests: Vec<Digest> = plan.blobs.clone();
         let sizes = self.cache.cached_blob_sizes(digests).await.ok()?;
         Some((sizes.iter().flatten().sum(), plan.bytes()))
     }
