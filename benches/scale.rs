@@ -324,6 +324,9 @@ fn cache_config(dir: &Path) -> larder::config::CacheConfig {
         memory: 1 << 20,
         tag_ttl: Duration::from_secs(60),
         stale_if_error: Duration::from_secs(60),
+        warm_file: None,
+        warm_interval: None,
+        upstream_max_size: Vec::new(),
     }
 }
 
@@ -343,7 +346,7 @@ fn read_counts(dir: &Path, n: u64) -> (u64, u64, u64) {
 
     let index = Index::open(&dir.join("index.redb")).expect("index");
     let before = bytes_read();
-    let victims = index.least_recently_used(LRU_PROBE * small_blob(0).len() as u64).expect("lru");
+    let victims = index.least_recently_used(LRU_PROBE * small_blob(0).len() as u64, &|_, _| false).expect("lru");
     let lru = bytes_read() - before;
     assert_eq!(victims.len() as u64, LRU_PROBE.min(n));
     assert!(lru <= LRU_READ_LIMIT, "reading {LRU_PROBE} entries in access order read {lru} bytes at {n} blobs");
@@ -449,7 +452,7 @@ fn measure(n: u64, reps: usize, full: bool) -> Row {
     let (mut evictions, mut lru, mut commit, mut unlink) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..reps {
         let started = Instant::now();
-        let victims = index.least_recently_used(one_percent.max(1)).expect("lru");
+        let victims = index.least_recently_used(one_percent.max(1), &|_, _| false).expect("lru");
         let read = Instant::now();
         let keys: Vec<(Kind, Digest)> = victims.iter().map(|e| (e.kind, e.digest)).collect();
         let removed = index.remove_content(&keys).expect("remove");

@@ -2009,6 +2009,68 @@ def check_persistence() -> None:
         check("[storageClass '-'] storageClassName \"\"", pvc.get("storageClassName") == "", pvc)
 
 
+def check_warm() -> None:
+    """warm.images becomes the ConfigMap <fullname>-warm, mounted as a
+    directory (so the kubelet's updates reach larder) and named by
+    cache.warm_file; larder check-config takes the rendered file's lines,
+    and reports a bad one with its number. Without images: nothing."""
+    L = "warm"
+    images = [
+        "docker.io/library/postgres:16",
+        "ghcr.io/org/app:2 platforms=linux/amd64,linux/arm64",
+        "docker.io/library/busybox:1.36 pin=false",
+    ]
+    upstreams = [
+        {"name": "docker.io", "url": "https://registry-1.docker.io", "default": True, "maxSize": "20Gi"},
+        {"name": "ghcr.io", "url": "https://ghcr.io"},
+    ]
+    r = render(L, {"warm": {"images": images, "interval": "1m"}, "upstreams": upstreams})
+    if not r:
+        return
+    text = r.get("ConfigMap", "larder-warm")["data"]["warm.txt"]
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    check(f"[{L}] warm.txt lists warm.images, one per line", lines == images, text)
+    pod = workload(r)["spec"]["template"]
+    check(f"[{L}] volume from ConfigMap larder-warm", volume(pod, "warm").get("configMap") == {"name": "larder-warm"})
+    m = mount(container(pod), "/run/larder/warm")
+    check(f"[{L}] mounted read-only as a directory (no subPath)", m and m.get("readOnly") and "subPath" not in m, m)
+    conf = r.toml()
+    check(f"[{L}] cache.warm_file", conf["cache"].get("warm_file") == "/run/larder/warm/warm.txt", conf["cache"])
+    check(f"[{L}] cache.warm_interval", conf["cache"].get("warm_interval") == "1m", conf["cache"])
+    check(f"[{L}] upstream max_size", conf["upstream"][0].get("max_size") == "20Gi", conf["upstream"][0])
+    check_mirror_pod(r, node=False)
+    if LARDER is None:
+        check(f"[{L}] larder check-config", False, "no larder binary")
+        return
+    for content, bad in ((text, None), (text + "unknown.example/team/app:1\n", 5)):
+        with tempfile.TemporaryDirectory(prefix="larder-chart-warm-") as tmp:
+            toml_text = _recreate_file(r.toml_text(), "/run/larder/warm/warm.txt", content, Path(tmp))
+            toml_text = _rewrite_admin_token(tomllib.loads(toml_text), toml_text, Path(tmp))
+            cfg = Path(tmp) / "larder.toml"
+            cfg.write_text(toml_text)
+            p = subprocess.run(
+                [str(LARDER), "check-config", "--config", str(cfg)],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                env={**os.environ, **POD_ENV},
+            )
+            out = (p.stdout + p.stderr).strip()
+            check(f"[{L}] larder check-config accepts larder.toml with the warm file", p.returncode == 0, out)
+            if bad is None:
+                check(f"[{L}] ... and every line of warm.txt", "warning: line" not in out, out)
+            else:
+                check(f"[{L}] ... and names a bad line by its number", f"warning: line {bad}:" in out, out)
+
+    r = render("warm off", {})
+    if r:
+        names = [o["metadata"]["name"] for o in r.of_kind("ConfigMap")]
+        check("[warm off] no warm ConfigMap", "larder-warm" not in names, names)
+        check("[warm off] no cache.warm_file", "warm_file" not in r.toml()["cache"], r.toml()["cache"])
+        pod = workload(r)["spec"]["template"]
+        check("[warm off] no warm volume", all(v["name"] != "warm" for v in pod["spec"]["volumes"]))
+
+
 def check_pdb_and_bind() -> None:
     r = render(
         "PDB minAvailable 50% of 3, IPv4 bind",
@@ -2530,6 +2592,7 @@ def main() -> int:
         check_hub,
         check_persistence,
         check_pdb_and_bind,
+        check_warm,
         check_dual_stack,
         check_node_setup_values,
         check_grace,

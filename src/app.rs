@@ -157,7 +157,13 @@ pub async fn start(config: Config, shutdown: crate::shutdown::Shutdown) -> Resul
         None => None,
     };
     let peer_addr = peer_listener.as_ref().and_then(|l| l.local_addr().ok());
-    let app = Arc::new(App { config, upstreams, cache, auth });
+    // The warm images' digests are pinned before the maintenance task
+    // could evict anything (and pinned content over the limits is logged).
+    let warm = crate::warm::Warm::new(&config, Arc::clone(&cache), &upstreams);
+    if let Err(e) = warm.load().await {
+        tracing::warn!(error = %e, "reading the warm images' digests failed; they are pinned after their first check");
+    }
+    let app = Arc::new(App { config, upstreams, cache, auth, warm });
     tracing::info!(
         %addr,
         admin = ?admin_addr,
@@ -171,6 +177,7 @@ pub async fn start(config: Config, shutdown: crate::shutdown::Shutdown) -> Resul
         let grace = app.config.server.shutdown_grace;
         let api = crate::server::serve(listener, Arc::clone(&app), tls, shutdown.clone(), grace);
         let maintenance = app.cache.spawn_maintenance(shutdown.clone());
+        app.warm.spawn(shutdown.clone());
         let peer = peer_listener.map(|l| crate::server::peer::serve(l, Arc::clone(&app), peer_tls, shutdown.clone()));
         async move {
             let peer = async move {

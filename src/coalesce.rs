@@ -57,11 +57,13 @@ where
                     let inflight = Arc::clone(&self.inflight);
                     let task_key = key.clone();
                     let fut = work();
-                    let task = tokio::spawn(async move {
+                    // The leader's priority goes with the work (clients
+                    // first, see `crate::background`).
+                    let task = tokio::spawn(crate::background::inherit(async move {
                         let result = fut.await;
                         inflight.lock().unwrap_or_else(|p| p.into_inner()).remove(&task_key);
                         result
-                    });
+                    }));
                     let flight = async move {
                         task.await.unwrap_or_else(|e| Err(Error::Internal(format!("single-flight task failed: {e}"))))
                     }

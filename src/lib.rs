@@ -11,12 +11,13 @@
 //!   references, media types), [`policy`] (who may pull what), [`site`]
 //!   (which hosts are one operator's), [`config`] (one room per section);
 //! - plumbing: [`error`] (the one mapping to responses), [`metrics`],
-//!   [`blocking`], [`coalesce`], [`body`], [`sendfile`], [`log_filter`],
-//!   [`log_writer`], [`shutdown`];
+//!   [`blocking`], [`coalesce`], [`background`], [`body`], [`sendfile`],
+//!   [`log_filter`], [`log_writer`], [`shutdown`];
 //! - [`upstream`]: registries larder pulls from (auth, redirects and the
 //!   dial guard, credentials, pull limits);
 //! - [`cluster`]: the other replicas (ring, peer set, peer client);
 //! - [`cache`]: the facade and its tiers;
+//! - [`warm`]: the keep-warm loop (images fetched before anyone asks);
 //! - [`client_auth`] and [`state`]: what the server's handlers share;
 //! - [`server`]: the registry, admin and peer listeners;
 //! - [`app`] (start-up order) and [`cli`] (the operator commands).
@@ -26,6 +27,7 @@
 #![deny(unsafe_code)]
 
 pub mod app;
+pub mod background;
 pub mod blocking;
 pub mod body;
 pub mod cache;
@@ -46,6 +48,7 @@ pub mod shutdown;
 pub mod site;
 pub mod state;
 pub mod upstream;
+pub mod warm;
 
 /// Sent upstream as `User-Agent`.
 pub const USER_AGENT: &str = concat!("larder/", env!("CARGO_PKG_VERSION"));

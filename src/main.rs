@@ -273,6 +273,17 @@ fn main() -> ExitCode {
         for warning in config.warnings() {
             eprintln!("larder: {source}: warning: {warning}");
         }
+        // The warm file's bad lines are skipped at run time, not fatal:
+        // shown here as warnings.
+        if let Some(path) = &config.cache.warm_file {
+            let (_, report) = larder::warm::list::read_file(path, &config.upstreams, &config.warm);
+            for bad in &report.bad_lines {
+                eprintln!("larder: {}: warning: line {}: {} (skipped)", report.path, bad.line, bad.message);
+            }
+            if let Some(error) = &report.error {
+                eprintln!("larder: {}: warning: {error}", report.path);
+            }
+        }
         let n = config.upstreams.len();
         println!("{source}: ok ({n} {})", if n == 1 { "upstream" } else { "upstreams" });
         for line in larder::server::admin::explain(&config) {

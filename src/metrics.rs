@@ -120,6 +120,22 @@ pub struct Metrics {
     pub policy_denied: IntCounterVec,
     /// `grant_denied_total{upstream}`: client requests no grant allows.
     pub grant_denied: IntCounterVec,
+    /// `upstream_cache_size_bytes{upstream}`: bytes of the cache charged to
+    /// each upstream (content shared by upstreams counts once, for the one
+    /// that fetched it first); `cache_size_bytes` stays the whole.
+    pub upstream_cache_size: IntGaugeVec,
+    /// `upstream_cache_max_size_bytes{upstream}`: an upstream's own
+    /// `max_size`, for those that have one.
+    pub upstream_cache_max_size: IntGaugeVec,
+    /// `cache_pinned_bytes`: bytes of pinned content (warm images) cached.
+    pub cache_pinned_bytes: IntGauge,
+    /// `cache_pinned_over_limit`: 1 while pinned content alone is above the
+    /// high watermark of `max_size` (or of an upstream's own `max_size`):
+    /// only unpinned content is evicted, and it cannot make room.
+    pub cache_pinned_over_limit: IntGauge,
+    /// `warm_images{state}`: warm images by state,
+    /// `ready|fetching|missing_upstream|failed`.
+    pub warm_images: IntGaugeVec,
 }
 
 const PREFIX: &str = "larder";
@@ -291,6 +307,27 @@ fn build() -> Result<Metrics, prometheus::Error> {
             "Client requests no [[server.auth.grant]] allows, answered 403 before any cache read or dial",
             &["upstream"],
         )?,
+        upstream_cache_size: gauge_vec(
+            "upstream_cache_size_bytes",
+            "Bytes of the cache charged to each upstream (shared content counts once, for the upstream that fetched \
+             it first)",
+            &["upstream"],
+        )?,
+        upstream_cache_max_size: gauge_vec(
+            "upstream_cache_max_size_bytes",
+            "An upstream's own max_size: its content is evicted, least recently used first, to stay under it",
+            &["upstream"],
+        )?,
+        cache_pinned_bytes: gauge("cache_pinned_bytes", "Bytes of pinned content (warm images) in the cache")?,
+        cache_pinned_over_limit: gauge(
+            "cache_pinned_over_limit",
+            "1 while pinned content alone is above the high watermark of max_size or of an upstream's max_size",
+        )?,
+        warm_images: gauge_vec(
+            "warm_images",
+            "Warm images by state: ready, fetching, missing_upstream (gone upstream, served from the cache) or failed",
+            &["state"],
+        )?,
         upstream_listings_refused: counter_vec(
             "upstream_listings_refused_total",
             "Upstream tags/list or referrers answers that were not a tag list or an image index",
@@ -325,7 +362,13 @@ pub fn init_known_series() {
     for kind in ["manifest", "blob"] {
         m.cache_evictions.with_label_values(&[kind]);
     }
+    for state in WARM_STATES {
+        m.warm_images.with_label_values(&[state]);
+    }
 }
+
+/// The values of `warm_images{state}`.
+pub const WARM_STATES: [&str; 4] = ["ready", "fetching", "missing_upstream", "failed"];
 
 /// The log writer, whose count of lines it had to drop is read when
 /// metrics are rendered (see `main`'s `init_logs`).

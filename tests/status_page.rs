@@ -133,7 +133,9 @@ async fn the_status_page_shows_the_cache_upstreams_and_repositories_in_a_browser
             .upstream(&origin)
             .upstream(Upstream::new("hub.test", &hub))
             .upstream(Upstream::new("down.test", "http://127.0.0.1:9"))
-            .upstream(Upstream::new("stall.test", &stalling.url())),
+            .upstream(Upstream::new("stall.test", &stalling.url()))
+            // A warm image the registry does not have: listed as missing upstream.
+            .append_toml("[[warm]]\nimage = \"hub.test/team/db:15\""),
     );
     let larder = builder.start().await;
     for image in ["library/base:1.0", "team/tools:v2", "team/app:v1"] {
@@ -154,6 +156,12 @@ async fn the_status_page_shows_the_cache_upstreams_and_repositories_in_a_browser
     assert_eq!(stalled.status(), 200);
     assert_eq!(stalled.read_exact(64 * KIB).await.len(), 64 * KIB, "the fill is under way");
 
+    // The warm loop checked hub.test/team/db:15 at start.
+    let checked = tokio::time::Instant::now();
+    while common::metrics::metric(&larder, r#"larder_warm_images{state="missing_upstream"}"#).await != 1.0 {
+        assert!(checked.elapsed() < BROWSER_TIMEOUT, "the warm image was never checked");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let profile = tempfile::tempdir().expect("profile dir");
     let page = format!("{}/", admin.url());
     // What the server sends: no script, nothing fetched from elsewhere.
@@ -181,6 +189,8 @@ async fn the_status_page_shows_the_cache_upstreams_and_repositories_in_a_browser
     let order: Vec<usize> =
         ["team/app", "team/tools", "library/base"].iter().map(|r| largest.find(r).expect(r)).collect();
     assert!(order.windows(2).all(|w| w[0] < w[1]), "largest first: {largest}");
+    let warm = text.split("Kept warm (1 image)").nth(1).expect("the warm section");
+    assert!(warm.contains("hub.test/team/db:15 gone upstream (404)") && warm.contains("missing upstream"), "{warm}");
     let recent = text.split("Most recently used").nth(1).expect("recent section");
     assert!(recent.contains("team/app") && recent.contains("s ago"), "{recent}");
 

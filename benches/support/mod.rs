@@ -62,7 +62,8 @@ pub async fn manifest_app(dir: &std::path::Path) -> (Arc<App>, Digest) {
     let config = Config::parse(&text, "bench.toml", None).expect("config");
     let upstreams = Upstreams::new(&config).expect("upstreams");
     let cache = Cache::open(config.cache.clone()).await.expect("cache");
-    (Arc::new(App { config, upstreams, cache, auth: None }), digest)
+    let warm = larder::warm::Warm::new(&config, Arc::clone(&cache), &upstreams);
+    (Arc::new(App { config, upstreams, cache, auth: None, warm }), digest)
 }
 
 /// The parsed route and reference of a manifest GET for `path`.

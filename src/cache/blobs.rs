@@ -195,7 +195,8 @@ impl Cache {
     ) {
         let cache = Arc::clone(self);
         metrics().fills_in_flight.inc();
-        tokio::spawn(async move {
+        // A fill the warm loop starts stays background work (clients first).
+        tokio::spawn(crate::background::inherit(async move {
             match cache.fill(&upstream, &repo, digest, via, &tx).await {
                 Ok((file, size)) => {
                     cache.memory.insert_blob_size(digest, size);
@@ -216,7 +217,7 @@ impl Cache {
                 }
             }
             metrics().fills_in_flight.dec();
-        });
+        }));
     }
 
     /// The most bytes a fill of `digest` for `repo` may write: the size a

@@ -2,14 +2,19 @@
 //! used, and the least-recently-used eviction that keeps usage between the
 //! watermarks. Access times are collected in memory on the request path and
 //! written to the index in batches by the maintenance task, never per request.
+//!
+//! Each upstream with its own `max_size` is kept between the same
+//! watermarks of it, counting what it is charged for (see
+//! [`super::index::Charged`]); the maintenance task evicts within such an
+//! upstream first, then across the cache.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 
-use super::index::Kind;
+use super::index::{Charged, Kind};
 use crate::oci::Digest;
 
 /// Disk budget and the watermarks derived from it.
@@ -34,6 +39,10 @@ const DISK_FULL_RELIEF: f64 = 0.10;
 
 pub struct Evictor {
     limits: Limits,
+    /// Each upstream's own limits (`[[upstream]] max_size`).
+    quotas: Vec<(String, Limits)>,
+    /// What each upstream is charged, as the index last committed it.
+    charged: Arc<Charged>,
     bytes: AtomicU64,
     /// Access times not yet written to the index: (kind, digest) → unix millis.
     pending: Mutex<HashMap<(Kind, Digest), u64>>,
@@ -42,10 +51,12 @@ pub struct Evictor {
 }
 
 impl Evictor {
-    pub fn new(limits: Limits, bytes: u64) -> Evictor {
+    pub fn new(limits: Limits, bytes: u64, quotas: Vec<(String, Limits)>, charged: Arc<Charged>) -> Evictor {
         crate::metrics::metrics().cache_size.set(i64::try_from(bytes).unwrap_or(i64::MAX));
         Evictor {
             limits,
+            quotas,
+            charged,
             bytes: AtomicU64::new(bytes),
             pending: Mutex::new(HashMap::new()),
             disk_full: AtomicBool::new(false),
@@ -58,13 +69,45 @@ impl Evictor {
     }
 
     /// Counts newly stored bytes and wakes the maintenance task if usage
-    /// crossed the high watermark.
+    /// crossed the high watermark, or an upstream's usage its own.
     pub fn added(&self, bytes: u64) {
         let now = self.bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
         crate::metrics::metrics().cache_size.set(i64::try_from(now).unwrap_or(i64::MAX));
-        if now > self.limits.high {
+        if now > self.limits.high || self.quotas.iter().any(|(u, l)| self.charged.get(u) > l.high) {
             self.wake.notify_one();
         }
+    }
+
+    /// The upstreams above their own high watermark, each with how many of
+    /// its bytes to free (down to its low watermark).
+    pub fn upstreams_to_free(&self) -> Vec<(String, u64)> {
+        self.quotas
+            .iter()
+            .filter_map(|(upstream, limits)| {
+                let charged = self.charged.get(upstream);
+                (charged > limits.high).then(|| (upstream.clone(), charged - limits.low))
+            })
+            .collect()
+    }
+
+    /// The upstreams with their own `max_size`, and its limits.
+    pub fn quotas(&self) -> &[(String, Limits)] {
+        &self.quotas
+    }
+
+    /// An upstream's own limits, if it has a `max_size`.
+    pub fn quota(&self, upstream: &str) -> Option<Limits> {
+        self.quotas.iter().find(|(u, _)| u == upstream).map(|(_, l)| *l)
+    }
+
+    /// The whole cache's limits.
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// Bytes charged to `upstream`.
+    pub fn charged(&self, upstream: &str) -> u64 {
+        self.charged.get(upstream)
     }
 
     pub fn removed(&self, bytes: u64) {
@@ -114,7 +157,7 @@ mod tests {
 
     #[test]
     fn watermarks_decide_how_much_to_free() {
-        let e = Evictor::new(Limits::new(1000, 0.9, 0.7), 0);
+        let e = Evictor::new(Limits::new(1000, 0.9, 0.7), 0, Vec::new(), Arc::default());
         e.added(850);
         assert_eq!(e.bytes_to_free(), 0, "under the high watermark");
         e.added(100);

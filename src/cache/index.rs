@@ -10,15 +10,25 @@
 //!   can tell whether anything still references a digest without scanning
 //!   every repository's rows;
 //! - `meta["bytes"]`: the sizes of every blob and manifest row added up, so
-//!   start-up knows the cache's usage without reading every row.
+//!   start-up knows the cache's usage without reading every row;
+//! - `charged`, `upstream_access` and `meta["bytes\0<upstream>"]`: the
+//!   upstream each item is charged to, each upstream's own access order and
+//!   its running total, for per-upstream quotas (see `quota`).
+//!
+//! The warm images' digests live here too (`warm`).
 
 use std::path::Path;
 
-use redb::{
-    Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, Table, TableDefinition, WriteTransaction,
-};
+use redb::{Database, ReadableDatabase, ReadableTable, Table, TableDefinition, WriteTransaction};
 
 use crate::oci::{Digest, MediaType};
+
+mod migrate;
+mod quota;
+mod warm;
+
+pub use quota::Charged;
+pub use warm::WarmRow;
 
 /// Committed blobs: digest hex → (size in bytes, last access in unix millis).
 const BLOBS: TableDefinition<&str, (u64, u64)> = TableDefinition::new("blobs");
@@ -39,15 +49,26 @@ const MEMBERS: TableDefinition<&str, u64> = TableDefinition::new("members");
 /// The same rows keyed "digest hex\0upstream\0repo" → ().
 const MEMBERS_BY_DIGEST: TableDefinition<&str, ()> = TableDefinition::new("members_by_digest");
 /// Index-wide facts: "schema" → version of the tables above; "bytes" →
-/// the running total of content sizes.
+/// the running total of content sizes; "bytes\0<upstream>" → the total
+/// charged to that upstream.
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const SCHEMA_KEY: &str = "schema";
 const BYTES_KEY: &str = "bytes";
+/// Which upstream a blob or manifest is charged to: (kind, digest hex) →
+/// upstream name. Content without a row (a file adopted at start-up,
+/// fetched for no repository) counts in the total only.
+const CHARGED: TableDefinition<(u8, &str), &str> = TableDefinition::new("charged");
+/// The rows of `access` again, per upstream charged:
+/// (upstream, unix millis, kind, digest hex) → ().
+const UPSTREAM_ACCESS: TableDefinition<(&str, u64, u8, &str), ()> = TableDefinition::new("upstream_access");
+/// Warm images: "upstream\0repo\0reference" → (digest, previous digest or
+/// "", unix millis the digest was last seen upstream).
+const WARM: TableDefinition<&str, (&str, &str, u64)> = TableDefinition::new("warm");
 
 /// Version 2 added `access` and `members_by_digest`, version 3 the running
-/// byte total; an index written by an older larder gets them built once,
-/// when it is opened.
-const SCHEMA_VERSION: u64 = 3;
+/// byte total, version 4 what each upstream is charged; an index written
+/// by an older larder gets them built once, when it is opened.
+const SCHEMA_VERSION: u64 = 4;
 
 /// The two kinds of content the store keeps and evicts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -91,6 +112,8 @@ pub struct Entry {
 
 pub struct Index {
     db: Database,
+    /// Each upstream's running total, as of the last commit.
+    charged: std::sync::Arc<Charged>,
 }
 
 pub struct TagRow {
@@ -118,28 +141,47 @@ fn by_digest_key(member: &str) -> Option<String> {
     Some(format!("{hex}\0{owner}"))
 }
 
-/// Moves the running byte total by `added - removed`.
-fn count_bytes(txn: &WriteTransaction, added: u64, removed: u64) -> Result<(), redb::Error> {
-    if added == removed {
-        return Ok(());
-    }
+/// Moves the running byte total by `added - removed`, and each upstream's
+/// by its change.
+fn count_bytes(txn: &WriteTransaction, added: u64, removed: u64, charges: &quota::Changes) -> Result<(), redb::Error> {
     let mut meta = txn.open_table(META)?;
-    let total = meta.get(BYTES_KEY)?.map_or(0, |v| v.value());
-    meta.insert(BYTES_KEY, (total + added).saturating_sub(removed))?;
+    if added != removed {
+        let total = meta.get(BYTES_KEY)?.map_or(0, |v| v.value());
+        meta.insert(BYTES_KEY, (total + added).saturating_sub(removed))?;
+    }
+    for (upstream, change) in charges.iter() {
+        let key = quota::bytes_key(upstream);
+        let total = meta.get(key.as_str())?.map_or(0, |v| v.value());
+        let now = total.saturating_add_signed(*change);
+        if now == 0 {
+            meta.remove(key.as_str())?;
+        } else {
+            meta.insert(key.as_str(), now)?;
+        }
+    }
     Ok(())
 }
 
+/// The upstream a membership key ("upstream\0repo\0hex") names.
+fn upstream_of(member: &str) -> Option<&str> {
+    member.split_once('\0').map(|(upstream, _)| upstream).filter(|u| !u.is_empty())
+}
+
 /// The content tables of one write transaction, opened once however many
-/// rows it changes (an eviction round removes thousands); the byte total
-/// they move is written once, by [`Content::close`].
+/// rows it changes (an eviction round removes thousands); the byte totals
+/// they move are written once, by [`Content::close`].
 struct Content<'txn> {
     txn: &'txn WriteTransaction,
     blobs: Table<'txn, &'static str, (u64, u64)>,
     manifest_meta: Table<'txn, &'static str, (u64, u64)>,
     manifests: Table<'txn, &'static str, (&'static str, &'static [u8])>,
     access: Table<'txn, (u64, u8, &'static str), ()>,
+    charged: Table<'txn, (u8, &'static str), &'static str>,
+    upstream_access: Table<'txn, (&'static str, u64, u8, &'static str), ()>,
     added: u64,
     removed: u64,
+    /// What each upstream's total moves by.
+    charges: quota::Changes,
 }
 
 impl<'txn> Content<'txn> {
@@ -150,9 +192,17 @@ impl<'txn> Content<'txn> {
             manifest_meta: txn.open_table(MANIFEST_META)?,
             manifests: txn.open_table(MANIFESTS)?,
             access: txn.open_table(ACCESS)?,
+            charged: txn.open_table(CHARGED)?,
+            upstream_access: txn.open_table(UPSTREAM_ACCESS)?,
             added: 0,
             removed: 0,
+            charges: quota::Changes::default(),
         })
+    }
+
+    /// The upstream a row is charged to.
+    fn charged_to(&self, kind: Kind, hex: &str) -> Result<Option<String>, redb::Error> {
+        Ok(self.charged.get((kind.code(), hex))?.map(|v| v.value().to_owned()))
     }
 
     fn rows(&mut self, kind: Kind) -> &mut Table<'txn, &'static str, (u64, u64)> {
@@ -167,14 +217,40 @@ impl<'txn> Content<'txn> {
         Ok(self.rows(kind).get(hex)?.map(|v| v.value()))
     }
 
-    /// Inserts (or refreshes) a content row and its access-order twin.
-    /// Returns whether the row is new.
-    fn put(&mut self, kind: Kind, hex: &str, size: u64, now_ms: u64) -> Result<bool, redb::Error> {
+    /// Inserts (or refreshes) a content row and its access-order twins.
+    /// A row keeps the upstream it is charged to; a row that has none is
+    /// charged to `upstream` (the one it was fetched for). Returns whether
+    /// the row is new.
+    fn put(
+        &mut self,
+        kind: Kind,
+        hex: &str,
+        size: u64,
+        now_ms: u64,
+        upstream: Option<&str>,
+    ) -> Result<bool, redb::Error> {
         let previous = self.rows(kind).insert(hex, (size, now_ms))?.map(|v| v.value());
-        if let Some((_, before)) = previous {
+        let charged = self.charged_to(kind, hex)?;
+        if let Some((before_size, before)) = previous {
             self.access.remove((before, kind.code(), hex))?;
+            if let Some(owner) = &charged {
+                self.upstream_access.remove((owner.as_str(), before, kind.code(), hex))?;
+                self.charges.add(owner, -(before_size as i64));
+            }
         }
         self.access.insert((now_ms, kind.code(), hex), ())?;
+        let owner = match (charged, upstream) {
+            (Some(owner), _) => Some(owner),
+            (None, Some(upstream)) => {
+                self.charged.insert((kind.code(), hex), upstream)?;
+                Some(upstream.to_owned())
+            }
+            (None, None) => None,
+        };
+        if let Some(owner) = &owner {
+            self.upstream_access.insert((owner.as_str(), now_ms, kind.code(), hex), ())?;
+            self.charges.add(owner, size as i64);
+        }
         self.added += size;
         self.removed += previous.map_or(0, |(size, _)| size);
         Ok(previous.is_none())
@@ -190,16 +266,24 @@ impl<'txn> Content<'txn> {
         if kind == Kind::Manifest {
             self.manifests.remove(hex.as_str())?;
         }
+        let owner = self.charged.remove((kind.code(), hex.as_str()))?.map(|v| v.value().to_owned());
+        if let Some(owner) = owner {
+            self.upstream_access.remove((owner.as_str(), accessed_ms, kind.code(), hex.as_str()))?;
+            self.charges.add(&owner, -(size as i64));
+        }
         self.removed += size;
         Ok(Some(Entry { kind, digest: *digest, size, accessed_ms }))
     }
 
-    /// Closes the tables and moves the running byte total, before the
-    /// transaction commits.
-    fn close(self) -> Result<(), redb::Error> {
-        let Content { txn, blobs, manifest_meta, manifests, access, added, removed } = self;
-        drop((blobs, manifest_meta, manifests, access));
-        count_bytes(txn, added, removed)
+    /// Closes the tables and moves the running byte totals, before the
+    /// transaction commits. Returns what each upstream's total moved by,
+    /// for [`Charged`] once the transaction committed.
+    fn close(self) -> Result<quota::Changes, redb::Error> {
+        let Content { txn, blobs, manifest_meta, manifests, access, charged, upstream_access, added, removed, charges } =
+            self;
+        drop((blobs, manifest_meta, manifests, access, charged, upstream_access));
+        count_bytes(txn, added, removed, &charges)?;
+        Ok(charges)
     }
 }
 
@@ -263,13 +347,30 @@ impl Index {
         txn.open_table(TAGS)?;
         txn.open_table(MEMBERS)?;
         txn.open_table(MEMBERS_BY_DIGEST)?;
+        txn.open_table(CHARGED)?;
+        txn.open_table(UPSTREAM_ACCESS)?;
+        txn.open_table(WARM)?;
         let version = txn.open_table(META)?.get(SCHEMA_KEY)?.map_or(1, |v| v.value());
         if version < SCHEMA_VERSION {
-            migrate(&txn, version)?;
+            migrate::migrate(&txn, version)?;
             txn.open_table(META)?.insert(SCHEMA_KEY, SCHEMA_VERSION)?;
         }
         txn.commit()?;
-        Ok(Index { db })
+        let charged = std::sync::Arc::new(Charged::read(&db)?);
+        Ok(Index { db, charged })
+    }
+
+    /// Each upstream's running total, kept up to date by every commit.
+    pub fn charged(&self) -> &std::sync::Arc<Charged> {
+        &self.charged
+    }
+
+    /// Closes `content`, commits, and only then moves [`Charged`]: what
+    /// it says is always what is committed.
+    fn commit(&self, txn: WriteTransaction, changes: quota::Changes) -> Result<(), redb::Error> {
+        txn.commit()?;
+        self.charged.apply(&changes);
+        Ok(())
     }
 
     pub fn blob_size(&self, digest: &Digest) -> Result<Option<u64>, redb::Error> {
@@ -286,15 +387,16 @@ impl Index {
         digests.iter().map(|d| Ok(table.get(d.hex().as_str())?.map(|v| v.value().0))).collect()
     }
 
-    /// Records a committed blob and the repository it was fetched for.
-    /// Returns whether the blob is new to the index.
+    /// Records a committed blob and the repository it was fetched for (a
+    /// new blob is charged to that repository's upstream). Returns whether
+    /// the blob is new to the index.
     pub fn insert_blob(&self, digest: &Digest, size: u64, member: &str, now_ms: u64) -> Result<bool, redb::Error> {
         let txn = begin_write(&self.db)?;
         let mut content = Content::open(&txn)?;
-        let new = content.put(Kind::Blob, digest.hex().as_str(), size, now_ms)?;
-        content.close()?;
+        let new = content.put(Kind::Blob, digest.hex().as_str(), size, now_ms, upstream_of(member))?;
+        let changes = content.close()?;
         put_members(&txn, &[member.to_owned()], now_ms)?;
-        txn.commit()?;
+        self.commit(txn, changes)?;
         Ok(new)
     }
 
@@ -305,6 +407,7 @@ impl Index {
     pub fn purge(&self, prefix: &str) -> Result<PurgedRows, redb::Error> {
         let txn = begin_write(&self.db)?;
         let mut purged = PurgedRows::default();
+        let changes;
         {
             let mut tags = txn.open_table(TAGS)?;
             let tag_keys = keys_under(&tags, prefix)?;
@@ -331,15 +434,26 @@ impl Index {
             for hex in candidates {
                 let Some(digest) = parse_hex(&hex) else { continue };
                 if is_referenced(&by_digest, &hex)? {
+                    // Kept for another repository: charged to an upstream
+                    // that still references it.
+                    let referencing = quota::referencing_upstreams(&by_digest, &hex)?;
+                    for kind in [Kind::Blob, Kind::Manifest] {
+                        match content.charged_to(kind, &hex)? {
+                            Some(owner) if !referencing.contains(&owner) => {
+                                content.recharge(kind, &hex, &owner, &referencing[0])?;
+                            }
+                            _ => {}
+                        }
+                    }
                     continue;
                 }
                 for kind in [Kind::Blob, Kind::Manifest] {
                     purged.content.extend(content.take(kind, &digest)?);
                 }
             }
-            content.close()?;
+            changes = content.close()?;
         }
-        txn.commit()?;
+        self.commit(txn, changes)?;
         Ok(purged)
     }
 
@@ -352,12 +466,12 @@ impl Index {
         let mut added = 0;
         let mut content = Content::open(&txn)?;
         for (digest, size) in blobs {
-            if content.put(Kind::Blob, digest.hex().as_str(), *size, now_ms)? {
+            if content.put(Kind::Blob, digest.hex().as_str(), *size, now_ms, None)? {
                 added += size;
             }
         }
-        content.close()?;
-        txn.commit()?;
+        let changes = content.close()?;
+        self.commit(txn, changes)?;
         Ok(added)
     }
 
@@ -400,8 +514,13 @@ impl Index {
     }
 
     /// The least recently used entries whose sizes add up to at least
-    /// `bytes`, oldest first: reads only those rows of the access order.
-    pub fn least_recently_used(&self, bytes: u64) -> Result<Vec<Entry>, redb::Error> {
+    /// `bytes`, oldest first, leaving out those `keep` holds (pinned):
+    /// reads only those rows of the access order (and the kept ones).
+    pub fn least_recently_used(
+        &self,
+        bytes: u64,
+        keep: &dyn Fn(Kind, &Digest) -> bool,
+    ) -> Result<Vec<Entry>, redb::Error> {
         let txn = self.db.begin_read()?;
         let access = txn.open_table(ACCESS)?;
         let (blobs, manifests) = (txn.open_table(BLOBS)?, txn.open_table(MANIFEST_META)?);
@@ -414,6 +533,9 @@ impl Index {
             let (key, _) = row?;
             let (accessed_ms, code, hex) = key.value();
             let (Some(kind), Some(digest)) = (Kind::from_code(code), parse_hex(hex)) else { continue };
+            if keep(kind, &digest) {
+                continue;
+            }
             let table = if kind == Kind::Blob { &blobs } else { &manifests };
             let Some(size) = table.get(hex)?.map(|v| v.value().0) else { continue };
             freed += size;
@@ -430,12 +552,12 @@ impl Index {
             let hex = digest.hex();
             if let Some((size, before)) = content.get(*kind, hex.as_str())? {
                 if *at > before {
-                    content.put(*kind, hex.as_str(), size, *at)?;
+                    content.put(*kind, hex.as_str(), size, *at, None)?;
                 }
             }
         }
-        content.close()?;
-        txn.commit()?;
+        let changes = content.close()?;
+        self.commit(txn, changes)?;
         Ok(())
     }
 
@@ -452,8 +574,8 @@ impl Index {
         for (kind, digest) in entries {
             removed.extend(content.take(*kind, digest)?);
         }
-        content.close()?;
-        txn.commit()?;
+        let changes = content.close()?;
+        self.commit(txn, changes)?;
         Ok(removed)
     }
 
@@ -481,8 +603,9 @@ impl Index {
         Ok(MediaType::parse(media).map(|m| (m, bytes.to_vec())))
     }
 
-    /// Stores a manifest and, for a tag, its mapping, in one transaction.
-    /// Returns whether the manifest is new to the index.
+    /// Stores a manifest and, for a tag, its mapping, in one transaction
+    /// (a new manifest is charged to the upstream of its first membership
+    /// row). Returns whether the manifest is new to the index.
     pub fn insert_manifest(
         &self,
         digest: &Digest,
@@ -496,13 +619,14 @@ impl Index {
         let hex = digest.hex();
         let mut content = Content::open(&txn)?;
         content.manifests.insert(hex.as_str(), (media_type.as_str(), bytes))?;
-        let new = content.put(Kind::Manifest, hex.as_str(), bytes.len() as u64, now_ms)?;
-        content.close()?;
+        let upstream = members.first().and_then(|m| upstream_of(m));
+        let new = content.put(Kind::Manifest, hex.as_str(), bytes.len() as u64, now_ms, upstream)?;
+        let changes = content.close()?;
         if let Some(key) = tag {
             txn.open_table(TAGS)?.insert(key, (digest.to_string().as_str(), now_ms))?;
         }
         put_members(&txn, members, now_ms)?;
-        txn.commit()?;
+        self.commit(txn, changes)?;
         Ok(new)
     }
 
@@ -547,220 +671,5 @@ impl Index {
     }
 }
 
-/// Builds the version-2 secondary tables from the rows of an older index.
-fn migrate(txn: &WriteTransaction, from: u64) -> Result<(), redb::Error> {
-    if from < 2 {
-        migrate_to_2(txn)?;
-    }
-    // Version 3: the running byte total.
-    let mut total = 0;
-    for kind in [Kind::Blob, Kind::Manifest] {
-        for row in txn.open_table(kind.meta())?.iter()? {
-            total += row?.1.value().0;
-        }
-    }
-    txn.open_table(META)?.insert(BYTES_KEY, total)?;
-    Ok(())
-}
-
-fn migrate_to_2(txn: &WriteTransaction) -> Result<(), redb::Error> {
-    let mut access = txn.open_table(ACCESS)?;
-    for kind in [Kind::Blob, Kind::Manifest] {
-        let rows = txn.open_table(kind.meta())?;
-        for row in rows.iter()? {
-            let (key, value) = row?;
-            access.insert((value.value().1, kind.code(), key.value()), ())?;
-        }
-    }
-    let members = txn.open_table(MEMBERS)?;
-    let mut by_digest = txn.open_table(MEMBERS_BY_DIGEST)?;
-    if by_digest.len()? == 0 {
-        for row in members.iter()? {
-            if let Some(k) = by_digest_key(row?.0.value()) {
-                by_digest.insert(k.as_str(), ())?;
-            }
-        }
-    }
-    Ok(())
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn index() -> (tempfile::TempDir, Index) {
-        let dir = tempfile::tempdir().unwrap();
-        let index = Index::open(&dir.path().join("index.redb")).unwrap();
-        (dir, index)
-    }
-
-    #[test]
-    fn rows_survive_reopening() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("index.redb");
-        let d = Digest::of(b"blob");
-        let m = Digest::of(b"{}");
-        {
-            let index = Index::open(&path).unwrap();
-            assert_eq!(index.blob_size(&d).unwrap(), None);
-            index.insert_blob(&d, 4, &format!("u\0r\0{}", d.hex().as_str()), 1).unwrap();
-            index.insert_manifest(&m, MediaType::OciManifest, b"{}", Some("u\0r\0t"), &["u\0r\0m".into()], 42).unwrap();
-        }
-        let index = Index::open(&path).unwrap();
-        assert_eq!(index.blob_size(&d).unwrap(), Some(4));
-        assert_eq!(index.blob_sizes(&[m, d]).unwrap(), [None, Some(4)], "a manifest has no blob row");
-        assert_eq!(index.manifest(&m).unwrap(), Some((MediaType::OciManifest, b"{}".to_vec())));
-        assert!(index.is_member(&format!("u\0r\0{}", d.hex().as_str())).unwrap());
-        assert!(index.is_member("u\0r\0m").unwrap());
-        assert!(!index.is_member("u\0other\0m").unwrap());
-        let tag = index.tag("u\0r\0t").unwrap().unwrap();
-        assert_eq!((tag.digest, tag.confirmed_ms), (m, 42));
-        let removed = index.remove_content(&[(Kind::Blob, d)]).unwrap();
-        assert_eq!(removed.iter().map(|e| e.size).collect::<Vec<_>>(), [4]);
-        assert!(index.is_member(&format!("u\0r\0{}", d.hex().as_str())).unwrap(), "membership outlives the bytes");
-        assert!(index.remove_content(&[(Kind::Blob, d)]).unwrap().is_empty(), "a second removal counts nothing");
-        index.remove_tag("u\0r\0t").unwrap();
-        assert_eq!(index.blob_size(&d).unwrap(), None);
-        assert!(index.tag("u\0r\0t").unwrap().is_none());
-    }
-
-    /// Whether opening the index at `path` repairs it.
-    fn repairs_on_open(path: &Path) -> bool {
-        let repaired = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let flag = std::sync::Arc::clone(&repaired);
-        Database::builder()
-            .set_repair_callback(move |_| flag.store(true, std::sync::atomic::Ordering::Relaxed))
-            .create(path)
-            .unwrap();
-        repaired.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    #[test]
-    fn the_first_open_after_a_crash_needs_no_repair() {
-        let dir = tempfile::tempdir().unwrap();
-        let (path, crashed) = (dir.path().join("index.redb"), dir.path().join("crashed.redb"));
-        let d = Digest::of(b"blob");
-        let index = Index::open(&path).unwrap();
-        index.insert_blob(&d, 4, &format!("u\0r\0{}", d.hex().as_str()), 1).unwrap();
-        index.touch(&[(Kind::Blob, d, 2)]).unwrap();
-        // The file as a crash right now leaves it: open, never closed.
-        std::fs::copy(&path, &crashed).unwrap();
-        drop(index);
-        assert!(!repairs_on_open(&crashed), "the allocator state was in the last commit");
-        let index = Index::open(&crashed).unwrap();
-        assert_eq!(index.blob_size(&d).unwrap(), Some(4), "and so was the row");
-        assert_eq!(index.least_recently_used(1).unwrap()[0].accessed_ms, 2);
-
-        // The same crash after a commit without quick repair, as larder
-        // made them before: its next open walks the whole file.
-        let (plain, plain_crashed) = (dir.path().join("plain.redb"), dir.path().join("plain-crashed.redb"));
-        let db = Database::create(&plain).unwrap();
-        let txn = db.begin_write().unwrap();
-        txn.open_table(BLOBS).unwrap().insert(d.hex().as_str(), (4, 1)).unwrap();
-        txn.commit().unwrap();
-        std::fs::copy(&plain, &plain_crashed).unwrap();
-        drop(db);
-        assert!(repairs_on_open(&plain_crashed), "a plain commit leaves the allocator state to rebuild");
-    }
-
-    #[test]
-    fn eviction_reads_the_access_order_not_every_row() {
-        let (_dir, index) = index();
-        let d = |n: u8| Digest::of(&[n]);
-        for n in 0..10u8 {
-            index.insert_blob(&d(n), 10, &format!("u\0r\0{}", d(n).hex().as_str()), 100 + u64::from(n)).unwrap();
-        }
-        // Touching the oldest makes it the newest.
-        index.touch(&[(Kind::Blob, d(0), 500), (Kind::Blob, d(1), 50)]).unwrap();
-        let lru: Vec<u64> = index.least_recently_used(25).unwrap().iter().map(|e| e.accessed_ms).collect();
-        assert_eq!(lru, [101, 102, 103], "an older access time never moves a row back");
-        assert!(index.least_recently_used(0).unwrap().is_empty());
-        let all = index.least_recently_used(u64::MAX).unwrap();
-        assert_eq!(all.len(), 10);
-        assert_eq!(all.last().map(|e| e.digest), Some(d(0)));
-    }
-
-    #[test]
-    fn purge_removes_only_content_no_other_repository_references() {
-        let (_dir, index) = index();
-        let (shared, own) = (Digest::of(b"shared"), Digest::of(b"own"));
-        let key = |repo: &str, d: &Digest| format!("u\0{repo}\0{}", d.hex().as_str());
-        index.insert_blob(&shared, 6, &key("a", &shared), 1).unwrap();
-        index.add_members(&[key("b", &shared)], 1).unwrap();
-        index.insert_blob(&own, 3, &key("a", &own), 1).unwrap();
-        index.set_tag("u\0a\0v1", &own, 1).unwrap();
-        let purged = index.purge("u\0a\0").unwrap();
-        assert_eq!((purged.tags, purged.members), (1, 2));
-        assert_eq!(purged.content.iter().map(|e| e.digest).collect::<Vec<_>>(), [own]);
-        assert_eq!(index.blob_size(&shared).unwrap(), Some(6), "b still references it");
-        assert!(index.is_member(&key("b", &shared)).unwrap());
-        assert_eq!(index.least_recently_used(u64::MAX).unwrap().len(), 1, "the access order follows");
-    }
-
-    #[test]
-    fn an_older_index_gets_its_secondary_tables_once() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("index.redb");
-        let d = Digest::of(b"old");
-        let member = format!("u\0r\0{}", d.hex().as_str());
-        {
-            // Rows as a version-1 larder wrote them: no access order, no
-            // reverse membership, no schema row.
-            let db = Database::create(&path).unwrap();
-            let txn = db.begin_write().unwrap();
-            txn.open_table(BLOBS).unwrap().insert(d.hex().as_str(), (3, 7)).unwrap();
-            txn.open_table(MEMBERS).unwrap().insert(member.as_str(), 7).unwrap();
-            txn.commit().unwrap();
-        }
-        let index = Index::open(&path).unwrap();
-        assert_eq!(index.usage().unwrap(), 3, "the byte total was summed from the old rows");
-        assert_eq!(index.least_recently_used(1).unwrap().first().map(|e| e.digest), Some(d));
-        let purged = index.purge("u\0r\0").unwrap();
-        assert_eq!(purged.content.len(), 1, "the reverse membership was built from the old rows");
-        assert_eq!(index.usage().unwrap(), 0);
-    }
-
-    #[test]
-    fn the_byte_total_follows_every_change_and_survives_reopening() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("index.redb");
-        let (a, b, m) = (Digest::of(b"a"), Digest::of(b"b"), Digest::of(b"{}"));
-        let member = |d: &Digest| format!("u\0r\0{}", d.hex().as_str());
-        {
-            let index = Index::open(&path).unwrap();
-            index.insert_blob(&a, 100, &member(&a), 1).unwrap();
-            index.insert_blob(&b, 20, &member(&b), 1).unwrap();
-            index.insert_manifest(&m, MediaType::OciManifest, b"{}", None, &[member(&m)], 1).unwrap();
-            assert_eq!(index.usage().unwrap(), 122);
-
-            // Committed again, touched, adopted again: counted once.
-            index.insert_blob(&a, 100, &member(&a), 2).unwrap();
-            index.touch(&[(Kind::Blob, b, 9), (Kind::Manifest, m, 9)]).unwrap();
-            assert_eq!(index.adopt_blobs(&[(b, 20)], 10).unwrap(), 0, "b was indexed already");
-            assert_eq!(index.usage().unwrap(), 122);
-
-            // Removed twice: subtracted once.
-            index.remove_content(&[(Kind::Blob, a)]).unwrap();
-            index.remove_content(&[(Kind::Blob, a)]).unwrap();
-            assert_eq!(index.usage().unwrap(), 22);
-        }
-        let index = Index::open(&path).unwrap();
-        assert_eq!(index.usage().unwrap(), 22, "read back without visiting rows");
-        index.purge("u\0").unwrap();
-        assert_eq!(index.usage().unwrap(), 0);
-    }
-
-    #[test]
-    fn blobs_under_a_prefix_are_exactly_that_shard() {
-        let (_dir, index) = index();
-        let digests: Vec<Digest> = (0..200u32).map(|i| Digest::of(&i.to_le_bytes())).collect();
-        for d in &digests {
-            index.insert_blob(d, 1, &format!("u\0r\0{}", d.hex().as_str()), 1).unwrap();
-        }
-        let shard = &digests[0].hex()[..2];
-        let mut expected: Vec<Digest> = digests.iter().filter(|d| d.hex().starts_with(shard)).copied().collect();
-        expected.sort();
-        let found: Vec<Digest> = index.blobs_under(shard).unwrap().into_iter().map(|(d, _)| d).collect();
-        assert_eq!(found, expected);
-    }
-}
+mod tests;

@@ -73,6 +73,13 @@ impl Cache {
                 if stopping {
                     return;
                 }
+                // Within each upstream over its own share first: that may
+                // be all the room the cache needed.
+                for (upstream, to_free) in cache.evictor.upstreams_to_free() {
+                    if let Err(e) = cache.evict_upstream(&upstream, to_free).await {
+                        tracing::warn!(error = %e, upstream, "eviction within the upstream's max_size failed");
+                    }
+                }
                 let to_free = cache.evictor.bytes_to_free();
                 if to_free > 0 {
                     if let Err(e) = cache.evict(to_free).await {
@@ -92,22 +99,61 @@ impl Cache {
         blocking(move || Ok(index.touch(&accesses)?)).await
     }
 
-    /// Removes the least recently used blobs and manifests until `bytes` are
-    /// freed: reads only that many rows of the index's access order. The
+    /// Removes the least recently used blobs and manifests that are not
+    /// pinned until `bytes` are freed: reads only that many rows of the
+    /// index's access order (and the pinned ones it passes over). The
     /// maintenance task calls it; public for benches/scale.rs.
     pub async fn evict(&self, bytes: u64) -> Result<(), Error> {
-        let index = Arc::clone(&self.index);
-        let victims = blocking(move || Ok(index.least_recently_used(bytes)?)).await?;
+        let (index, pins) = (Arc::clone(&self.index), self.pins());
+        let victims = blocking(move || Ok(index.least_recently_used(bytes, &|k, d| pins.contains(k, d))?)).await?;
         let removed = self.remove_content(victims.iter().map(|e| (e.kind, e.digest)).collect()).await?;
-        for e in &removed {
-            let kind = if e.kind == Kind::Blob { "blob" } else { "manifest" };
-            metrics().cache_evictions.with_label_values(&[kind]).inc();
-        }
+        count_evictions(&removed);
         tracing::info!(
             items = removed.len(),
             freed = removed.iter().map(|e| e.size).sum::<u64>(),
             usage = self.evictor.usage(),
             "evicted least recently used content"
+        );
+        Ok(())
+    }
+
+    /// Frees `bytes` of what `upstream` is charged for, least recently used
+    /// first, pinned content passed over. An item another upstream's
+    /// repositories reference too is handed over to the first of them with
+    /// room for it under its own `max_size` (or without one) rather than
+    /// removed: see [`index::Charged`] for why.
+    pub(super) async fn evict_upstream(&self, upstream: &str, bytes: u64) -> Result<(), Error> {
+        // Each other upstream's room under its own high watermark, as of
+        // now; the round takes from it what it hands over.
+        let mut room: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
+        for (other, limits) in self.evictor.quotas() {
+            room.insert(other.clone(), limits.high.saturating_sub(self.evictor.charged(other)));
+        }
+        let (index, pins, name) = (Arc::clone(&self.index), self.pins(), upstream.to_owned());
+        let eviction = blocking(move || {
+            let victims = index.least_recently_used_of(&name, bytes, &|k, d| pins.contains(k, d))?;
+            let keys: Vec<(Kind, Digest)> = victims.iter().map(|e| (e.kind, e.digest)).collect();
+            let mut takes = |other: &str, size: u64| match room.get_mut(other) {
+                None => true,
+                Some(left) if *left >= size => {
+                    *left -= size;
+                    true
+                }
+                Some(_) => false,
+            };
+            Ok(index.evict_for_upstream(&name, &keys, &mut takes)?)
+        })
+        .await?;
+        self.forget_removed(&eviction.removed).await;
+        count_evictions(&eviction.removed);
+        tracing::info!(
+            upstream,
+            items = eviction.removed.len(),
+            freed = eviction.removed.iter().map(|e| e.size).sum::<u64>(),
+            handed_over = eviction.handed_over,
+            handed_over_bytes = eviction.handed_over_bytes,
+            charged = self.evictor.charged(upstream),
+            "evicted least recently used content of an upstream over its max_size"
         );
         Ok(())
     }
@@ -260,8 +306,66 @@ impl Cache {
     }
 }
 
+fn count_evictions(removed: &[Entry]) {
+    for e in removed {
+        let kind = if e.kind == Kind::Blob { "blob" } else { "manifest" };
+        metrics().cache_evictions.with_label_values(&[kind]).inc();
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    /// A blob of `size` bytes of `seed` committed for `upstream/team/app`,
+    /// as a fill leaves it, last used at `accessed_ms`.
+    fn commit(cache: &Cache, upstream: &str, seed: u8, size: usize, accessed_ms: u64) -> Digest {
+        let bytes = vec![seed; size];
+        let d = Digest::of(&bytes);
+        let path = cache.store.blob_path(&d);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, &bytes).unwrap();
+        let member = member_key(upstream, &"team/app".parse().unwrap(), &d);
+        if cache.index.insert_blob(&d, size as u64, &member, accessed_ms).unwrap() {
+            cache.evictor.added(size as u64);
+        }
+        d
+    }
+
+    #[tokio::test]
+    async fn an_upstream_over_its_share_evicts_only_its_own_content_and_hands_shared_content_over() {
+        const KB: usize = 1024;
+        let (_dir, cache) = super::super::test_cache::temporary_with(|c| {
+            c.upstream_max_size = vec![("hub".to_owned(), 1 << 20)];
+        })
+        .await;
+        // mirror's content is the oldest in the cache: a global LRU would take it first.
+        let mirror: Vec<Digest> = (0..3).map(|n| commit(&cache, "mirror", n, 200 * KB, 1 + u64::from(n))).collect();
+        let hub: Vec<Digest> = (10..16).map(|n| commit(&cache, "hub", n, 200 * KB, 100 + u64::from(n))).collect();
+        // The oldest of hub's blobs is used by mirror too.
+        cache.remember_member("mirror", &"team/app".parse().unwrap(), &hub[0]).await.unwrap();
+        assert_eq!(cache.evictor.charged("hub"), 6 * 200 * KB as u64);
+
+        let over = cache.evictor.upstreams_to_free();
+        let limits = cache.evictor.quota("hub").unwrap();
+        assert_eq!(over, vec![("hub".to_owned(), 6 * 200 * KB as u64 - limits.low)]);
+        for (upstream, to_free) in over {
+            cache.evict_upstream(&upstream, to_free).await.unwrap();
+        }
+        let charged = cache.evictor.charged("hub");
+        assert!(charged <= limits.low, "hub is down to its low watermark: {charged}");
+        assert!(cache.evictor.upstreams_to_free().is_empty());
+        for d in &mirror {
+            assert!(cache.store.blob_path(d).is_file(), "mirror's content is untouched");
+        }
+        assert!(cache.store.blob_path(&hub[0]).is_file(), "shared with mirror: handed over, not removed");
+        assert_eq!(cache.evictor.charged("mirror"), 4 * 200 * KB as u64);
+        assert!(!cache.store.blob_path(&hub[1]).exists(), "hub's least recently used goes");
+        assert!(cache.store.blob_path(&hub[5]).is_file(), "its newest stays");
+        assert_eq!(cache.usage(), cache.index.usage().unwrap());
+        assert_eq!(cache.usage(), cache.evictor.charged("hub") + cache.evictor.charged("mirror"));
+    }
+
     #[tokio::test]
     async fn a_tag_mapping_confirmed_before_a_purge_of_its_repository_is_not_taken_from_a_peer() {
         let (_dir, cache) = super::super::test_cache::temporary().await;

@@ -78,7 +78,7 @@ impl Cache {
         blocking(move || Ok(index.remove_tag(&key)?)).await
     }
 
-    async fn set_tag(&self, key: String, digest: Digest) -> Result<(), Error> {
+    pub(super) async fn set_tag(&self, key: String, digest: Digest) -> Result<(), Error> {
         let now = SystemTime::now();
         self.memory.insert_tag(key.clone(), TagEntry { digest, confirmed: now });
         let index = Arc::clone(&self.index);
@@ -119,6 +119,10 @@ impl Cache {
                     let result = if m.digest == cached.digest { CacheResult::Hit } else { CacheResult::Miss };
                     Ok((m, result))
                 }
+                Err(Error::ManifestUnknown) if may_serve_stale && self.is_warm_tag(&key) => {
+                    tracing::warn!(upstream = upstream.name(), %repo, %tag, "warm tag gone upstream: serving it from the cache");
+                    Ok((cached, CacheResult::Stale))
+                }
                 Err(Error::ManifestUnknown) => {
                     self.forget_tag(key).await?;
                     Err(Error::ManifestUnknown)
@@ -130,7 +134,10 @@ impl Cache {
                 Err(e) => Err(e),
             };
         }
-        if may_serve_stale && upstream.revalidation_backoff().active() {
+        // After a failed revalidation, and for a warm tag the warm loop
+        // found gone (it asks again every interval), clients get what is
+        // cached without asking upstream each time.
+        if may_serve_stale && (upstream.revalidation_backoff().active() || self.warm_tag_gone(&key)) {
             return Ok((cached, CacheResult::Stale));
         }
         let head = {
@@ -161,6 +168,12 @@ impl Cache {
                 }
                 Err(e) => Err(e),
             },
+            // A warm image's tag is kept, as through an outage: the
+            // cluster depends on it, and the warm status reports it gone.
+            Ok(None) if may_serve_stale && self.is_warm_tag(&key) => {
+                tracing::warn!(upstream = upstream.name(), %repo, %tag, "warm tag gone upstream: serving it from the cache");
+                Ok((cached, CacheResult::Stale))
+            }
             Ok(None) => {
                 self.forget_tag(key).await?;
                 Err(Error::ManifestUnknown)

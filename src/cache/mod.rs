@@ -26,7 +26,9 @@
 //! purges). Beneath them: [`memory`](StoredManifest) (moka), `disk` (the
 //! content-addressed files), [`index`] (redb), [`fill`] (fills in flight and
 //! their readers), `tiers` (how the shared tier and the owners are asked),
-//! [`shared`] and [`upload`] (the shared tier), [`prefetch`] and [`stats`].
+//! [`shared`] and [`upload`] (the shared tier), [`prefetch`] and [`stats`],
+//! [`pins`] (what eviction passes over) and `warm` (revalidating the warm
+//! images' tags).
 
 mod blobs;
 mod disk;
@@ -41,6 +43,7 @@ mod maintenance;
 mod manifests;
 mod membership;
 mod memory;
+pub mod pins;
 mod pread;
 pub mod prefetch;
 mod reconcile;
@@ -53,6 +56,7 @@ pub mod stats;
 mod test_cache;
 mod tiers;
 pub mod upload;
+pub mod warm;
 
 use std::fs::File;
 use std::sync::Arc;
@@ -141,6 +145,14 @@ pub struct Cache {
     /// a purge of its repository is not taken from it (see
     /// [`Cache::purged_after`]).
     purges: std::sync::Mutex<std::collections::VecDeque<(String, SystemTime)>>,
+    /// What eviction passes over (the warm images' content), and how much
+    /// that is (see [`pins`]).
+    pins: std::sync::RwLock<Arc<pins::Pins>>,
+    pinned_usage: std::sync::Mutex<pins::PinnedUsage>,
+    /// Tags of warm images (their `tag_key`s), and whether the warm loop
+    /// last found each gone upstream: served from the cache, within
+    /// `stale_if_error`, when upstream says they are gone.
+    warm_tags: std::sync::RwLock<std::collections::HashMap<String, bool>>,
 }
 
 /// The tiers beyond this replica's own memory and disk: both optional,
@@ -221,6 +233,18 @@ impl Cache {
         })
         .await?;
         let limits = Limits::new(config.max_size, config.high_watermark, config.low_watermark);
+        let quotas = config
+            .upstream_max_size
+            .iter()
+            .map(|(upstream, max)| {
+                let limits = Limits::new(*max, config.high_watermark, config.low_watermark);
+                metrics()
+                    .upstream_cache_max_size
+                    .with_label_values(&[upstream])
+                    .set(i64::try_from(*max).unwrap_or(i64::MAX));
+                (upstream.clone(), limits)
+            })
+            .collect();
         let shared = match tiers.shared {
             Some(shared) => {
                 let files = store.clone();
@@ -233,7 +257,7 @@ impl Cache {
         Ok(Arc::new(Cache {
             shared,
             peers: tiers.peers,
-            evictor: Evictor::new(limits, usage),
+            evictor: Evictor::new(limits, usage, quotas, Arc::clone(index.charged())),
             memory: Memory::new(config.memory),
             config,
             store,
@@ -243,6 +267,9 @@ impl Cache {
             revalidations: SingleFlight::default(),
             listing_fetches: SingleFlight::default(),
             purges: std::sync::Mutex::default(),
+            pins: std::sync::RwLock::default(),
+            pinned_usage: std::sync::Mutex::default(),
+            warm_tags: std::sync::RwLock::default(),
         }))
     }
 

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use super::fill::Progress;
+use super::pins::platform_selected;
 use super::{BlobSource, Cache, CacheResult, StoredManifest};
 use crate::error::Error;
 use crate::oci::referrers::ReferrersIndex;
@@ -101,15 +102,35 @@ pub struct Plan {
     pub sizes: HashMap<Digest, u64>,
 }
 
+impl Plan {
+    /// Sum of the sizes the manifests declare for the blobs.
+    pub fn bytes(&self) -> u64 {
+        self.blobs.iter().map(|d| self.sizes.get(d).copied().unwrap_or(0)).sum()
+    }
+}
+
 /// Reads the manifest(s) of `repo:reference` through the cache: for an
-/// index, every platform, or those whose `os/arch[/variant]` starts with
-/// `platform`.
+/// index, every platform, or those `platform` selects (`linux/arm64`, or
+/// `linux` for every Linux platform: see [`platform_selected`]).
 pub async fn plan(
     cache: &Arc<Cache>,
     upstream: &Arc<Upstream>,
     repo: &RepoName,
     reference: &Reference,
     platform: Option<&str>,
+) -> Result<Plan, Error> {
+    let platforms: Vec<String> = platform.map(str::to_owned).into_iter().collect();
+    plan_platforms(cache, upstream, repo, reference, &platforms).await
+}
+
+/// [`plan`] for the platforms of `platforms` (empty: every platform), as a
+/// warm image lists them.
+pub async fn plan_platforms(
+    cache: &Arc<Cache>,
+    upstream: &Arc<Upstream>,
+    repo: &RepoName,
+    reference: &Reference,
+    platforms: &[String],
 ) -> Result<Plan, Error> {
     let (top, _) = cache.manifest(upstream, repo, reference).await?;
     let (_, refs) = inspect_manifest(&top.bytes, Some(top.media_type)).map_err(Error::Internal)?;
@@ -118,12 +139,7 @@ pub async fn plan(
     let mut blobs: Vec<Digest> = refs.blobs.clone();
     let mut children = Vec::new();
     for (child, child_platform) in refs.manifests.iter().zip(&refs.platforms) {
-        let selected = match (platform, child_platform) {
-            (None, _) => true,
-            (Some(want), Some(have)) => have.starts_with(want),
-            (Some(_), None) => false,
-        };
-        if !selected {
+        if !platform_selected(child_platform.as_deref(), platforms) {
             continue;
         }
         let (m, _) = cache.manifest(upstream, repo, &Reference::Digest(*child)).await?;
@@ -162,13 +178,30 @@ pub async fn fetch(
     image: &str,
     progress: &watch::Sender<PrefetchProgress>,
 ) -> Result<Prefetched, Error> {
+    let (bytes, fetched) = fetch_blobs(cache, upstream, repo, plan, PREFETCH_PARALLELISM, progress).await?;
+    let manifests = plan.children.len().max(1);
+    Ok(Prefetched { image: image.to_owned(), manifests, blobs: plan.blobs.len(), fetched, bytes, referrers: None })
+}
+
+/// Fetches every blob of `plan` into the cache, `parallelism` at once, as
+/// a client's pull would (coalesced with pulls of the same blobs, verified
+/// the same way). Progress goes to `progress`, whose totals are set first.
+/// Returns the bytes of the blobs, and how many were fetched (not cached
+/// before).
+pub async fn fetch_blobs(
+    cache: &Arc<Cache>,
+    upstream: &Arc<Upstream>,
+    repo: &RepoName,
+    plan: &Plan,
+    parallelism: usize,
+    progress: &watch::Sender<PrefetchProgress>,
+) -> Result<(u64, usize), Error> {
     let manifests = plan.children.len().max(1);
     let blobs = plan.blobs.clone();
-    let bytes_total = blobs.iter().map(|d| plan.sizes.get(d).copied().unwrap_or(0)).sum();
+    let bytes_total = plan.bytes();
     progress.send_modify(|p| {
         *p = PrefetchProgress { planned: true, manifests, blobs_total: blobs.len(), bytes_total, ..p.clone() };
     });
-    let mut report = Prefetched { image: image.to_owned(), manifests, blobs: blobs.len(), ..Prefetched::default() };
     let mut results = futures_util::stream::iter(blobs)
         .map(|digest| async move {
             let (source, result) = cache.blob(upstream, repo, digest).await?;
@@ -186,13 +219,14 @@ pub async fn fetch(
             });
             Ok::<_, Error>((size, fetched))
         })
-        .buffer_unordered(PREFETCH_PARALLELISM);
+        .buffer_unordered(parallelism.max(1));
+    let (mut bytes, mut fetched) = (0, 0);
     while let Some(result) = results.next().await {
-        let (size, fetched) = result?;
-        report.bytes += size;
-        report.fetched += usize::from(fetched);
+        let (size, was_fetched) = result?;
+        bytes += size;
+        fetched += usize::from(was_fetched);
     }
-    Ok(report)
+    Ok((bytes, fetched))
 }
 
 /// Waits for a fill to commit, adding its bytes to `bytes_done` as they

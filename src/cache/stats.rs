@@ -65,6 +65,17 @@ impl Cache {
         (self.config.max_size as f64 * self.config.high_watermark) as u64
     }
 
+    /// Bytes charged to `upstream` (content it fetched first; see
+    /// [`super::index::Charged`]).
+    pub fn upstream_usage(&self, upstream: &str) -> u64 {
+        self.evictor.charged(upstream)
+    }
+
+    /// `upstream`'s own `max_size`, if it has one.
+    pub fn upstream_max_size(&self, upstream: &str) -> Option<u64> {
+        self.config.upstream_max_size.iter().find(|(u, _)| u == upstream).map(|(_, max)| *max)
+    }
+
     /// Scans the index for [`Holdings`], keeping the `top` largest and most
     /// recently used repositories.
     pub async fn holdings(&self, top: usize) -> Result<Holdings, Error> {

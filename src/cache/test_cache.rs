@@ -9,6 +9,11 @@ use crate::config::CacheConfig;
 /// An empty cache of 1 GiB in a new temporary folder (kept as long as the
 /// returned guard lives).
 pub async fn temporary() -> (tempfile::TempDir, Arc<Cache>) {
+    temporary_with(|_| {}).await
+}
+
+/// [`temporary`], with its config changed by `edit` first.
+pub async fn temporary_with(edit: impl FnOnce(&mut CacheConfig)) -> (tempfile::TempDir, Arc<Cache>) {
     let dir = tempfile::tempdir().unwrap();
     let config = CacheConfig {
         dir: dir.path().join("cache"),
@@ -19,7 +24,12 @@ pub async fn temporary() -> (tempfile::TempDir, Arc<Cache>) {
         memory: 1 << 20,
         tag_ttl: Duration::from_secs(60),
         stale_if_error: Duration::from_secs(60),
+        warm_file: None,
+        warm_interval: None,
+        upstream_max_size: Vec::new(),
     };
+    let mut config = config;
+    edit(&mut config);
     let cache = Cache::open(config).await.unwrap();
     (dir, cache)
 }

@@ -3,7 +3,8 @@
 use std::fmt::Write as _;
 
 use crate::server::admin::status::{Repository, Status};
-use crate::server::admin::status_page::{ago, bytes, percent, span};
+use crate::server::admin::status_page::{ago, bytes, images, of_total, percent, short_digest, span};
+use crate::warm::status::WarmReport;
 
 fn repositories(out: &mut String, title: &str, repos: &[Repository], now_ms: u64) {
     let _ = writeln!(out, "\n{title}");
@@ -21,6 +22,36 @@ fn repositories(out: &mut String, title: &str, repos: &[Repository], now_ms: u64
             r.items,
             ago(now_ms, r.last_used_ms)
         );
+    }
+}
+
+fn warm(out: &mut String, w: &WarmReport, now_ms: u64) {
+    let _ = writeln!(out, "\nkept warm ({})", images(w.images.len()));
+    let width = w.images.iter().map(|i| i.image.len()).max().unwrap_or(0).max(10);
+    for i in &w.images {
+        let digest = i.digest.as_deref().map_or_else(|| "-".to_owned(), short_digest);
+        let checked =
+            i.last_check_ms.map_or_else(|| "not checked yet".to_owned(), |t| format!("checked {}", ago(now_ms, t)));
+        let _ = writeln!(
+            out,
+            "  {:<width$}  {:<16}  {digest}  {} cached, {checked}{}",
+            i.image,
+            i.state.as_str(),
+            of_total(i.bytes_cached, i.bytes_total),
+            if i.pin { ", pinned" } else { "" },
+        );
+        if let Some(message) = &i.message {
+            let _ = writeln!(out, "  {:<width$}  {message}", "");
+        }
+    }
+    if let Some(f) = &w.file {
+        let _ = writeln!(out, "  warm file {}: {}", f.path, images(f.images));
+        if let Some(e) = &f.error {
+            let _ = writeln!(out, "    {e}");
+        }
+        for bad in &f.bad_lines {
+            let _ = writeln!(out, "    line {}: {}", bad.line, bad.message);
+        }
     }
 }
 
@@ -52,6 +83,10 @@ pub fn render(s: &Status, admin: &str) -> String {
         h.manifest_requests
     );
     let _ = writeln!(out, "fills        {} in flight", c.fills_in_flight);
+    let _ = writeln!(out, "pinned       {}", bytes(c.pinned.bytes));
+    for sentence in &c.pinned.over_limit {
+        let _ = writeln!(out, "  {sentence}");
+    }
     let _ = writeln!(out, "\nupstreams");
     for u in &s.upstreams {
         let rate = match &u.rate_limit {
@@ -65,15 +100,22 @@ pub fn render(s: &Status, admin: &str) -> String {
             Some(e) => format!("last error {} ({})", ago(s.now_ms, e.at_ms), e.message),
             None => "no errors".to_owned(),
         };
+        let cached = match u.max_size_bytes {
+            Some(max) => format!("{} of {max_size} cached", bytes(u.cache_bytes), max_size = bytes(max)),
+            None => format!("{} cached", bytes(u.cache_bytes)),
+        };
         let _ = writeln!(
             out,
-            "  {}{} {}: {} requests, {} errors, {last_error}; {rate}",
+            "  {}{} {}: {cached}, {} requests, {} errors, {last_error}; {rate}",
             u.name,
             if u.default { " (default)" } else { "" },
             u.url,
             u.requests,
             u.errors
         );
+    }
+    if !s.warm.images.is_empty() || s.warm.file.is_some() {
+        warm(&mut out, &s.warm, s.now_ms);
     }
     let r = &s.repositories;
     repositories(&mut out, "largest repositories", &r.largest, s.now_ms);

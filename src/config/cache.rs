@@ -36,7 +36,19 @@ pub struct CacheConfig {
     pub tag_ttl: Duration,
     /// How long past its TTL a tag may still be served when upstream fails.
     pub stale_if_error: Duration,
+    /// More images to keep warm, one reference per line, re-read when it
+    /// changes (`[[warm]]` lists them in the config itself).
+    pub warm_file: Option<PathBuf>,
+    /// How often each warm tag is revalidated; `None`: its upstream's `tag_ttl`.
+    pub warm_interval: Option<Duration>,
+    /// Each upstream's own share (`[[upstream]] max_size`), by upstream
+    /// name: copied here from the upstreams, for the evictor.
+    pub upstream_max_size: Vec<(String, u64)>,
 }
+
+/// Shortest `cache.warm_interval` accepted: each warm tag costs one `HEAD`
+/// per interval.
+pub const MIN_WARM_INTERVAL: Duration = Duration::from_secs(1);
 
 #[cfg_attr(test, derive(schemars::JsonSchema))]
 #[derive(Deserialize, Default)]
@@ -50,6 +62,8 @@ pub(super) struct RawCache {
     memory: Option<String>,
     tag_ttl: Option<String>,
     stale_if_error: Option<String>,
+    warm_file: Option<String>,
+    warm_interval: Option<String>,
 }
 
 impl Validator<'_> {
@@ -80,7 +94,19 @@ impl Validator<'_> {
                 rc.stale_if_error.as_deref(),
                 Duration::from_secs(7 * 86400),
             )?,
+            // Not read here: the file may appear later (a ConfigMap a
+            // controller writes), and a bad line is skipped, never fatal.
+            warm_file: rc.warm_file.as_deref().map(|p| self.path(p)),
+            warm_interval: rc
+                .warm_interval
+                .as_deref()
+                .map(|v| self.duration("cache.warm_interval", Some(v), Duration::ZERO))
+                .transpose()?,
+            upstream_max_size: Vec::new(),
         };
+        if cache.warm_interval.is_some_and(|i| i < MIN_WARM_INTERVAL) {
+            return Err(self.err("cache.warm_interval", "must be at least 1s"));
+        }
         if !(0.0 < cache.low_watermark && cache.low_watermark < cache.high_watermark && cache.high_watermark <= 1.0) {
             return Err(self.err(
                 "cache.high_watermark",

@@ -4,11 +4,12 @@
 //!
 //! One room per section, each holding its raw struct, its typed struct and
 //! its own validation: `server`, `cache`, `log`, `admin`,
-//! `upstream` (with its `credentials`), `shared`, `cluster`. Here: loading, the error type, the
+//! `upstream` (with its `credentials`), `shared`, `cluster`, `warm`. Here: loading, the error type, the
 //! validator's common parsers (durations, sizes, paths, secret files,
 //! `${ENV}`), and the order sections are checked in, where one depends on
 //! another (`[admin] tls` and `[cluster]` on `[server]`, `grants` on the
-//! upstreams and `[server]`'s ways of identifying clients).
+//! upstreams and `[server]`'s ways of identifying clients, `[[warm]]` and
+//! each upstream's `max_size` on the upstreams and `[cache]`).
 
 mod admin;
 mod cache;
@@ -21,6 +22,7 @@ mod secret;
 mod server;
 mod shared;
 mod upstream;
+mod warm;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -31,6 +33,7 @@ use serde::Deserialize;
 pub use admin::{AdminConfig, AdminHost, GENERATED_ADMIN_TOKEN_FILE, MIN_ADMIN_TOKEN_LEN, parse_admin_token};
 pub use cache::{
     CacheConfig, DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK, DEFAULT_MAX_BLOB_SIZE_DIVISOR, MIN_MAX_SIZE,
+    MIN_WARM_INTERVAL,
 };
 pub use cluster::{ClusterConfig, DEFAULT_CLUSTER_LISTEN, MIN_CLUSTER_SECRET_LEN, PeerSource, PeerUrl};
 pub use credentials::{CredentialSource, Credentials};
@@ -45,6 +48,7 @@ pub use upstream::{
     DEFAULT_BODY_IDLE_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_CONCURRENCY, DEFAULT_RESPONSE_TIMEOUT, FallbackUrl,
     MAX_MAX_CONCURRENCY, MAX_UPSTREAM_TIMEOUT, MAX_UPSTREAM_URLS, UpstreamConfig,
 };
+pub use warm::{MAX_WARM_IMAGES, MAX_WARM_LINE, WarmFile, WarmImage, parse_warm_file, parse_warm_line, resolve_image};
 
 /// The configuration used when `larder` runs without `--config`.
 pub const EMBEDDED_DEFAULT: &str = include_str!("../../config/default.toml");
@@ -67,6 +71,8 @@ pub struct Config {
     pub shared: Option<SharedConfig>,
     /// Peers and the cluster secret (`[cluster]`), if any.
     pub cluster: Option<ClusterConfig>,
+    /// Images kept warm and pinned (`[[warm]]`); `cache.warm_file` adds more.
+    pub warm: Vec<WarmImage>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -91,6 +97,8 @@ struct RawConfig {
     upstream: Vec<upstream::RawUpstream>,
     shared: Option<shared::RawShared>,
     cluster: Option<cluster::RawCluster>,
+    #[serde(default)]
+    warm: Vec<warm::RawWarm>,
 }
 
 impl Config {
@@ -190,7 +198,7 @@ impl Validator<'_> {
 
     fn config(&self, raw: RawConfig) -> Result<Config, ConfigError> {
         let (mut server, raw_grants) = self.server(raw.server)?;
-        let cache = self.cache(raw.cache)?;
+        let mut cache = self.cache(raw.cache)?;
         let upstreams = self.upstreams(raw.upstream)?;
         // Grants name upstreams, and users or certificates `[server]` must
         // be able to tell apart.
@@ -199,7 +207,19 @@ impl Validator<'_> {
         let admin = self.admin(raw.admin.unwrap_or_default(), &server)?;
         let shared = raw.shared.map(|s| self.shared(s)).transpose()?;
         let cluster = raw.cluster.map(|c| self.cluster(c, &server)).transpose()?;
-        Ok(Config { server, cache, upstreams, log, admin, shared, cluster })
+        // An upstream's share is a part of the whole.
+        for (i, u) in upstreams.iter().enumerate() {
+            if let Some(size) = u.max_size.filter(|s| *s > cache.max_size) {
+                return Err(self.err(
+                    format!("upstream[{i}].max_size"),
+                    format!("{size} bytes is more than cache.max_size ({} bytes)", cache.max_size),
+                ));
+            }
+        }
+        cache.upstream_max_size = upstreams.iter().filter_map(|u| Some((u.name.clone(), u.max_size?))).collect();
+        // Warm images name upstreams, and obey their allow/deny.
+        let warm = self.warm(raw.warm, &upstreams)?;
+        Ok(Config { server, cache, upstreams, log, admin, shared, cluster, warm })
     }
 
     /// A secret read from a file: trailing line breaks and spaces dropped

@@ -73,6 +73,9 @@ pub struct UpstreamConfig {
     /// `allow` and `deny`: which repositories of this upstream larder
     /// serves at all (checked before any cache read or dial).
     pub policy: RepoPolicy,
+    /// This upstream's share of the cache (`max_size`): its content is
+    /// evicted, least recently used first, to stay under it.
+    pub max_size: Option<u64>,
     pub tag_ttl: Option<Duration>,
     pub immutable_tags: Vec<Regex>,
     /// Open upstream requests allowed at once; further requests wait in order.
@@ -119,6 +122,7 @@ pub(super) struct RawUpstream {
     allow: Vec<String>,
     #[serde(default)]
     deny: Vec<String>,
+    max_size: Option<String>,
     tag_ttl: Option<String>,
     #[serde(default)]
     immutable_tags: Vec<String>,
@@ -354,6 +358,13 @@ impl Validator<'_> {
         let max_concurrency = NonZeroUsize::new(u.max_concurrency.unwrap_or(DEFAULT_MAX_CONCURRENCY))
             .filter(|n| n.get() <= MAX_MAX_CONCURRENCY)
             .ok_or_else(|| self.err(key("max_concurrency"), format!("must be between 1 and {MAX_MAX_CONCURRENCY}")))?;
+        let max_size = match u.max_size.as_deref() {
+            None => None,
+            Some(v) => Some(self.size(&key("max_size"), Some(v), 0)?),
+        };
+        if max_size.is_some_and(|m| m < super::MIN_MAX_SIZE) {
+            return Err(self.err(key("max_size"), "must be at least 1MiB"));
+        }
         let ca_file = u.ca_file.as_deref().map(|f| self.path(f));
         if let Some(ca) = &ca_file {
             if !ca.is_file() {
@@ -372,6 +383,7 @@ impl Validator<'_> {
             trusted_realms,
             trusted_networks,
             policy,
+            max_size,
             tag_ttl: u
                 .tag_ttl
                 .as_deref()

@@ -5,7 +5,8 @@
 //! The request loop is here; who gets which credentials is in `auth`
 //! (with `realm`, `scope`, `tokens`, `credentials` and `helper`);
 //! Docker Hub's pull limit in `ratelimit`; the pause of tag
-//! revalidation after failures in `backoff`.
+//! revalidation after failures in `backoff`. Background work has permits
+//! of its own ([`crate::background`]).
 
 mod auth;
 mod backoff;
@@ -61,6 +62,9 @@ pub struct Upstream {
     /// `max_concurrency` permits; one is held while an upstream request is
     /// open (until its body is read or dropped). Waiters are served in order.
     permits: Arc<Semaphore>,
+    /// The permits of background work (the warm loop), apart from
+    /// clients' (see [`crate::background`]).
+    background_permits: Arc<Semaphore>,
     /// Last error, last success and rate-limit headroom, for operators.
     pub health: health::Health,
     /// `url` and the fallbacks of `urls`, in order: the upstream's own origins.
@@ -157,6 +161,7 @@ impl Upstream {
             http,
             auth,
             permits,
+            background_permits: Arc::new(Semaphore::new(crate::background::CONCURRENCY)),
             health: health::Health::default(),
         })
     }
@@ -212,7 +217,8 @@ impl Upstream {
     /// Sends one request for `repo` and returns the final response, from
     /// the first of the upstream's `urls` that connects and does not answer
     /// 5xx (the last one's answer, whatever it is). One permit of
-    /// `max_concurrency` is held throughout.
+    /// `max_concurrency` is held throughout (of background work's own
+    /// pool for background work: clients go first, see [`crate::background`]).
     async fn open(
         &self,
         method: Method,
@@ -221,7 +227,8 @@ impl Upstream {
         accept: Option<&'static str>,
         from: Option<u64>,
     ) -> Result<Opened, UpstreamError> {
-        let permit = Arc::clone(&self.permits)
+        let permits = if crate::background::active() { &self.background_permits } else { &self.permits };
+        let permit = Arc::clone(permits)
             .acquire_owned()
             .await
             .map_err(|_| UpstreamError::Connect("upstream is shutting down".into()))?;

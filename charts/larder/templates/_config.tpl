@@ -65,6 +65,15 @@ memory = {{ include "larder.toml.string" .memory }}
 tag_ttl = {{ include "larder.toml.string" .tagTtl }}
 stale_if_error = {{ include "larder.toml.string" .staleIfError }}
 {{- end }}
+{{- with .Values.warm }}
+{{- if .images }}
+# warm.images, from ConfigMap {{ include "larder.fullname" $ }}-warm; re-read when it changes (no restart).
+warm_file = "/run/larder/warm/warm.txt"
+{{- end }}
+{{- with .interval }}
+warm_interval = {{ include "larder.toml.string" . }}
+{{- end }}
+{{- end }}
 {{- range $u := .Values.upstreams }}
 
 [[upstream]]
@@ -82,6 +91,10 @@ aliases = {{ include "larder.toml.stringArray" . }}
 {{- end }}
 {{- if kindIs "bool" .libraryNamespace }}
 library_namespace = {{ .libraryNamespace }}
+{{- end }}
+{{- with .maxSize }}
+# This upstream's share of the cache: its least recently used content goes first.
+max_size = {{ include "larder.toml.string" . }}
 {{- end }}
 {{- with .tagTtl }}
 tag_ttl = {{ include "larder.toml.string" . }}

@@ -226,6 +226,13 @@ spec:
           mountPath: /run/secrets/larder-admin
           readOnly: true
         {{- end }}
+        {{- if (.Values.warm).images }}
+        # A directory mount (not subPath), so that the kubelet's updates of
+        # the ConfigMap reach larder, which re-reads the file.
+        - name: warm
+          mountPath: /run/larder/warm
+          readOnly: true
+        {{- end }}
         {{- if .Values.cluster.enabled }}
         - name: cluster-secret
           mountPath: {{ dir (include "larder.clusterSecretPath" .) }}
@@ -243,6 +250,11 @@ spec:
     - name: config
       configMap:
         name: {{ include "larder.fullname" . }}
+    {{- if (.Values.warm).images }}
+    - name: warm
+      configMap:
+        name: {{ include "larder.fullname" . }}-warm
+    {{- end }}
     - name: tmp
       emptyDir:
         sizeLimit: 64Mi

@@ -31,6 +31,8 @@ See charts/examples/dind-runner for a parent chart that uses all four.
 {{- fail "cluster.enabled and shared.enabled are not for the larder sidecar (one pod's own cache, with no peers and no mounted store credentials): point it at a cluster's larder with hub.url instead" }}
 {{- end }}
 {{- $_ := set $v "mode" "deployment" }}
+{{- /* Keep-warm is the cluster's larder's job: the sidecar mounts no warm file. */}}
+{{- $_ := set $v "warm" (dict "images" (list) "interval" "") }}
 {{- $token := deepCopy $v.adminToken }}
 {{- $_ := set $token "enabled" false }}
 {{- $_ := set $v "adminToken" $token }}

@@ -1,8 +1,9 @@
 //! The facts an operator wants at a glance, gathered once for both the
 //! status page (`GET /`) and `larder status` (`GET /status`, JSON): cache
-//! size against its limit, entries, hit ratio since start, fills in flight,
-//! each upstream's last error and rate-limit headroom, and the largest and
-//! most recently used repositories. Repository figures come from an index
+//! size against its limit (and pinned content), entries, hit ratio since
+//! start, fills in flight, each upstream's last error, rate-limit headroom
+//! and share of the cache, the largest and most recently used
+//! repositories, and the warm images. Repository figures come from an index
 //! scan on the blocking pool, cached for [`HOLDINGS_TTL`] so that a page
 //! reloaded in a loop costs one scan per TTL.
 
@@ -11,11 +12,13 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
+use crate::cache::pins::PinnedUsage;
 use crate::cache::stats::{Holdings, RepositoryUsage};
 use crate::error::Error;
 use crate::metrics::metrics;
 use crate::state::App;
 use crate::upstream::health::LastError;
+use crate::warm::status::WarmReport;
 
 /// How long one index scan for the repository figures is reused.
 pub const HOLDINGS_TTL: Duration = Duration::from_secs(10);
@@ -33,6 +36,9 @@ pub struct Status {
     pub hit_ratio: HitRatio,
     pub upstreams: Vec<UpstreamStatus>,
     pub repositories: Repositories,
+    /// The warm images and the warm file.
+    #[serde(default)]
+    pub warm: WarmReport,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -43,6 +49,9 @@ pub struct CacheStatus {
     pub blobs: u64,
     pub manifests: u64,
     pub fills_in_flight: usize,
+    /// Pinned content (warm images), and the limits it alone is above.
+    #[serde(default)]
+    pub pinned: PinnedUsage,
 }
 
 /// Share of requests served without a new upstream download, since start
@@ -66,6 +75,13 @@ pub struct UpstreamStatus {
     pub last_error: Option<LastErrorStatus>,
     pub last_success_ms: Option<u64>,
     pub rate_limit: Option<RateLimitStatus>,
+    /// Bytes of the cache charged to this upstream (shared content counts
+    /// once, for the upstream that fetched it first).
+    #[serde(default)]
+    pub cache_bytes: u64,
+    /// Its own `max_size`, if it has one.
+    #[serde(default)]
+    pub max_size_bytes: Option<u64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -212,6 +228,8 @@ pub async fn gather(app: &App, holdings: &HoldingsCache, started: Instant) -> Re
                 last_error: health.last_error.map(Into::into),
                 last_success_ms: health.last_success_ms,
                 rate_limit: figures.rate_limit,
+                cache_bytes: app.cache.upstream_usage(&c.name),
+                max_size_bytes: app.cache.upstream_max_size(&c.name),
             }
         })
         .collect();
@@ -226,6 +244,7 @@ pub async fn gather(app: &App, holdings: &HoldingsCache, started: Instant) -> Re
             blobs: h.blobs,
             manifests: h.manifests,
             fills_in_flight: app.cache.fills_in_flight(),
+            pinned: app.cache.pinned(),
         },
         hit_ratio: HitRatio { blob, manifest, blob_requests, manifest_requests },
         upstreams,
@@ -236,5 +255,6 @@ pub async fn gather(app: &App, holdings: &HoldingsCache, started: Instant) -> Re
             complete: h.complete,
             scanned_ms,
         },
+        warm: app.warm.report(),
     })
 }

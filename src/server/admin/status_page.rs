@@ -8,6 +8,7 @@
 use std::fmt::Write as _;
 
 use super::status::{Repository, Status};
+use crate::warm::status::{WarmReport, WarmState};
 
 /// The page's `<meta http-equiv="refresh">` interval.
 pub const REFRESH_SECONDS: u32 = 10;
@@ -25,6 +26,7 @@ th{color:#68718a;font-weight:600;font-size:12px}td.n,th.n{text-align:right;font-
 .fill{height:100%;background:#3b82f6}.fill.warn{background:#f59e0b}.mark{position:absolute;top:0;bottom:0;width:2px;background:#d9480f}
 .kpis{display:flex;gap:24px;flex-wrap:wrap}.kpi b{display:block;font-size:22px}.kpi span{color:#68718a;font-size:12px}
 .err{color:#b42318}.ok{color:#067647}.muted{color:#68718a}code{font-size:12px}
+.warn-text{color:#b54708}
 ";
 
 fn escape(s: &str) -> String {
@@ -95,6 +97,76 @@ fn repo_table(out: &mut String, title: &str, repos: &[Repository], now_ms: u64) 
     out.push_str("</table></section>");
 }
 
+/// `sha256:0123456789ab…`: enough of a digest to tell it apart.
+pub fn short_digest(digest: &str) -> String {
+    match digest.split_once(':') {
+        Some((alg, hex)) if hex.len() > 12 => format!("{alg}:{}…", &hex[..12]),
+        _ => digest.to_owned(),
+    }
+}
+
+/// `1.2 GiB of 2.0 GiB`, or the bytes alone when the total is unknown.
+pub fn of_total(cached: u64, total: u64) -> String {
+    if total == 0 { bytes(cached) } else { format!("{} of {}", bytes(cached), bytes(total)) }
+}
+
+/// `1 image`, `3 images`.
+pub fn images(n: usize) -> String {
+    format!("{n} image{}", if n == 1 { "" } else { "s" })
+}
+
+fn warm_section(out: &mut String, w: &WarmReport, now_ms: u64) {
+    let _ = write!(out, "<section style=\"grid-column:1/-1\"><h2>Kept warm ({})</h2>", images(w.images.len()));
+    if w.images.is_empty() {
+        out.push_str("<p class=muted>No warm images: list them with [[warm]] or cache.warm_file.</p>");
+    } else {
+        out.push_str(
+            "<table><tr><th>image</th><th>state</th><th>digest</th><th class=n>cached</th><th class=n>last check</th>\
+             <th>pinned</th></tr>",
+        );
+        for i in &w.images {
+            let class = match i.state {
+                WarmState::Ready => "ok",
+                WarmState::Fetching => "muted",
+                WarmState::MissingUpstream => "warn-text",
+                WarmState::Failed => "err",
+            };
+            let message = match &i.message {
+                Some(m) => format!("<br><span class={class}>{}</span>", escape(m)),
+                None => String::new(),
+            };
+            let platforms = if i.platforms.is_empty() {
+                String::new()
+            } else {
+                format!(" <span class=muted>{}</span>", escape(&i.platforms.join(", ")))
+            };
+            let _ = write!(
+                out,
+                "<tr><td><code>{}</code>{platforms}{message}</td><td class={class}>{}</td><td><code>{}</code></td>\
+                 <td class=n>{}</td><td class=n>{}</td><td>{}</td></tr>",
+                escape(&i.image),
+                i.state.as_str().replace('_', " "),
+                i.digest.as_deref().map_or_else(|| "–".to_owned(), |d| escape(&short_digest(d))),
+                of_total(i.bytes_cached, i.bytes_total),
+                i.last_check_ms.map_or_else(|| "not yet".to_owned(), |t| ago(now_ms, t)),
+                if i.pin { "yes" } else { "no" },
+            );
+        }
+        out.push_str("</table>");
+    }
+    if let Some(f) = &w.file {
+        let _ = write!(out, "<p class=muted>Warm file <code>{}</code>: {}", escape(&f.path), images(f.images));
+        if let Some(e) = &f.error {
+            let _ = write!(out, "; <span class=warn-text>{}</span>", escape(e));
+        }
+        out.push_str("</p>");
+        for bad in &f.bad_lines {
+            let _ = write!(out, "<p class=err>line {}: {}</p>", bad.line, escape(&bad.message));
+        }
+    }
+    out.push_str("</section>");
+}
+
 /// The whole page.
 pub fn render(s: &Status) -> String {
     let c = &s.cache;
@@ -117,20 +189,26 @@ pub fn render(s: &Status) -> String {
         "<section><h2>Cache</h2><div class=kpis>\
          <div class=kpi><b>{}</b><span>of {} ({:.1}%)</span></div>\
          <div class=kpi><b>{}</b><span>blobs</span></div><div class=kpi><b>{}</b><span>manifests</span></div>\
-         <div class=kpi><b>{}</b><span>fills in flight</span></div></div>\
+         <div class=kpi><b>{}</b><span>fills in flight</span></div>\
+         <div class=kpi><b>{}</b><span>pinned</span></div></div>\
          <div class=bar title=\"eviction starts at {}\"><div class=\"fill{warn}\" style=\"width:{:.2}%\"></div>\
-         <div class=mark style=\"left:{:.2}%\"></div></div><span class=muted>eviction starts at {}</span></section>",
+         <div class=mark style=\"left:{:.2}%\"></div></div><span class=muted>eviction starts at {}</span>",
         bytes(c.size_bytes),
         bytes(c.max_size_bytes),
         share(c.size_bytes),
         c.blobs,
         c.manifests,
         c.fills_in_flight,
+        bytes(c.pinned.bytes),
         bytes(c.high_watermark_bytes),
         share(c.size_bytes),
         share(c.high_watermark_bytes),
         bytes(c.high_watermark_bytes),
     );
+    for sentence in &c.pinned.over_limit {
+        let _ = write!(out, "<p class=err>{}</p>", escape(sentence));
+    }
+    out.push_str("</section>");
 
     let h = &s.hit_ratio;
     let _ = write!(
@@ -147,7 +225,7 @@ pub fn render(s: &Status) -> String {
 
     out.push_str(
         "<section style=\"grid-column:1/-1\"><h2>Upstreams</h2><table><tr><th>name</th><th>url</th>\
-         <th class=n>requests</th><th class=n>errors</th><th>last error</th><th>rate limit</th></tr>",
+         <th class=n>cached</th><th class=n>requests</th><th class=n>errors</th><th>last error</th><th>rate limit</th></tr>",
     );
     for u in &s.upstreams {
         let last_error = match &u.last_error {
@@ -165,9 +243,13 @@ pub fn render(s: &Status) -> String {
             },
             None => "<span class=muted>not announced</span>".to_owned(),
         };
+        let cached = match u.max_size_bytes {
+            Some(max) => format!("{} of {}", bytes(u.cache_bytes), bytes(max)),
+            None => bytes(u.cache_bytes),
+        };
         let _ = write!(
             out,
-            "<tr><td><b>{}</b>{}</td><td><code>{}</code></td><td class=n>{}</td><td class=n>{}</td><td>{last_error}</td><td>{rate}</td></tr>",
+            "<tr><td><b>{}</b>{}</td><td><code>{}</code></td><td class=n>{cached}</td><td class=n>{}</td><td class=n>{}</td><td>{last_error}</td><td>{rate}</td></tr>",
             escape(&u.name),
             if u.default { " <span class=muted>(default)</span>" } else { "" },
             escape(&u.url),
@@ -175,7 +257,14 @@ pub fn render(s: &Status) -> String {
             u.errors,
         );
     }
-    out.push_str("</table></section>");
+    out.push_str(
+        "</table><p class=muted>Cached: bytes each upstream is charged for (shared content counts once, for \
+                  the upstream that fetched it first), of its own max_size where it has one.</p></section>",
+    );
+
+    if !s.warm.images.is_empty() || s.warm.file.is_some() {
+        warm_section(&mut out, &s.warm, s.now_ms);
+    }
 
     let r = &s.repositories;
     repo_table(&mut out, &format!("Largest repositories ({} in all)", r.count), &r.largest, s.now_ms);
@@ -204,5 +293,8 @@ mod tests {
         assert_eq!(ago(10_000_000, 0), "2 h ago");
         assert_eq!(percent(Some(0.875)), "87.5%");
         assert_eq!(percent(None), "–");
+        assert_eq!(short_digest(&format!("sha256:{}", "ab".repeat(32))), "sha256:abababababab…");
+        assert_eq!(of_total(1536, 3072), "1.5 KiB of 3.0 KiB");
+        assert_eq!(of_total(7, 0), "7 B");
     }
 }

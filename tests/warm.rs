@@ -1,0 +1,360 @@
+//! Keep-warm and pinned images, with the real distribution origin and
+//! skopeo: a warm tag is fetched before anyone asks, again when it moves at
+//! the origin (the next pull asks the origin for no blob), its current and
+//! previous digests survive eviction by other images, and it still pulls
+//! with the origin gone. A warm file is re-read when it changes, its bad
+//! lines skipped; a warm tag deleted at the origin is counted as
+//! `missing_upstream` and still served. Clients go first: a warm download
+//! that stalls never holds a client back. Per-upstream `max_size`: an
+//! upstream over its share evicts only its own content.
+
+mod common;
+mod fake;
+
+use std::time::{Duration, Instant};
+
+use common::metrics::{metric, wait_for_commits};
+use common::{Admin, ImageBuilder, KIB, Larder, Origin, PushedImage, Upstream, http, skopeo};
+use fake::FakeUpstream;
+use serde_json::Value;
+
+const TOKEN: &str = "warm-test-admin-token-0123456789";
+/// Longest a test waits for the warm loop or eviction to get somewhere.
+const PATIENCE: Duration = Duration::from_secs(60);
+const WARM_INTERVAL: &str = r#"warm_interval = "1s""#;
+
+const READY: &str = r#"larder_warm_images{state="ready"}"#;
+const FAILED: &str = r#"larder_warm_images{state="failed"}"#;
+const MISSING: &str = r#"larder_warm_images{state="missing_upstream"}"#;
+const EVICTED_BLOBS: &str = r#"larder_cache_evictions_total{kind="blob"}"#;
+
+#[tokio::test]
+async fn a_warm_tag_is_cached_before_anyone_asks_survives_eviction_and_pulls_with_the_origin_gone() {
+    let origin = Origin::start().await;
+    let v1 = ImageBuilder::oci().layers(&[512 * KIB, 256 * KIB]).push(&origin, "team/base", "stable").await;
+    let (builder, admin) = Admin::with_token(Larder::builder().upstream(&origin), TOKEN);
+    let larder = builder
+        .max_size("4MiB")
+        .tag_ttl("1s")
+        .cache_line(WARM_INTERVAL)
+        .append_toml("[[warm]]\nimage = \"origin.test/team/base:stable\"")
+        .start()
+        .await;
+
+    // Nobody pulled: the warm loop fetched it.
+    wait_until("v1 is cached and ready", || async { all_cached(&larder, &v1) && metric(&larder, READY).await == 1.0 })
+        .await;
+
+    // The tag moves at the origin: the new blobs arrive before anyone asks.
+    let v2 = ImageBuilder::oci().layers(&[512 * KIB, 256 * KIB]).push(&origin, "team/base", "stable").await;
+    assert_ne!(v1.digest, v2.digest);
+    wait_until("v2 is cached", || async { all_cached(&larder, &v2) }).await;
+    wait_for_commits(&larder).await;
+    let mark = origin.log_mark().await;
+    let pulled = skopeo::pull(&larder.image_ref("team/base:stable"), false).await.expect("pull of the moved tag");
+    assert_eq!(pulled.manifest_digest, v2.digest);
+    assert_eq!(pulled.blob_digests(), v2.blob_digests());
+    let asked = origin.requests_since(&mark).await;
+    assert_eq!(asked.blob_gets(), 0, "the warm loop had fetched every blob:\n{asked}");
+
+    // /status and `larder status` show it, with the digest it was before.
+    wait_until("v2 is ready", || async { metric(&larder, READY).await == 1.0 }).await;
+    let report = status(&admin).await;
+    let warm = &report["warm"]["images"][0];
+    assert_eq!(warm["state"], "ready", "{warm}");
+    assert_eq!(warm["digest"], v2.digest.as_str(), "{warm}");
+    assert_eq!(warm["previous_digest"], v1.digest.as_str(), "{warm}");
+    assert!(warm["bytes_total"].as_u64().unwrap() > 768 * KIB as u64, "{warm}");
+    assert_eq!(warm["bytes_cached"], warm["bytes_total"], "{warm}");
+    assert!(warm["last_check_ms"].as_u64().is_some(), "{warm}");
+    let out = admin.cli(&["status"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let line = text.lines().find(|l| l.contains("origin.test/team/base:stable")).unwrap_or_else(|| panic!("{text}"));
+    assert!(line.contains("ready") && line.contains("pinned") && line.contains("checked"), "{line}");
+    let page = page(&admin).await;
+    let row =
+        page.split("<tr>").find(|r| r.contains("origin.test/team/base:stable")).unwrap_or_else(|| panic!("{page}"));
+    let short = &v2.digest[..19];
+    assert!(row.contains(">ready<") && row.contains(short) && row.contains(">yes<"), "status page row: {row}");
+
+    // Other images fill the cache past max_size: only they are evicted.
+    let mut others = Vec::new();
+    for n in 0..4 {
+        let image = ImageBuilder::oci().layers(&[1536 * KIB]).push(&origin, "team/other", &format!("v{n}")).await;
+        skopeo::pull(&larder.image_ref(&image.reference()), false).await.expect("pull of another image");
+        wait_for_commits(&larder).await;
+        others.push(image);
+    }
+    wait_until("eviction ran", || async { metric(&larder, EVICTED_BLOBS).await >= 1.0 }).await;
+    wait_until("usage is under the high watermark", || async {
+        metric(&larder, "larder_cache_size_bytes").await <= (4u64 << 20) as f64 * 0.95
+    })
+    .await;
+    assert!(!all_cached(&larder, &others[0]), "the least recently used other image was evicted");
+    for (image, what) in [(&v2, "current"), (&v1, "previous")] {
+        for d in image.blob_digests() {
+            assert!(larder.blob_file(&d).exists(), "the {what} digest's blob {d} is pinned, never evicted");
+        }
+    }
+    assert!(metric(&larder, "larder_cache_pinned_bytes").await >= (1536 * KIB) as f64);
+    assert_eq!(metric(&larder, "larder_cache_pinned_over_limit").await, 0.0);
+
+    // The origin goes away: the pinned image still pulls, by tag and the
+    // previous one by digest, and the warm image is reported failed.
+    drop(origin);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let pulled = skopeo::pull(&larder.image_ref("team/base:stable"), false).await.expect("pull with the origin gone");
+    assert_eq!(pulled.manifest_digest, v2.digest);
+    assert_eq!(pulled.blob_digests(), v2.blob_digests());
+    let pulled = skopeo::pull(&larder.image_ref(&v1.by_digest()), false).await.expect("previous digest");
+    assert_eq!(pulled.blob_digests(), v1.blob_digests());
+    wait_until("the warm image is failed", || async { metric(&larder, FAILED).await == 1.0 }).await;
+    assert_eq!(metric(&larder, READY).await, 0.0);
+}
+
+#[tokio::test]
+async fn a_warm_file_is_reread_its_bad_lines_skipped_and_a_tag_deleted_upstream_is_missing_but_served() {
+    let origin = Origin::start().await;
+    let base = ImageBuilder::oci().layers(&[128 * KIB]).push(&origin, "team/base", "1").await;
+    let tools = ImageBuilder::oci().layers(&[128 * KIB]).push(&origin, "team/tools", "1").await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("warm.txt");
+    std::fs::write(&file, "# base images\norigin.test/team/base:1\nquay.io/not/configured:1\n").unwrap();
+    let (builder, admin) = Admin::with_token(Larder::builder().upstream(&origin), TOKEN);
+    let larder = builder
+        .tag_ttl("1s")
+        .cache_line(WARM_INTERVAL)
+        .cache_line(&format!("warm_file = {:?}", file.display().to_string()))
+        .start()
+        .await;
+
+    wait_until("team/base is ready", || async { all_cached(&larder, &base) && metric(&larder, READY).await == 1.0 })
+        .await;
+    let report = status(&admin).await;
+    let bad = &report["warm"]["file"]["bad_lines"];
+    assert_eq!(bad[0]["line"], 3, "{report}");
+    assert!(bad[0]["message"].as_str().unwrap().contains("quay.io"), "{report}");
+    assert!(larder.log().contains("line=3"), "the bad line is logged with its number");
+
+    // The file changes (a ConfigMap rewritten): the new image is fetched.
+    std::fs::write(&file, "origin.test/team/base:1\norigin.test/team/tools:1 pin=false\n").unwrap();
+    wait_until("team/tools is ready", || async { all_cached(&larder, &tools) && metric(&larder, READY).await == 2.0 })
+        .await;
+    assert_eq!(status(&admin).await["warm"]["file"]["bad_lines"], serde_json::json!([]));
+
+    // The warm tag is deleted at the origin: counted, and still served.
+    let url = format!("{}/v2/team/base/manifests/{}", origin.url(), base.digest);
+    let deleted = http::client().delete(&url).send().await.expect("DELETE at the origin");
+    assert_eq!(deleted.status(), 202, "distribution deleted the manifest");
+    wait_until("team/base is missing upstream", || async { metric(&larder, MISSING).await == 1.0 }).await;
+    let warm = status(&admin).await["warm"]["images"][0].clone();
+    assert_eq!(warm["state"], "missing_upstream", "{warm}");
+    let pulled = skopeo::pull(&larder.image_ref("team/base:1"), false).await.expect("the deleted warm tag still pulls");
+    assert_eq!(pulled.manifest_digest, base.digest);
+}
+
+#[tokio::test]
+async fn only_the_chosen_platforms_of_a_warm_index_are_fetched() {
+    let origin = Origin::start().await;
+    let image = ImageBuilder::oci().multi_arch().layers(&[64 * KIB, 32 * KIB]).push(&origin, "team/multi", "1").await;
+    let (builder, admin) = Admin::with_token(Larder::builder().upstream(&origin), TOKEN);
+    let larder = builder
+        .cache_line(WARM_INTERVAL)
+        .append_toml("[[warm]]\nimage = \"origin.test/team/multi:1\"\nplatforms = [\"linux/arm64\"]")
+        .start()
+        .await;
+    wait_until("ready", || async { metric(&larder, READY).await == 1.0 }).await;
+    let blobs = |m: &common::PushedManifest| {
+        std::iter::once(&m.config).chain(&m.layers).map(|b| b.digest.clone()).collect::<Vec<_>>()
+    };
+    let (arm, amd): (Vec<_>, Vec<_>) =
+        image.manifests.iter().partition(|m| m.platform.as_deref() == Some("linux/arm64"));
+    assert_eq!((arm.len(), amd.len()), (1, 1), "{:?}", image.manifests);
+    for d in blobs(arm[0]) {
+        assert!(larder.blob_file(&d).exists(), "arm64 blob {d} is cached");
+    }
+    for d in blobs(amd[0]) {
+        assert!(!larder.blob_file(&d).exists(), "amd64 blob {d} was not chosen");
+    }
+    let warm = status(&admin).await["warm"]["images"][0].clone();
+    let arm_bytes: u64 = std::iter::once(&arm[0].config).chain(&arm[0].layers).map(|b| b.size).sum();
+    assert_eq!(warm["bytes_total"], arm_bytes, "{warm}");
+    assert_eq!(warm["bytes_cached"], arm_bytes, "{warm}");
+    assert_eq!(warm["platforms"], serde_json::json!(["linux/arm64"]), "{warm}");
+}
+
+#[tokio::test]
+async fn pinned_content_over_max_size_is_reported_at_start_on_status_and_in_a_metric_and_kept() {
+    const OVER: &str = "above the cache's high watermark";
+    let origin = Origin::start().await;
+    // Six 200 KiB layers (each under max_size / 4, so each is cached):
+    // 1.2 MiB pinned in a 1 MiB cache.
+    let big = ImageBuilder::oci().layers(&[200 * KIB; 6]).push(&origin, "team/big", "1").await;
+    let (builder, admin) = Admin::with_token(Larder::builder().upstream(&origin), TOKEN);
+    let mut larder = builder
+        .max_size("1MiB")
+        .cache_line(WARM_INTERVAL)
+        .append_toml("[[warm]]\nimage = \"origin.test/team/big:1\"")
+        .start()
+        .await;
+
+    wait_until("the pinned image is cached and reported over the limit", || async {
+        all_cached(&larder, &big) && metric(&larder, "larder_cache_pinned_over_limit").await == 1.0
+    })
+    .await;
+    let over = status(&admin).await["cache"]["pinned"]["over_limit"].clone();
+    assert!(over[0].as_str().is_some_and(|s| s.contains(OVER)), "/status: {over}");
+    assert!(larder.log().contains(OVER), "logged");
+    let out = admin.cli(&["status"]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains(OVER), "larder status says so too");
+
+    // Restarted with the origin gone: said again at start, from the index
+    // alone, and nothing pinned was evicted.
+    drop(origin);
+    let said = larder.log().matches(OVER).count();
+    larder.restart().await;
+    wait_until("said again at start", || async { larder.log().matches(OVER).count() > said }).await;
+    assert_eq!(metric(&larder, "larder_cache_pinned_over_limit").await, 1.0);
+    assert!(all_cached(&larder, &big), "pinned content stays, over the limit or not");
+}
+
+#[tokio::test]
+async fn a_stalled_warm_download_never_holds_back_a_clients_fill_and_warm_work_stays_bounded() {
+    // A warm image of four layers that the upstream stalls after 1 KiB, and
+    // an upstream that allows clients one open request at a time.
+    let layers: Vec<_> = (0..4).map(|n| fake::random_bytes(256 * KIB, 10 + n)).collect();
+    let config = fake::random_bytes(512, 9);
+    let descriptors: Vec<(String, usize)> = layers.iter().map(|l| (fake::digest(l), l.len())).collect();
+    let descriptors: Vec<(&str, usize)> = descriptors.iter().map(|(d, n)| (d.as_str(), *n)).collect();
+    let manifest = fake::image_manifest((&fake::digest(&config), config.len()), &descriptors);
+    let wanted = fake::random_bytes(512 * KIB, 20);
+    let mut builder = FakeUpstream::builder()
+        .manifest(fake::REPO, "warm", fake::OCI_MANIFEST, manifest)
+        .blob(config)
+        .blob(wanted.clone());
+    for layer in &layers {
+        builder = builder.blob(layer.clone());
+    }
+    let up = builder.start().await;
+    for layer in &layers {
+        up.set_faults(&fake::digest(layer), fake::Faults { stall_after: Some(KIB), ..Default::default() });
+    }
+    let upstream = Upstream::new(fake::UPSTREAM_NAME, &up.url()).default(true).line("max_concurrency = 1");
+    let (builder, admin) = Admin::with_token(Larder::builder().upstream(upstream), TOKEN);
+    let larder =
+        builder.cache_line(WARM_INTERVAL).append_toml("[[warm]]\nimage = \"fake.test/test/app:warm\"").start().await;
+
+    // The warm loop is stuck on two layers at once, never more.
+    wait_until("two warm layers are downloading", || async {
+        layers.iter().filter(|l| up.bytes_sent(&fake::digest(l)) > 0).count() == 2
+    })
+    .await;
+    assert_eq!(status(&admin).await["warm"]["images"][0]["state"], "fetching");
+
+    // A client's blob: its own permit, not one the stalled downloads hold.
+    let addr = ([127, 0, 0, 1], larder.port()).into();
+    let got = tokio::time::timeout(PATIENCE, fake::client::get(addr, &fake::blob_path(&fake::digest(&wanted))))
+        .await
+        .expect("the client's fill waited for the warm loop");
+    assert_eq!(got.status(), 200);
+    assert_eq!(got.body, wanted.to_vec());
+
+    // Released, the warm image completes, each layer fetched once, and the
+    // upstream never saw more than the warm loop's two requests plus the
+    // client's one.
+    for layer in &layers {
+        up.release(&fake::digest(layer));
+    }
+    wait_until("the warm image is ready", || async { metric(&larder, READY).await == 1.0 }).await;
+    for layer in &layers {
+        assert_eq!(up.blob_gets(&fake::digest(layer)), 1);
+    }
+    assert!(up.max_open_requests() <= 3, "{} requests open at once", up.max_open_requests());
+}
+
+#[tokio::test]
+async fn an_upstream_over_its_own_max_size_evicts_only_its_own_content() {
+    let hub = Origin::start().await;
+    let other = Origin::start().await;
+    let kept = ImageBuilder::oci().layers(&[1024 * KIB]).push(&other, "team/kept", "1").await;
+    let mut images = Vec::new();
+    for n in 0..4 {
+        images.push(ImageBuilder::oci().layers(&[768 * KIB]).push(&hub, "team/app", &format!("v{n}")).await);
+    }
+    let (builder, admin) = Admin::with_token(
+        Larder::builder()
+            .upstream(Upstream::from(&hub).line(r#"max_size = "2MiB""#))
+            .upstream(Upstream::new("other.test", &other.url())),
+        TOKEN,
+    );
+    let larder = builder.start().await;
+
+    // The other upstream's image is the least recently used in the cache.
+    skopeo::pull(&larder.prefixed_ref("other.test", &kept.reference()), false).await.expect("pull from other.test");
+    wait_for_commits(&larder).await;
+    for image in &images {
+        skopeo::pull(&larder.image_ref(&image.reference()), false).await.expect("pull from origin.test");
+        wait_for_commits(&larder).await;
+    }
+    let hub_size = r#"larder_upstream_cache_size_bytes{upstream="origin.test"}"#;
+    wait_until("origin.test is under its high watermark", || async {
+        metric(&larder, hub_size).await <= (2u64 << 20) as f64 * 0.95
+    })
+    .await;
+    assert!(metric(&larder, EVICTED_BLOBS).await >= 1.0);
+    assert!(all_cached(&larder, &kept), "other.test's content is untouched");
+    assert!(!all_cached(&larder, &images[0]), "origin.test's least recently used image went");
+    assert!(all_cached(&larder, &images[3]), "its newest stays");
+    let other_size = metric(&larder, r#"larder_upstream_cache_size_bytes{upstream="other.test"}"#).await;
+    assert!(other_size >= (1024 * KIB) as f64, "{other_size}");
+    assert_eq!(metric(&larder, r#"larder_upstream_cache_max_size_bytes{upstream="origin.test"}"#).await, 2097152.0);
+
+    let report = status(&admin).await;
+    let upstreams = report["upstreams"].as_array().unwrap();
+    let hub_status = upstreams.iter().find(|u| u["name"] == "origin.test").unwrap();
+    assert_eq!(hub_status["max_size_bytes"], 2097152, "{hub_status}");
+    assert!(hub_status["cache_bytes"].as_u64().unwrap() <= 2 << 20, "{hub_status}");
+    let other_status = upstreams.iter().find(|u| u["name"] == "other.test").unwrap();
+    assert_eq!(other_status["max_size_bytes"], Value::Null, "{other_status}");
+    assert!(other_status["cache_bytes"].as_u64().unwrap() >= 1024 * KIB as u64, "{other_status}");
+    let page = page(&admin).await;
+    let row = page.split("<tr>").find(|r| r.contains("<b>origin.test</b>")).unwrap_or_else(|| panic!("{page}"));
+    assert!(row.contains(" of 2.0 MiB<"), "the status page shows origin.test's usage of its max_size: {row}");
+}
+
+// ---- helpers ----------------------------------------------------------------
+
+fn all_cached(larder: &Larder, image: &PushedImage) -> bool {
+    image.blob_digests().iter().all(|d| larder.blob_file(d).exists())
+}
+
+/// `GET /status` on the admin listener, as JSON.
+async fn status(admin: &Admin) -> Value {
+    let url = format!("{}/status", admin.url());
+    let response = http::client().get(&url).bearer_auth(TOKEN).send().await.expect("GET /status");
+    assert_eq!(response.status(), 200, "GET /status");
+    let body = response.text().await.expect("the /status body");
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("/status is not JSON ({e}): {body}"))
+}
+
+/// The status page (`GET /` on the admin listener), as HTML.
+async fn page(admin: &Admin) -> String {
+    let url = format!("{}/", admin.url());
+    let response = http::client().get(&url).bearer_auth(TOKEN).send().await.expect("GET /");
+    assert_eq!(response.status(), 200, "GET /");
+    response.text().await.expect("the status page")
+}
+
+/// Polls `check` until it holds, or fails the test after [`PATIENCE`].
+async fn wait_until<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let started = Instant::now();
+    while !check().await {
+        assert!(started.elapsed() < PATIENCE, "gave up after {PATIENCE:?} waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
