@@ -24,6 +24,8 @@
 //!
 //! `CHAOS_ROUNDS` (default 4: each fault once) and `CHAOS_TIME_LIMIT`
 //! (seconds, default 300; no round starts after it) size the run;
+//! `CHAOS_ONLY_KILLS=1` makes every round a kill of the big layer's owner,
+//! `CHAOS_KILL_AFTER_MS` when (default 800: mid-layer);
 //! `tests/chaos.sh N` runs N rounds by hand. Needs root (`ip netns`, `nft`,
 //! `tc`) and Garage (`LARDER_TEST_GARAGE`).
 
@@ -57,8 +59,20 @@ enum Fault {
     KillOwner,
 }
 
+/// How long after the pulls start the owner is killed: 800 ms (in the
+/// middle of the big layer here), or `CHAOS_KILL_AFTER_MS`.
+fn kill_after() -> Duration {
+    let ms = std::env::var("CHAOS_KILL_AFTER_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(800);
+    Duration::from_millis(ms)
+}
+
 impl Fault {
+    /// Each fault in turn; `CHAOS_ONLY_KILLS=1` makes every round a kill
+    /// (to look for a rare failure of the survivors).
     fn of_round(round: usize) -> Fault {
+        if std::env::var_os("CHAOS_ONLY_KILLS").is_some_and(|v| v == "1") {
+            return Fault::KillOwner;
+        }
         [Fault::PartitionReplica, Fault::PartitionStoreNode, Fault::SlowReplica, Fault::KillOwner][round % 4]
     }
 }
@@ -331,7 +345,7 @@ async fn run(lab: Arc<Lab>, rounds: usize, limit: Duration) -> Vec<Row> {
         let mut killed = None;
         if let Fault::KillOwner = fault {
             let owner = owner_of(&image.big());
-            tokio::time::sleep(Duration::from_millis(800)).await;
+            tokio::time::sleep(kill_after()).await;
             replicas[owner].stop();
             killed = Some(owner);
         }

@@ -6,6 +6,8 @@
 # replica link, the owner killed mid-fill), the invariants checked after
 # every round and printed as a table. Needs root and Garage (built by
 # tests/run.sh into ~/.cache/larder-tests). About 20 s per round here.
+# CHAOS_ONLY_KILLS=1 makes every round a kill of the big layer's owner,
+# CHAOS_KILL_AFTER_MS=N kills it N ms after the pulls start (default 800).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds="${1:-20}"
