@@ -95,38 +95,9 @@ async fn a_paginating_upstream_is_relayed_page_by_page() {
     assert_eq!(up.requests("GET", "/v2/team/app/tags/list"), 3);
 }
 
-const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
-const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
+use common::image::{OCI_INDEX, OCI_MANIFEST};
 const SIGNATURE: &str = "application/vnd.dev.cosign.simplesigning.v1+json";
 const SBOM: &str = "application/spdx+json";
-
-/// Pushes an artifact manifest (an OCI image manifest with `artifactType`
-/// and `subject`) for `subject` to `repo`, by digest as OCI 1.1 clients do;
-/// returns its descriptor for the fallback index.
-async fn push_referrer(
-    origin: &Origin,
-    repo: &str,
-    subject: &str,
-    subject_size: usize,
-    artifact_type: &str,
-) -> serde_json::Value {
-    let empty = origin.push_blob(repo, b"{}").await;
-    let payload = format!("{artifact_type} payload for {subject}");
-    let layer = origin.push_blob(repo, payload.as_bytes()).await;
-    let manifest = serde_json::to_vec(&serde_json::json!({
-        "schemaVersion": 2,
-        "mediaType": OCI_MANIFEST,
-        "artifactType": artifact_type,
-        "config": { "mediaType": "application/vnd.oci.empty.v1+json", "digest": empty, "size": 2 },
-        "layers": [{ "mediaType": artifact_type, "digest": layer, "size": payload.len() }],
-        "subject": { "mediaType": OCI_MANIFEST, "digest": subject, "size": subject_size },
-        "annotations": { "org.opencontainers.image.created": "2026-12-03T00:00:00Z" },
-    }))
-    .unwrap();
-    let digest = common::origin::sha256_digest(&manifest);
-    origin.push_manifest(repo, &digest, OCI_MANIFEST, &manifest).await;
-    serde_json::json!({ "mediaType": OCI_MANIFEST, "artifactType": artifact_type, "digest": digest, "size": manifest.len() })
-}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn referrers_from_an_upstream_without_the_api_come_from_the_fallback_tag() {
@@ -137,8 +108,8 @@ async fn referrers_from_an_upstream_without_the_api_come_from_the_fallback_tag()
     // A signature and an SBOM, kept the way a client keeps them on a
     // registry without the referrers API (distribution 2.8): an index
     // under the `sha256-<hex>` tag.
-    let signature = push_referrer(&origin, "team/app", &image.digest, subject.body.len(), SIGNATURE).await;
-    let sbom = push_referrer(&origin, "team/app", &image.digest, subject.body.len(), SBOM).await;
+    let signature = origin.push_referrer("team/app", &image.digest, subject.body.len(), SIGNATURE).await;
+    let sbom = origin.push_referrer("team/app", &image.digest, subject.body.len(), SBOM).await;
     let fallback = serde_json::to_vec(&serde_json::json!({
         "schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [signature, sbom],
     }))
@@ -257,8 +228,8 @@ async fn prefetch_with_referrers_keeps_signatures_and_sboms_served_with_the_orig
     let origin = Origin::start().await;
     let image = ImageBuilder::oci().layers(&[4 * KIB]).push(&origin, "team/app", "v1").await;
     let subject = origin.fetch_manifest("team/app", &image.digest).await;
-    let signature = push_referrer(&origin, "team/app", &image.digest, subject.body.len(), SIGNATURE).await;
-    let sbom = push_referrer(&origin, "team/app", &image.digest, subject.body.len(), SBOM).await;
+    let signature = origin.push_referrer("team/app", &image.digest, subject.body.len(), SIGNATURE).await;
+    let sbom = origin.push_referrer("team/app", &image.digest, subject.body.len(), SBOM).await;
     let fallback = serde_json::to_vec(&serde_json::json!({
         "schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [signature, sbom],
     }))
@@ -267,7 +238,7 @@ async fn prefetch_with_referrers_keeps_signatures_and_sboms_served_with_the_orig
     // cosign's own scheme: the signature under the `sha256-<hex>.sig` tag.
     let cosign_tag = format!("{}.sig", image.digest.replace(':', "-"));
     let cosign_type = "application/vnd.dev.cosign.artifact.sig.v1+json";
-    let cosign = push_referrer(&origin, "team/app", &image.digest, subject.body.len(), cosign_type).await;
+    let cosign = origin.push_referrer("team/app", &image.digest, subject.body.len(), cosign_type).await;
     let cosign_manifest = origin.fetch_manifest("team/app", cosign["digest"].as_str().unwrap()).await;
     origin.push_manifest("team/app", &cosign_tag, OCI_MANIFEST, &cosign_manifest.body).await;
     let (builder, admin) = common::Admin::open(Larder::builder().upstream(&origin));

@@ -358,3 +358,53 @@ where
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+#[tokio::test]
+async fn a_warm_image_with_referrers_keeps_its_signature_served_with_the_origin_gone() {
+    let origin = Origin::start().await;
+    let image = ImageBuilder::oci().layers(&[16 * KIB]).push(&origin, "team/signed", "1").await;
+    let subject = origin.fetch_manifest("team/signed", &image.digest).await;
+    let signature = origin
+        .push_referrer(
+            "team/signed",
+            &image.digest,
+            subject.body.len(),
+            "application/vnd.dev.cosign.simplesigning.v1+json",
+        )
+        .await;
+    // Kept as distribution 2.8 keeps referrers: an index under the fallback tag.
+    let fallback = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2, "mediaType": common::image::OCI_INDEX, "manifests": [signature],
+    }))
+    .unwrap();
+    let fallback_tag = image.digest.replace(':', "-");
+    origin.push_manifest("team/signed", &fallback_tag, common::image::OCI_INDEX, &fallback).await;
+    let signature_digest = signature["digest"].as_str().unwrap().to_owned();
+    let signed = origin.fetch_manifest("team/signed", &signature_digest).await;
+    let payload: Value = serde_json::from_slice(&signed.body).unwrap();
+    let payload = payload["layers"][0]["digest"].as_str().unwrap().to_owned();
+    let (builder, _admin) = Admin::with_token(Larder::builder().upstream(&origin), TOKEN);
+    let mut larder = builder
+        .cache_line(WARM_INTERVAL)
+        .append_toml("[[warm]]\nimage = \"origin.test/team/signed:1\"\nreferrers = true")
+        .start()
+        .await;
+    wait_until("the signature's payload is cached", || async { larder.blob_file(&payload).exists() }).await;
+    drop(origin);
+    larder.restart().await;
+
+    let base = larder.url();
+    let resp = http::client().get(format!("{base}/v2/team/signed/referrers/{}", image.digest)).send().await.unwrap();
+    assert_eq!(resp.status(), 200, "the referrers, with the origin gone");
+    let index: Value = serde_json::from_slice(&resp.bytes().await.unwrap()).unwrap();
+    assert_eq!(index["manifests"], serde_json::json!([signature]));
+    let resp = http::client()
+        .get(format!("{base}/v2/team/signed/manifests/{signature_digest}"))
+        .header("accept", common::image::OCI_MANIFEST)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "the signature manifest");
+    let resp = http::client().get(format!("{base}/v2/team/signed/blobs/{payload}")).send().await.unwrap();
+    assert_eq!(resp.status(), 200, "its payload");
+}

@@ -38,6 +38,9 @@ pub struct WarmImage {
     pub platforms: Vec<String>,
     /// Whether its content is never evicted (default true).
     pub pin: bool,
+    /// Whether its referrers (signatures, SBOMs, attestations) are
+    /// fetched too, with their blobs (default false).
+    pub referrers: bool,
 }
 
 impl WarmImage {
@@ -55,6 +58,8 @@ pub(super) struct RawWarm {
     #[serde(default)]
     platforms: Vec<String>,
     pin: Option<bool>,
+    #[serde(default)]
+    referrers: bool,
 }
 
 /// A registry host as a reference's first component: it has a `.` or a
@@ -130,7 +135,8 @@ fn platforms(list: &[String]) -> Result<Vec<String>, String> {
     Ok(list)
 }
 
-/// One line of a warm file: `IMAGE [platforms=os/arch,…] [pin=true|false]`.
+/// One line of a warm file: `IMAGE [platforms=os/arch,…] [pin=true|false]
+/// [referrers=true|false]`.
 /// `Ok(None)` for a blank line or a `#` comment.
 pub fn parse_warm_line(line: &str, upstreams: &[UpstreamConfig]) -> Result<Option<WarmImage>, String> {
     if line.len() > MAX_WARM_LINE {
@@ -140,7 +146,15 @@ pub fn parse_warm_line(line: &str, upstreams: &[UpstreamConfig]) -> Result<Optio
     let mut words = line.split_whitespace();
     let Some(image) = words.next() else { return Ok(None) };
     let (upstream, repo, reference) = resolve_image(image, upstreams)?;
-    let mut warm = WarmImage { image: image.to_owned(), upstream, repo, reference, platforms: Vec::new(), pin: true };
+    let mut warm = WarmImage {
+        image: image.to_owned(),
+        upstream,
+        repo,
+        reference,
+        platforms: Vec::new(),
+        pin: true,
+        referrers: false,
+    };
     for word in words {
         match word.split_once('=') {
             Some(("platforms", list)) => {
@@ -148,10 +162,12 @@ pub fn parse_warm_line(line: &str, upstreams: &[UpstreamConfig]) -> Result<Optio
                 warm.platforms = platforms(&list)?;
             }
             Some(("pin", "true")) => warm.pin = true,
+            Some(("referrers", "true")) => warm.referrers = true,
+            Some(("referrers", "false")) => warm.referrers = false,
             Some(("pin", "false")) => warm.pin = false,
             _ => {
                 return Err(format!(
-                    "{word:?}: after the image, only `platforms=os/arch,…` and `pin=true|false` are understood"
+                    "{word:?}: after the image, only `platforms=os/arch,…`, `pin=true|false` and `referrers=true|false` are understood"
                 ));
             }
         }
@@ -204,7 +220,8 @@ impl Validator<'_> {
             let (upstream, repo, reference) =
                 resolve_image(&w.image, upstreams).map_err(|e| self.err(key("image"), e))?;
             let platforms = platforms(&w.platforms).map_err(|e| self.err(key("platforms"), e))?;
-            let image = WarmImage { image: w.image, upstream, repo, reference, platforms, pin: w.pin.unwrap_or(true) };
+            let pin = w.pin.unwrap_or(true);
+            let image = WarmImage { image: w.image, upstream, repo, reference, platforms, pin, referrers: w.referrers };
             if let Some(j) = images.iter().position(|k| k.key() == image.key()) {
                 return Err(self.err(key("image"), format!("{:?} is listed at warm[{j}] already", image.image)));
             }

@@ -351,7 +351,13 @@ impl Warm {
         let Some(upstream) = self.upstreams.get(&image.upstream).cloned() else { return };
         let started_ms = now_ms();
         let outcome = match self.cache.check_warm(&upstream, &image.repo, &image.reference).await {
-            Ok(Seen::At(digest)) => self.fetch(key, &image, &upstream, row, digest).await,
+            Ok(Seen::At(digest)) => {
+                let outcome = self.fetch(key, &image, &upstream, row, digest).await;
+                if image.referrers && outcome.state == WarmState::Ready {
+                    self.fetch_referrers(&image, &upstream, digest).await;
+                }
+                outcome
+            }
             Ok(Seen::Gone) => Outcome {
                 state: WarmState::MissingUpstream,
                 row,
@@ -459,6 +465,26 @@ impl Warm {
                 let done = tx.borrow().bytes_done;
                 failed(Some(row), Some((done, total)), e)
             }
+        }
+    }
+
+    /// With `referrers = true`: the image's signatures, SBOMs and
+    /// attestations, with their blobs (see [`prefetch::prefetch_referrers`]).
+    /// A failure is logged; the image itself stays ready.
+    async fn fetch_referrers(&self, image: &WarmImage, upstream: &Arc<Upstream>, digest: Digest) {
+        let reference = Reference::Digest(digest);
+        let fetched = async {
+            let plan =
+                prefetch::plan_platforms(&self.cache, upstream, &image.repo, &reference, &image.platforms).await?;
+            let mut report = prefetch::Prefetched::default();
+            prefetch::prefetch_referrers(&self.cache, upstream, &image.repo, &plan, &mut report).await?;
+            Ok::<_, Error>(report)
+        };
+        match crate::background::run(fetched).await {
+            Ok(report) => {
+                tracing::debug!(image = image.image, referrers = report.referrers, "warm image's referrers cached")
+            }
+            Err(e) => tracing::warn!(image = image.image, error = %e, "fetching a warm image's referrers failed"),
         }
     }
 

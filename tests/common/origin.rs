@@ -242,6 +242,34 @@ impl Origin {
         sha256_digest(bytes)
     }
 
+    /// Pushes an artifact manifest (an OCI image manifest with `artifactType`
+    /// and `subject`) for `subject` to `repo`, by digest as OCI 1.1 clients do;
+    /// returns its descriptor for the fallback index.
+    pub async fn push_referrer(
+        &self,
+        repo: &str,
+        subject: &str,
+        subject_size: usize,
+        artifact_type: &str,
+    ) -> serde_json::Value {
+        let empty = self.push_blob(repo, b"{}").await;
+        let payload = format!("{artifact_type} payload for {subject}");
+        let layer = self.push_blob(repo, payload.as_bytes()).await;
+        let manifest = serde_json::to_vec(&serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": super::image::OCI_MANIFEST,
+            "artifactType": artifact_type,
+            "config": { "mediaType": "application/vnd.oci.empty.v1+json", "digest": empty, "size": 2 },
+            "layers": [{ "mediaType": artifact_type, "digest": layer, "size": payload.len() }],
+            "subject": { "mediaType": super::image::OCI_MANIFEST, "digest": subject, "size": subject_size },
+            "annotations": { "org.opencontainers.image.created": "2026-12-03T00:00:00Z" },
+        }))
+        .unwrap();
+        let digest = sha256_digest(&manifest);
+        self.push_manifest(repo, &digest, super::image::OCI_MANIFEST, &manifest).await;
+        serde_json::json!({ "mediaType": super::image::OCI_MANIFEST, "artifactType": artifact_type, "digest": digest, "size": manifest.len() })
+    }
+
     /// Panics, with the log, if distribution is no longer running.
     pub fn assert_running(&mut self) {
         self.process.assert_running("while the test still needed it");
