@@ -324,6 +324,7 @@ fn cache_config(dir: &Path) -> larder::config::CacheConfig {
         memory: 1 << 20,
         tag_ttl: Duration::from_secs(60),
         stale_if_error: Duration::from_secs(60),
+        parallel_fill_min: larder::config::DEFAULT_PARALLEL_FILL_MIN,
     }
 }
 

@@ -19,6 +19,7 @@ pub async fn temporary() -> (tempfile::TempDir, Arc<Cache>) {
         memory: 1 << 20,
         tag_ttl: Duration::from_secs(60),
         stale_if_error: Duration::from_secs(60),
+        parallel_fill_min: crate::config::DEFAULT_PARALLEL_FILL_MIN,
     };
     let cache = Cache::open(config).await.unwrap();
     (dir, cache)

@@ -17,6 +17,9 @@ pub const DEFAULT_LOW_WATERMARK: f64 = 0.85;
 pub const MIN_MAX_SIZE: u64 = 1 << 20;
 /// `cache.max_blob_size` when not set: this share of `max_size`.
 pub const DEFAULT_MAX_BLOB_SIZE_DIVISOR: u64 = 4;
+/// `cache.parallel_fill_min` when not set: blobs this large or larger are
+/// fetched as parallel ranges (see `crate::cache::parts`).
+pub const DEFAULT_PARALLEL_FILL_MIN: u64 = 32 << 20;
 
 #[derive(Debug, Clone)]
 pub struct CacheConfig {
@@ -36,6 +39,9 @@ pub struct CacheConfig {
     pub tag_ttl: Duration,
     /// How long past its TTL a tag may still be served when upstream fails.
     pub stale_if_error: Duration,
+    /// Smallest blob (by the size its manifest declared) fetched from
+    /// upstream as parallel ranged parts, `upstream.fill_connections` at once.
+    pub parallel_fill_min: u64,
 }
 
 #[cfg_attr(test, derive(schemars::JsonSchema))]
@@ -50,6 +56,7 @@ pub(super) struct RawCache {
     memory: Option<String>,
     tag_ttl: Option<String>,
     stale_if_error: Option<String>,
+    parallel_fill_min: Option<String>,
 }
 
 impl Validator<'_> {
@@ -80,7 +87,15 @@ impl Validator<'_> {
                 rc.stale_if_error.as_deref(),
                 Duration::from_secs(7 * 86400),
             )?,
+            parallel_fill_min: self.size(
+                "cache.parallel_fill_min",
+                rc.parallel_fill_min.as_deref(),
+                DEFAULT_PARALLEL_FILL_MIN,
+            )?,
         };
+        if cache.parallel_fill_min == 0 {
+            return Err(self.err("cache.parallel_fill_min", "must be more than 0"));
+        }
         if !(0.0 < cache.low_watermark && cache.low_watermark < cache.high_watermark && cache.high_watermark <= 1.0) {
             return Err(self.err(
                 "cache.high_watermark",

@@ -30,7 +30,8 @@ use serde::Deserialize;
 
 pub use admin::{AdminConfig, AdminHost, GENERATED_ADMIN_TOKEN_FILE, MIN_ADMIN_TOKEN_LEN, parse_admin_token};
 pub use cache::{
-    CacheConfig, DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK, DEFAULT_MAX_BLOB_SIZE_DIVISOR, MIN_MAX_SIZE,
+    CacheConfig, DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK, DEFAULT_MAX_BLOB_SIZE_DIVISOR,
+    DEFAULT_PARALLEL_FILL_MIN, MIN_MAX_SIZE,
 };
 pub use cluster::{ClusterConfig, DEFAULT_CLUSTER_LISTEN, MIN_CLUSTER_SECRET_LEN, PeerSource, PeerUrl};
 pub use credentials::{CredentialSource, Credentials};
@@ -42,8 +43,9 @@ pub use server::{
 };
 pub use shared::{MIN_SHARED_MAX_AGE, SharedConfig, SharedCredentials};
 pub use upstream::{
-    DEFAULT_BODY_IDLE_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_CONCURRENCY, DEFAULT_RESPONSE_TIMEOUT, FallbackUrl,
-    MAX_MAX_CONCURRENCY, MAX_UPSTREAM_TIMEOUT, MAX_UPSTREAM_URLS, UpstreamConfig,
+    DEFAULT_BODY_IDLE_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_FILL_CONNECTIONS, DEFAULT_MAX_CONCURRENCY,
+    DEFAULT_RESPONSE_TIMEOUT, FallbackUrl, MAX_FILL_CONNECTIONS, MAX_MAX_CONCURRENCY, MAX_UPSTREAM_TIMEOUT,
+    MAX_UPSTREAM_URLS, UpstreamConfig,
 };
 
 /// The configuration used when `larder` runs without `--config`.
