@@ -302,7 +302,7 @@ async fn a_store_that_does_not_answer_is_skipped_for_a_while_not_waited_on_per_m
 
 /// A stand-in for the EKS Pod Identity agent (the AWS credential chain's
 /// `AWS_CONTAINER_CREDENTIALS_FULL_URI`): answers every GET with `keys`
-/// expiring a minute later (so they are always due for a refresh), and
+/// already expired (so every request fetches them again), and
 /// records the `Authorization` each request carried (the token file's text).
 struct CredentialsAgent {
     url: String,
@@ -334,7 +334,10 @@ impl CredentialsAgent {
                     .map(|(_, v)| v.trim().to_owned())
                     .unwrap_or_default();
                 log.lock().unwrap().push(authorization);
-                let expires = std::time::SystemTime::now() + std::time::Duration::from_secs(60);
+                // Already expired: object_store's cache holds a key that is not
+                // yet expired for 100 ms after fetching it, and this test's
+                // requests can come closer together than that.
+                let expires = std::time::SystemTime::now() - std::time::Duration::from_secs(1);
                 let expires = humantime::format_rfc3339_seconds(expires);
                 let body = format!(
                     r#"{{"AccessKeyId":"{key_id}","SecretAccessKey":"{secret}","Token":"","Expiration":"{expires}"}}"#

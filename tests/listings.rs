@@ -3,8 +3,9 @@
 //! (the real origin, distribution 2.8, does), relayed when upstream
 //! paginates itself, each page cached for the tag TTL under its own query
 //! and served stale when upstream is gone; `referrers` from a registry
-//! without the API is the 404 upstream answered, so clients use the
-//! `sha256-<hex>` fallback tag.
+//! without the API answered by larder itself from the `sha256-<hex>`
+//! fallback tag (an empty index when there is none), filtered by
+//! `artifactType`.
 
 mod common;
 mod fake;
@@ -94,35 +95,159 @@ async fn a_paginating_upstream_is_relayed_page_by_page() {
     assert_eq!(up.requests("GET", "/v2/team/app/tags/list"), 3);
 }
 
+const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
+const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
+const SIGNATURE: &str = "application/vnd.dev.cosign.simplesigning.v1+json";
+const SBOM: &str = "application/spdx+json";
+
+/// Pushes an artifact manifest (an OCI image manifest with `artifactType`
+/// and `subject`) for `subject` to `repo`, by digest as OCI 1.1 clients do;
+/// returns its descriptor for the fallback index.
+async fn push_referrer(
+    origin: &Origin,
+    repo: &str,
+    subject: &str,
+    subject_size: usize,
+    artifact_type: &str,
+) -> serde_json::Value {
+    let empty = origin.push_blob(repo, b"{}").await;
+    let payload = format!("{artifact_type} payload for {subject}");
+    let layer = origin.push_blob(repo, payload.as_bytes()).await;
+    let manifest = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "artifactType": artifact_type,
+        "config": { "mediaType": "application/vnd.oci.empty.v1+json", "digest": empty, "size": 2 },
+        "layers": [{ "mediaType": artifact_type, "digest": layer, "size": payload.len() }],
+        "subject": { "mediaType": OCI_MANIFEST, "digest": subject, "size": subject_size },
+        "annotations": { "org.opencontainers.image.created": "2026-12-03T00:00:00Z" },
+    }))
+    .unwrap();
+    let digest = common::origin::sha256_digest(&manifest);
+    origin.push_manifest(repo, &digest, OCI_MANIFEST, &manifest).await;
+    serde_json::json!({ "mediaType": OCI_MANIFEST, "artifactType": artifact_type, "digest": digest, "size": manifest.len() })
+}
+
 #[tokio::test(flavor = "multi_thread")]
-async fn referrers_from_an_upstream_without_the_api_are_404_so_clients_use_the_fallback_tag() {
+async fn referrers_from_an_upstream_without_the_api_come_from_the_fallback_tag() {
     let origin = Origin::start().await;
     let image = ImageBuilder::oci().layers(&[4 * KIB]).push(&origin, "team/app", "v1").await;
-    // A signature stored the pre-referrers way: under the `sha256-<hex>` tag.
+    let bare = ImageBuilder::oci().layers(&[4 * KIB]).push(&origin, "team/app", "v2").await;
+    let subject = origin.fetch_manifest("team/app", &image.digest).await;
+    // A signature and an SBOM, kept the way a client keeps them on a
+    // registry without the referrers API (distribution 2.8): an index
+    // under the `sha256-<hex>` tag.
+    let signature = push_referrer(&origin, "team/app", &image.digest, subject.body.len(), SIGNATURE).await;
+    let sbom = push_referrer(&origin, "team/app", &image.digest, subject.body.len(), SBOM).await;
+    let fallback = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [signature, sbom],
+    }))
+    .unwrap();
     let fallback_tag = image.digest.replace(':', "-");
-    let signature = ImageBuilder::oci().layers(&[KIB]).push(&origin, "team/app", &fallback_tag).await;
-    let larder = Larder::builder().upstream(&origin).start().await;
+    origin.push_manifest("team/app", &fallback_tag, OCI_INDEX, &fallback).await;
+    let mut larder = Larder::builder().upstream(&origin).start().await;
 
-    let url = format!("{}/v2/team/app/referrers/{}?artifactType=application%2Fspdx%2Bjson", larder.url(), image.digest);
+    let base = larder.url();
+    let referrers = |digest: &str, query: &str| format!("{base}/v2/team/app/referrers/{digest}{query}");
     for _ in 0..2 {
-        let resp = http::client().get(&url).send().await.expect("larder answers");
-        assert_eq!(resp.status(), 404, "not an empty 200, which would say \"no referrers\"");
-        let body: serde_json::Value = serde_json::from_slice(&resp.bytes().await.expect("body")).expect("JSON");
-        assert!(body["errors"][0]["code"].is_string(), "the OCI error envelope: {body}");
+        let resp = http::client().get(referrers(&image.digest, "")).send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.headers()["content-type"], OCI_INDEX);
+        let index: serde_json::Value = serde_json::from_slice(&resp.bytes().await.unwrap()).unwrap();
+        assert_eq!(index["mediaType"], OCI_INDEX);
+        assert_eq!(index["manifests"], serde_json::json!([signature, sbom]), "both referrers, as the tag lists them");
     }
-    // distribution 2.8 has no referrers API: it was asked once (the 404 is
-    // cached for the tag TTL), and answered 404.
-    let asked = origin.access_log();
-    let referrers: Vec<_> = asked.under("/v2/team/app/referrers/").into_iter().map(|e| e.status).collect();
-    assert_eq!(referrers, [404]);
+    // The artifactType filter, applied by larder and said so.
+    let resp =
+        http::client().get(referrers(&image.digest, "?artifactType=application%2Fspdx%2Bjson")).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["oci-filters-applied"], "artifactType");
+    let index: serde_json::Value = serde_json::from_slice(&resp.bytes().await.unwrap()).unwrap();
+    assert_eq!(index["manifests"], serde_json::json!([sbom]));
+    // A manifest without referrers: an empty index, not a 404.
+    let resp = http::client().get(referrers(&bare.digest, "")).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let index: serde_json::Value = serde_json::from_slice(&resp.bytes().await.unwrap()).unwrap();
+    assert_eq!(index["manifests"], serde_json::json!([]));
 
-    // The fallback tag is served like any tag.
+    // distribution was asked for its referrers API once per query (404:
+    // none), and for the fallback tag once (then cached like a tag).
+    let asked = origin.access_log();
+    let api: Vec<_> =
+        asked.under(&format!("/v2/team/app/referrers/{}", image.digest)).into_iter().map(|e| e.status).collect();
+    assert_eq!(api, [404, 404], "unfiltered and filtered: {api:?}");
+    let tag_requests: Vec<_> = asked
+        .under(&format!("/v2/team/app/manifests/{fallback_tag}"))
+        .into_iter()
+        .filter(|e| e.method != "PUT")
+        .collect();
+    assert_eq!(tag_requests.len(), 1, "{tag_requests:?}");
+
+    // Each referrer's manifest is pulled through larder by digest, and
+    // with the origin gone the referrers are served from the cache.
+    let signature_digest = signature["digest"].as_str().unwrap();
     let resp = http::client()
-        .get(format!("{}/v2/team/app/manifests/{fallback_tag}", larder.url()))
-        .header("accept", "application/vnd.oci.image.manifest.v1+json")
+        .get(format!("{}/v2/team/app/manifests/{signature_digest}", larder.url()))
+        .header("accept", OCI_MANIFEST)
         .send()
         .await
-        .expect("larder answers");
+        .unwrap();
     assert_eq!(resp.status(), 200);
-    assert_eq!(resp.headers()["docker-content-digest"], signature.digest.as_str());
+    drop(origin);
+    larder.restart().await;
+    let resp = http::client().get(referrers(&image.digest, "")).send().await.unwrap();
+    assert_eq!(resp.status(), 200, "served from the cached fallback tag with the origin gone");
+    let index: serde_json::Value = serde_json::from_slice(&resp.bytes().await.unwrap()).unwrap();
+    assert_eq!(index["manifests"], serde_json::json!([signature, sbom]));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn referrers_from_an_upstream_with_the_api_are_relayed_as_it_answered() {
+    use fake::recorder::Recorder;
+    let subject = "sha256:1111111111111111111111111111111111111111111111111111111111111111";
+    let index = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": OCI_INDEX,
+        "manifests": [{
+            "mediaType": OCI_MANIFEST,
+            "artifactType": SBOM,
+            "digest": "sha256:2222222222222222222222222222222222222222222222222222222222222222",
+            "size": 812,
+            "annotations": { "org.opencontainers.image.created": "2026-12-03T00:00:00Z" },
+        }],
+        "annotations": { "org.example.page": "1" },
+    });
+    let body = serde_json::to_vec(&index).unwrap();
+    // A registry with the referrers API, filtering by itself.
+    let upstream = Recorder::routed("127.0.0.1:0".parse().unwrap(), move |line| {
+        let mut resp = format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: {OCI_INDEX}\r\nContent-Length: {}\r\nConnection: close\r\n",
+            body.len()
+        );
+        if line.contains("artifactType=") {
+            resp.push_str("OCI-Filters-Applied: artifactType\r\n");
+        }
+        let mut resp = format!("{resp}\r\n").into_bytes();
+        resp.extend_from_slice(&body);
+        resp
+    })
+    .await;
+    let larder = Larder::builder()
+        .upstream(Upstream::new("api.test", &format!("http://{}", upstream.addr())).default(true))
+        .start()
+        .await;
+
+    let resp = http::client().get(format!("{}/v2/team/app/referrers/{subject}", larder.url())).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let relayed: serde_json::Value = serde_json::from_slice(&resp.bytes().await.unwrap()).unwrap();
+    assert_eq!(relayed, index, "larder relays the referrers upstream answered");
+    let filtered = format!("{}/v2/team/app/referrers/{subject}?artifactType=application%2Fspdx%2Bjson", larder.url());
+    let resp = http::client().get(filtered).send().await.unwrap();
+    assert_eq!(resp.headers()["oci-filters-applied"], "artifactType", "upstream's filter, said so");
+    let heads = upstream.heads();
+    assert!(
+        heads.iter().any(|h| h.contains("artifactType=application%2Fspdx%2Bjson")),
+        "the filter forwarded: {heads:?}"
+    );
+    assert!(!heads.iter().any(|h| h.contains("sha256-")), "no fallback tag asked of a registry with the API");
 }

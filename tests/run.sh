@@ -51,6 +51,14 @@ command -v openssl >/dev/null || need+=(openssl)
 command -v nginx >/dev/null || need+=(nginx)
 command -v wrk >/dev/null || need+=(wrk)
 command -v curl >/dev/null || need+=(curl)
+# Tests that run in network namespaces of their own (tests/ssrf.rs,
+# tests/chaos.rs):
+# `unshare` and `mount` (util-linux, mount), `ip` (iproute2).
+command -v unshare >/dev/null || need+=(util-linux)
+command -v mount >/dev/null || need+=(mount)
+command -v ip >/dev/null || need+=(iproute2)
+# The cluster chaos test (tests/chaos.rs) partitions its namespaces with nft.
+command -v nft >/dev/null || need+=(nftables)
 if ((${#need[@]})); then
   echo "tests/run.sh: installing ${need[*]}"
   sudo=""

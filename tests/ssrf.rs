@@ -7,7 +7,7 @@
 //! must never follow https down to http.
 //!
 //! The address tests run in network namespaces of their own
-//! (`common::netns`): their loopback carries the metadata addresses, a
+//! (`common::isolation`): their loopback carries the metadata addresses, a
 //! private one and public-looking documentation addresses (203.0.113.0/24),
 //! made-up names resolve through an /etc/hosts of their own, and nothing
 //! can leave. Each ends by counting what the hosts larder must not talk to
@@ -19,7 +19,7 @@ mod fake;
 use std::net::SocketAddr;
 
 use common::metrics::{ADMIN_LISTEN, metric};
-use common::{Larder, TestCa, TlsFront, Upstream, http, netns};
+use common::{Larder, TestCa, TlsFront, Upstream, http, isolation};
 use fake::recorder::{Recorder, http_response, redirect_to};
 use fake::{digest, random_bytes};
 
@@ -61,7 +61,7 @@ async fn refused(larder: &Larder, reason: &str) -> f64 {
 
 #[tokio::test]
 async fn redirects_and_realms_to_metadata_loopback_or_private_addresses_are_never_dialled() {
-    let Some(_ns) = netns::isolated(
+    let Some(_ns) = isolation::isolated(
         "redirects_and_realms_to_metadata_loopback_or_private_addresses_are_never_dialled",
         &["169.254.169.254/32", "fd00:ec2::254/128", "203.0.113.7/32", "203.0.113.8/32", "10.1.2.3/32"],
         &[
@@ -155,7 +155,7 @@ async fn redirects_and_realms_to_metadata_loopback_or_private_addresses_are_neve
 
 #[tokio::test]
 async fn a_private_registry_may_redirect_within_its_network_or_to_trusted_networks_but_never_to_metadata() {
-    let Some(_ns) = netns::isolated(
+    let Some(_ns) = isolation::isolated(
         "a_private_registry_may_redirect_within_its_network_or_to_trusted_networks_but_never_to_metadata",
         &["169.254.169.254/32", "10.1.2.3/32", "10.1.2.4/32", "192.0.2.10/32"],
         &[],

@@ -102,8 +102,11 @@ async fn purging_a_blob_whose_upload_is_slow_closes_its_file_and_aborts_the_uplo
     let file = larder.blob_file(&d);
     assert!(descriptors_to(larder.pid(), &file) >= 1, "the upload holds the blob's file open");
 
+    // A loopback admin listener without a token file needs the token larder generated.
+    let token = std::fs::read_to_string(larder.cache_dir().join("admin-token")).expect("the generated admin token");
     let purged = reqwest::Client::new()
         .post(format!("{}/purge?upstream={UPSTREAM_NAME}", admin.url()))
+        .bearer_auth(token.trim())
         .send()
         .await
         .expect("POST /purge");

@@ -17,24 +17,21 @@
 //! the caller as it streams (it tees into a fill).
 
 use std::ops::{Bound, Range, RangeBounds};
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures_util::stream::{BoxStream, StreamExt, TryStreamExt};
 use object_store::aws::AmazonS3Builder;
 use object_store::path::Path as ObjectPath;
 use object_store::{
-    Attribute, Attributes, BackoffConfig, ClientOptions, GetOptions, GetRange, MultipartUpload, ObjectStore,
-    ObjectStoreExt, PutMultipartOptions, PutOptions, PutPayload, RetryConfig,
+    Attribute, Attributes, BackoffConfig, ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutOptions,
+    RetryConfig,
 };
 
-use crate::blocking::blocking;
 use crate::config::{SharedConfig, SharedCredentials};
 use crate::metrics::metrics;
-use crate::oci::{Digest, Hasher, MAX_MANIFEST_SIZE, MediaType};
+use crate::oci::{Digest, MAX_MANIFEST_SIZE, MediaType};
 
 /// Time allowed to open a TCP (and TLS) connection to the store. A store
 /// in the same cluster or region connects in milliseconds; a blackholed
@@ -60,51 +57,15 @@ pub const RETRY_TIMEOUT: Duration = Duration::from_secs(1);
 /// First pause before a retry; doubled (with jitter) up to [`MAX_BACKOFF`].
 pub const INIT_BACKOFF: Duration = Duration::from_millis(50);
 pub const MAX_BACKOFF: Duration = Duration::from_millis(400);
-/// Files up to this size are uploaded with one PUT; larger ones as a
-/// multipart upload streamed from the file.
-pub const SINGLE_PUT_MAX: u64 = 8 << 20;
-/// Part size of a multipart upload (S3 needs at least 5 MiB but the last).
-/// Raised for huge files so that no upload needs more than [`MAX_PARTS`].
-pub const PART_SIZE: u64 = 8 << 20;
-/// S3's limit on the parts of one multipart upload.
-pub const MAX_PARTS: u64 = 10_000;
-/// Parts of one upload in flight at once; memory per upload is about
-/// (this + 1) x the part size.
-pub const PARTS_IN_FLIGHT: usize = 2;
-/// How long lookups skip the store after one timed out or failed: the
-/// first pause, doubled per failure in a row up to [`BREAKER_MAX`]. A
-/// dead store then costs one [`LOOKUP_TIMEOUT`] per pause, not one per
-/// miss (and a client's retries do not multiply it); the first lookup
-/// after a pause tries the store again, and one that answers closes the
-/// breaker.
-pub const BREAKER_MIN: Duration = Duration::from_secs(1);
-/// Longest pause of lookups while the store keeps failing: how late a
-/// store that came back is used again at worst.
-pub const BREAKER_MAX: Duration = Duration::from_secs(30);
-/// Longest wait for the store to abort a multipart upload that failed or
-/// was given up; past it the parts are left to the bucket's lifecycle rule.
-pub const ABORT_TIMEOUT: Duration = Duration::from_secs(5);
-/// Deletions in flight at once during a `max_age` sweep.
-const SWEEP_DELETES_IN_FLIGHT: usize = 8;
-/// The key whose owner among the peers runs the `max_age` sweeper.
-pub const SWEEPER_KEY: &str = "larder/shared-sweeper";
-/// How often the `max_age` sweeper lists the prefix.
-pub const SWEEP_INTERVAL: Duration = Duration::from_secs(3600);
 
-/// How a cancellable upload ended without the object in the store.
-#[derive(Debug)]
-pub enum PutFailed<C> {
-    /// The store, or the local file, failed.
-    Store(SharedError),
-    /// Given up because the stop future resolved (with this).
-    Stopped(C),
-}
+mod breaker;
+mod put;
+mod sweep;
 
-impl<C> From<SharedError> for PutFailed<C> {
-    fn from(e: SharedError) -> Self {
-        PutFailed::Store(e)
-    }
-}
+use breaker::Breaker;
+pub use breaker::{BREAKER_MAX, BREAKER_MIN};
+pub use put::{ABORT_TIMEOUT, MAX_PARTS, PART_SIZE, PARTS_IN_FLIGHT, PutFailed, SINGLE_PUT_MAX};
+pub use sweep::{SWEEP_INTERVAL, SWEEPER_KEY, Swept};
 
 /// How talking to the shared store failed. Any of these means "not from
 /// the shared tier this time": the caller moves on to a peer or upstream.
@@ -173,72 +134,6 @@ impl SharedBlob {
 pub struct SharedManifest {
     pub media_type: MediaType,
     pub bytes: Bytes,
-}
-
-/// What a `max_age` sweep did.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct Swept {
-    pub listed: u64,
-    pub deleted: u64,
-}
-
-/// Skips lookups for a growing pause after they fail (see [`BREAKER_MIN`]).
-struct Breaker {
-    min: Duration,
-    max: Duration,
-    // A std Mutex: held for a read or an update, never across `.await`.
-    state: std::sync::Mutex<BreakerState>,
-}
-
-#[derive(Default)]
-struct BreakerState {
-    /// Lookups skip the store until then.
-    open_until: Option<tokio::time::Instant>,
-    /// Failures in a row.
-    failures: u32,
-}
-
-impl Breaker {
-    fn new(min: Duration, max: Duration) -> Breaker {
-        Breaker { min, max, state: std::sync::Mutex::default() }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, BreakerState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Whether lookups skip the store now.
-    fn is_open(&self) -> bool {
-        self.lock().open_until.is_some_and(|until| tokio::time::Instant::now() < until)
-    }
-
-    /// A lookup failed: skip the store for the next pause.
-    fn failed(&self) {
-        let pause = {
-            let mut state = self.lock();
-            state.failures = state.failures.saturating_add(1);
-            let doublings = state.failures.saturating_sub(1).min(16);
-            let pause = self.min.saturating_mul(1 << doublings).min(self.max);
-            state.open_until = Some(tokio::time::Instant::now() + pause);
-            pause
-        };
-        metrics().shared_down.set(1);
-        tracing::warn!(skip_for = ?pause, "shared tier failing; lookups skip it for a while");
-    }
-
-    /// A lookup was answered (found or not): the store works.
-    fn answered(&self) {
-        let was_failing = {
-            let mut state = self.lock();
-            let was = state.failures > 0;
-            *state = BreakerState::default();
-            was
-        };
-        if was_failing {
-            metrics().shared_down.set(0);
-            tracing::info!("shared tier answers again");
-        }
-    }
 }
 
 /// The shared store client; cheap to share behind an `Arc`.
@@ -429,104 +324,6 @@ impl SharedStore {
         Ok(Some(SharedBlob { size, range, body }))
     }
 
-    /// Uploads the committed blob file at `path` as the object for
-    /// `digest`: one PUT up to [`SINGLE_PUT_MAX`], else a multipart upload
-    /// streamed from the file. The file is hashed as it is read; if it no
-    /// longer matches `digest` the upload is abandoned (a multipart upload
-    /// is aborted before it completes, so no wrong object ever appears).
-    /// Returns the bytes uploaded.
-    pub async fn put_blob_file(&self, digest: &Digest, path: &Path) -> Result<u64, SharedError> {
-        match self.put_blob_file_until(digest, path, std::future::pending::<()>()).await {
-            Ok(size) => Ok(size),
-            Err(PutFailed::Store(e)) => Err(e),
-            Err(PutFailed::Stopped(())) => unreachable!("a pending future never resolves"),
-        }
-    }
-
-    /// [`SharedStore::put_blob_file`], given up when `stop` resolves first
-    /// (a deadline, a shutdown, the blob's removal): the file is closed at
-    /// once and a multipart upload is aborted (within [`ABORT_TIMEOUT`]),
-    /// as it is after any failure, so no parts are left in the bucket.
-    /// Only a stop that lands while the store is creating the upload (one
-    /// short request) cannot abort it, since its id is not known yet: the
-    /// bucket's `AbortIncompleteMultipartUpload` rule cleans that one, as
-    /// it does after a crash.
-    pub async fn put_blob_file_until<C>(
-        &self,
-        digest: &Digest,
-        path: &Path,
-        stop: impl std::future::Future<Output = C>,
-    ) -> Result<u64, PutFailed<C>> {
-        tokio::pin!(stop);
-        let local = |detail: String| SharedError::Local { path: path.display().to_string(), detail };
-        let file_path = path.to_owned();
-        let (file, size) = blocking(move || {
-            let file = std::fs::File::open(&file_path)?;
-            let size = file.metadata()?.len();
-            Ok((Arc::new(file), size))
-        })
-        .await
-        .map_err(|e| local(e.to_string()))?;
-        let location = self.path(ObjectKind::Blob, digest);
-        let attributes = Attributes::from_iter([(Attribute::ContentType, "application/octet-stream")]);
-        if size <= SINGLE_PUT_MAX {
-            let (bytes, hasher) =
-                read_chunk(Arc::clone(&file), 0, size as usize, Hasher::default()).await.map_err(local)?;
-            drop(file);
-            verify(digest, hasher, "local file", path)?;
-            let options = PutOptions { attributes, ..PutOptions::default() };
-            let result = tokio::select! {
-                result = self.store.put_opts(&location, PutPayload::from(bytes), options) => result,
-                stopped = &mut stop => return Err(PutFailed::Stopped(stopped)),
-            };
-            written("put", result).map_err(|e| self.log_failure("put", digest, e))?;
-        } else {
-            let options = PutMultipartOptions { attributes, ..PutMultipartOptions::default() };
-            let created = tokio::select! {
-                created = self.store.put_multipart_opts(&location, options) => created,
-                stopped = &mut stop => return Err(PutFailed::Stopped(stopped)),
-            };
-            let mut upload = match created {
-                Ok(upload) => upload,
-                Err(e) => {
-                    metrics().shared_requests.with_label_values(&["put_multipart", "error"]).inc();
-                    return Err(PutFailed::Store(self.log_failure("put_multipart", digest, store_err(e))));
-                }
-            };
-            let result = tokio::select! {
-                result = stream_parts(&mut *upload, digest, path, file, size) => result.map_err(PutFailed::Store),
-                stopped = &mut stop => Err(PutFailed::Stopped(stopped)),
-            };
-            let label = if result.is_ok() { "ok" } else { "error" };
-            metrics().shared_requests.with_label_values(&["put_multipart", label]).inc();
-            if let Err(failed) = &result {
-                if let PutFailed::Store(e) = failed {
-                    tracing::debug!(%digest, error = %e, "multipart upload failed; aborting it");
-                }
-                let aborted = match tokio::time::timeout(ABORT_TIMEOUT, upload.abort()).await {
-                    Ok(Ok(())) => "ok",
-                    Ok(Err(e)) => {
-                        tracing::warn!(%digest, error = %e, "aborting a multipart upload failed; the bucket's lifecycle rule will");
-                        "error"
-                    }
-                    Err(_) => {
-                        tracing::warn!(%digest, "aborting a multipart upload timed out; the bucket's lifecycle rule will");
-                        "error"
-                    }
-                };
-                metrics().shared_requests.with_label_values(&["abort_multipart", aborted]).inc();
-            }
-            result?;
-        }
-        metrics().shared_bytes.with_label_values(&["upload"]).inc_by(size);
-        Ok(size)
-    }
-
-    fn log_failure(&self, op: &str, digest: &Digest, e: SharedError) -> SharedError {
-        tracing::debug!(op, %digest, error = %e, "shared store request failed");
-        e
-    }
-
     /// Stores a manifest under its digest, with its media type as the
     /// object's `Content-Type`. Refuses bytes that do not match `digest`.
     pub async fn put_manifest(&self, digest: &Digest, media_type: MediaType, bytes: Bytes) -> Result<(), SharedError> {
@@ -582,128 +379,12 @@ impl SharedStore {
     pub async fn delete(&self, kind: ObjectKind, digest: &Digest) -> Result<(), SharedError> {
         delete_counted(&self.store, &self.path(kind, digest)).await
     }
-
-    /// Deletes every blob and manifest object uploaded more than `max_age`
-    /// ago (by the store's `Last-Modified`). Other keys under the prefix
-    /// are left alone.
-    pub async fn sweep(&self, max_age: Duration) -> Result<Swept, SharedError> {
-        let cutoff = SystemTime::now().checked_sub(max_age).unwrap_or(UNIX_EPOCH);
-        let cutoff = cutoff.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
-        let (listed, deleted) = (AtomicU64::new(0), AtomicU64::new(0));
-        for kind in [ObjectKind::Blob, ObjectKind::Manifest] {
-            let folder = ObjectPath::from(format!("{}{}/sha256", self.prefix, kind.folder()));
-            // Streamed page by page, deleting as it goes: a bucket of
-            // millions of objects is never listed into memory at once.
-            let result = self
-                .store
-                .list(Some(&folder))
-                .map_err(store_err)
-                .try_for_each_concurrent(SWEEP_DELETES_IN_FLIGHT, |meta| {
-                    listed.fetch_add(1, Ordering::Relaxed);
-                    let (store, deleted) = (&self.store, &deleted);
-                    async move {
-                        if meta.last_modified.timestamp_millis() < cutoff
-                            && delete_counted(store, &meta.location).await.is_ok()
-                        {
-                            deleted.fetch_add(1, Ordering::Relaxed);
-                        }
-                        Ok(())
-                    }
-                })
-                .await;
-            let label = if result.is_ok() { "ok" } else { "error" };
-            metrics().shared_requests.with_label_values(&["list", label]).inc();
-            result?;
-        }
-        let swept = Swept { listed: listed.into_inner(), deleted: deleted.into_inner() };
-        Ok(swept)
-    }
-
-    /// Sweeps objects older than `max_age` now and every [`SWEEP_INTERVAL`]
-    /// until `shutdown`. With `peers`, only the replica that owns
-    /// [`SWEEPER_KEY`] among the live peers sweeps (once the member set is
-    /// known): listing a large prefix on every replica would cost the store
-    /// N times for nothing. If that replica goes, the next owner sweeps at
-    /// its next round.
-    pub fn spawn_sweeper(
-        self: &Arc<Self>,
-        max_age: Duration,
-        peers: Option<Arc<crate::cluster::Peers>>,
-        mut shutdown: crate::shutdown::Shutdown,
-    ) -> tokio::task::JoinHandle<()> {
-        let store = Arc::clone(self);
-        tokio::spawn(async move {
-            if let Some(peers) = &peers {
-                tokio::select! {
-                    _ = shutdown.changed() => return,
-                    () = peers.settled() => {}
-                }
-            }
-            loop {
-                if peers.as_ref().is_none_or(|p| p.owns(SWEEPER_KEY)) {
-                    let swept = tokio::select! {
-                        _ = shutdown.changed() => return,
-                        swept = store.sweep(max_age) => swept,
-                    };
-                    match swept {
-                        Ok(s) => {
-                            tracing::info!(listed = s.listed, deleted = s.deleted, ?max_age, "swept the shared tier")
-                        }
-                        Err(e) => tracing::warn!(error = %e, "sweeping the shared tier failed"),
-                    }
-                } else {
-                    tracing::debug!("another replica sweeps the shared tier");
-                }
-                tokio::select! {
-                    _ = shutdown.changed() => return,
-                    () = tokio::time::sleep(SWEEP_INTERVAL) => {}
-                }
-            }
-        })
-    }
 }
 
 async fn delete_counted(store: &dyn ObjectStore, path: &ObjectPath) -> Result<(), SharedError> {
     let result = found(store.delete(path).await);
     count("delete", &result);
     result.map(|_| ())
-}
-
-/// Sends the file's parts, at most [`PARTS_IN_FLIGHT`] at once, hashing
-/// them as they are read, and completes the upload if the file matched
-/// `digest`. The caller aborts the upload when this fails or is dropped.
-async fn stream_parts(
-    upload: &mut dyn MultipartUpload,
-    digest: &Digest,
-    path: &Path,
-    file: Arc<std::fs::File>,
-    size: u64,
-) -> Result<(), SharedError> {
-    let part = part_size(size);
-    let mut in_flight: futures_util::stream::FuturesUnordered<object_store::UploadPart> =
-        futures_util::stream::FuturesUnordered::new();
-    let mut hasher = Hasher::default();
-    let mut offset = 0;
-    while offset < size {
-        while in_flight.len() >= PARTS_IN_FLIGHT {
-            if let Some(done) = in_flight.next().await {
-                done.map_err(store_err)?;
-            }
-        }
-        let len = part.min(size - offset);
-        let (bytes, next) = read_chunk(Arc::clone(&file), offset, len as usize, hasher)
-            .await
-            .map_err(|detail| SharedError::Local { path: path.display().to_string(), detail })?;
-        hasher = next;
-        in_flight.push(upload.put_part(PutPayload::from(bytes)));
-        offset += len;
-    }
-    drop(file);
-    while let Some(done) = in_flight.next().await {
-        done.map_err(store_err)?;
-    }
-    verify(digest, hasher, "local file", path)?;
-    upload.complete().await.map(|_| ()).map_err(store_err)
 }
 
 /// `..` → whole object, `n..` → from `n`, `a..b` → bytes `a` to `b - 1`.
@@ -727,151 +408,5 @@ fn get_range(range: impl RangeBounds<u64>) -> Result<Option<GetRange>, SharedErr
 }
 
 /// The part size for a file of `size` bytes: [`PART_SIZE`], or more (in
-/// whole MiB) when that would need more than [`MAX_PARTS`] parts.
-fn part_size(size: u64) -> u64 {
-    let needed = size.div_ceil(MAX_PARTS).div_ceil(1 << 20) << 20;
-    PART_SIZE.max(needed)
-}
-
-/// Reads `len` bytes at `offset` on the blocking pool, hashing them there.
-async fn read_chunk(
-    file: Arc<std::fs::File>,
-    offset: u64,
-    len: usize,
-    mut hasher: Hasher,
-) -> Result<(Bytes, Hasher), String> {
-    blocking(move || {
-        use std::os::unix::fs::FileExt;
-        let mut buf = BytesMut::zeroed(len);
-        file.read_exact_at(&mut buf, offset)?;
-        hasher.update(&buf);
-        Ok((buf.freeze(), hasher))
-    })
-    .await
-    .map_err(|e| e.to_string())
-}
-
-fn verify(digest: &Digest, hasher: Hasher, what: &str, path: &Path) -> Result<(), SharedError> {
-    let actual = hasher.finish();
-    if actual == *digest {
-        return Ok(());
-    }
-    metrics().digest_mismatch.inc();
-    Err(SharedError::Corrupt {
-        what: format!("{what} {}", PathBuf::from(path).display()),
-        detail: format!("expected {digest}, found {actual}; not uploaded"),
-    })
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::config::Secret;
-
-    fn config(prefix: &str, endpoint: Option<&str>) -> SharedConfig {
-        SharedConfig {
-            bucket: "larder-cache".into(),
-            prefix: prefix.into(),
-            endpoint: endpoint.map(str::to_owned),
-            region: "garage".into(),
-            credentials: SharedCredentials::Static {
-                access_key_id: Secret::new("GK0000"),
-                secret_access_key: Secret::new("s3cret"),
-                session_token: None,
-            },
-            max_age: None,
-        }
-    }
-
-    #[test]
-    fn keys_follow_the_documented_layout() {
-        let d = Digest::of(b"x");
-        let hex = d.hex();
-        let with_prefix = SharedStore::new(&config("mirror/v1", Some("http://127.0.0.1:3900"))).unwrap();
-        assert_eq!(with_prefix.key(ObjectKind::Blob, &d), format!("mirror/v1/blobs/sha256/{}", hex.as_str()));
-        assert_eq!(with_prefix.key(ObjectKind::Manifest, &d), format!("mirror/v1/manifests/sha256/{}", hex.as_str()));
-        let at_root = SharedStore::new(&config("", None)).unwrap();
-        assert_eq!(at_root.key(ObjectKind::Blob, &d), format!("blobs/sha256/{}", hex.as_str()));
-        assert!(!format!("{at_root:?}").contains("s3cret"));
-    }
-
-    #[test]
-    fn ranges_map_to_object_store_ranges() {
-        assert_eq!(get_range(..).unwrap(), None);
-        assert_eq!(get_range(0..).unwrap(), None);
-        assert_eq!(get_range(10..).unwrap(), Some(GetRange::Offset(10)));
-        assert_eq!(get_range(10..20).unwrap(), Some(GetRange::Bounded(10..20)));
-        assert_eq!(get_range(10..=19).unwrap(), Some(GetRange::Bounded(10..20)));
-        assert_eq!(get_range(..5).unwrap(), Some(GetRange::Bounded(0..5)));
-        assert!(get_range(5..5).is_err());
-    }
-
-    #[test]
-    fn part_size_keeps_uploads_under_the_part_limit() {
-        assert_eq!(part_size(64 << 20), PART_SIZE);
-        let huge = 200u64 << 30;
-        let part = part_size(huge);
-        assert!(huge.div_ceil(part) <= MAX_PARTS, "{part}");
-        assert_eq!(part % (1 << 20), 0);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn the_breaker_pauses_longer_while_the_store_keeps_failing_and_closes_on_an_answer() {
-        let breaker = Breaker::new(Duration::from_secs(1), Duration::from_secs(3));
-        assert!(!breaker.is_open());
-        let mut pauses = Vec::new();
-        for _ in 0..4 {
-            breaker.failed();
-            let started = tokio::time::Instant::now();
-            while breaker.is_open() {
-                tokio::time::advance(Duration::from_millis(100)).await;
-            }
-            pauses.push(started.elapsed().as_millis());
-        }
-        assert_eq!(pauses, [1000, 2000, 3000, 3000], "doubled per failure in a row, up to the cap");
-        breaker.failed();
-        breaker.answered();
-        assert!(!breaker.is_open(), "an answer closes it at once");
-        breaker.failed();
-        assert_eq!(breaker.lock().failures, 1, "and the count starts again");
-    }
-
-    #[tokio::test]
-    async fn a_store_that_does_not_answer_costs_one_lookup_until_the_pause_ends() {
-        // Accepts connections, never answers.
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let counter = Arc::clone(&accepted);
-        let hole = tokio::spawn(async move {
-            let mut held = Vec::new();
-            while let Ok((stream, _)) = listener.accept().await {
-                counter.fetch_add(1, Ordering::SeqCst);
-                held.push(stream);
-            }
-        });
-        let store = SharedStore::new(&config("", Some(&format!("http://127.0.0.1:{port}"))))
-            .unwrap()
-            .with_lookup_timeout(Duration::from_millis(200))
-            .with_breaker(Duration::from_secs(600), Duration::from_secs(600));
-        for _ in 0..5 {
-            assert!(store.head(ObjectKind::Blob, &Digest::of(b"x")).await.is_err());
-            assert!(store.get_blob(&Digest::of(b"y"), ..).await.is_err());
-        }
-        assert!(store.is_down());
-        assert_eq!(accepted.load(Ordering::SeqCst), 1, "one request reached the store; the other nine were skipped");
-        hole.abort();
-    }
-
-    #[tokio::test]
-    async fn a_dead_endpoint_is_an_error() {
-        // A port nothing listens on: connection refused, retried briefly.
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let store = SharedStore::new(&config("", Some(&format!("http://127.0.0.1:{port}")))).unwrap();
-        let started = std::time::Instant::now();
-        let e = store.head(ObjectKind::Blob, &Digest::of(b"x")).await.unwrap_err();
-        assert!(matches!(e, SharedError::Store(_)), "{e}");
-        // Measured, not asserted (timings belong in benches).
-        eprintln!("dead endpoint: HEAD failed after {:?}: {e}", started.elapsed());
-    }
-}
+mod tests;

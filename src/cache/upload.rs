@@ -30,9 +30,7 @@
 //! makes it run again instead of finishing, so no enqueue is ever lost
 //! (see the interleaving test at the bottom).
 
-use std::collections::{HashMap, VecDeque};
-use std::fs::File;
-use std::io::Write;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -111,11 +109,11 @@ impl Limits {
 /// Where the committed file of a blob is (the disk store's layout).
 pub type BlobPath = Arc<dyn Fn(&Digest) -> PathBuf + Send + Sync>;
 
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-struct Job {
-    kind: ObjectKind,
-    digest: Digest,
-}
+mod markers;
+mod queue;
+
+use markers::{marker_path, parse_manifest_marker, remove_marker, scan, write_marker};
+use queue::{Cancel, Enqueue, Finish, Job, Queue};
 
 /// Why an attempt was given up before it ended by itself.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -141,142 +139,6 @@ enum Outcome {
     Stopped(Stop),
 }
 
-/// Where an item is. Transitions happen under the queue's lock; the
-/// marker is written or removed between two of them, never under it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum State {
-    /// Its marker is being written; not runnable yet.
-    Writing,
-    /// Marker on disk, in the line.
-    Waiting,
-    /// Being uploaded. `again`: enqueued once more meanwhile (committed
-    /// again after an eviction): it runs again instead of finishing.
-    Running { again: bool },
-    /// Done; its marker is being removed.
-    Finishing,
-}
-
-/// What an enqueue does next.
-#[derive(Debug, PartialEq, Eq)]
-enum Enqueue {
-    /// Write the marker, then [`Queue::end_enqueue`].
-    Write,
-    /// Already queued (or running, now to run again): nothing to do.
-    Done,
-    /// The item is between two states: wait for a change, then again.
-    Wait,
-}
-
-/// What finishing an upload does next.
-#[derive(Debug, PartialEq, Eq)]
-enum Finish {
-    /// Enqueued again while it ran: back in the line, marker kept.
-    Again,
-    /// Remove the marker, then [`Queue::end_finish`].
-    RemoveMarker,
-}
-
-/// What removing an item from the cache does to its upload.
-#[derive(Debug, PartialEq, Eq)]
-enum Cancel {
-    /// Not queued.
-    Nothing,
-    /// Taken out of the line: remove its marker, then [`Queue::end_finish`].
-    RemoveMarker,
-    /// Running: tell the attempt to stop (it then finishes as usual).
-    StopAttempt,
-}
-
-/// The items and their states; pure, so that its transitions can be
-/// tested in every interleaving.
-#[derive(Default, Clone)]
-struct Queue {
-    /// Runnable items, in order.
-    waiting: VecDeque<Job>,
-    states: HashMap<Job, State>,
-    /// Attempts of an item that ran out of time, in a row.
-    deadline_failures: HashMap<Job, u32>,
-}
-
-impl Queue {
-    fn begin_enqueue(&mut self, job: Job) -> Enqueue {
-        match self.states.get_mut(&job) {
-            None => {
-                self.states.insert(job, State::Writing);
-                Enqueue::Write
-            }
-            Some(State::Waiting) => Enqueue::Done,
-            Some(State::Running { again }) => {
-                *again = true;
-                Enqueue::Done
-            }
-            Some(State::Writing | State::Finishing) => Enqueue::Wait,
-        }
-    }
-
-    /// The marker write ended: the item is runnable, or (the write
-    /// failed) not queued at all.
-    fn end_enqueue(&mut self, job: Job, written: bool) {
-        if written {
-            self.states.insert(job, State::Waiting);
-            self.waiting.push_back(job);
-        } else {
-            self.states.remove(&job);
-        }
-    }
-
-    /// The next item to upload, now running.
-    fn pop(&mut self) -> Option<Job> {
-        let job = self.waiting.pop_front()?;
-        self.states.insert(job, State::Running { again: false });
-        Some(job)
-    }
-
-    /// An attempt failed: back to the end of the line, marker kept.
-    fn requeue(&mut self, job: Job) {
-        self.states.insert(job, State::Waiting);
-        self.waiting.push_back(job);
-    }
-
-    fn begin_finish(&mut self, job: Job) -> Finish {
-        if self.states.get(&job) == Some(&State::Running { again: true }) {
-            self.requeue(job);
-            return Finish::Again;
-        }
-        self.states.insert(job, State::Finishing);
-        self.deadline_failures.remove(&job);
-        Finish::RemoveMarker
-    }
-
-    fn end_finish(&mut self, job: Job) {
-        self.states.remove(&job);
-    }
-
-    /// The item left the cache: nothing is left to upload.
-    fn cancel(&mut self, job: Job) -> Cancel {
-        match self.states.get(&job) {
-            Some(State::Waiting) => {
-                self.waiting.retain(|j| *j != job);
-                self.states.insert(job, State::Finishing);
-                self.deadline_failures.remove(&job);
-                Cancel::RemoveMarker
-            }
-            Some(State::Running { .. }) => {
-                self.states.insert(job, State::Running { again: false });
-                Cancel::StopAttempt
-            }
-            // Being written: an enqueue of a blob committed again after
-            // the removal, which must stand. Finishing: already going.
-            Some(State::Writing | State::Finishing) | None => Cancel::Nothing,
-        }
-    }
-
-    /// Items queued, running or between two states.
-    fn pending(&self) -> usize {
-        self.states.len()
-    }
-}
-
 struct Inner {
     dir: PathBuf,
     store: Arc<SharedStore>,
@@ -296,13 +158,6 @@ struct Inner {
 #[derive(Clone)]
 pub struct Uploads {
     inner: Arc<Inner>,
-}
-
-fn folder(kind: ObjectKind) -> &'static str {
-    match kind {
-        ObjectKind::Blob => "blob",
-        ObjectKind::Manifest => "manifest",
-    }
 }
 
 impl Inner {
@@ -339,10 +194,6 @@ impl Inner {
         self.transition(|q| q.end_finish(job));
         self.changed();
     }
-}
-
-fn marker_path(dir: &Path, job: &Job) -> PathBuf {
-    dir.join(folder(job.kind)).join(job.digest.hex().as_str())
 }
 
 impl Uploads {
@@ -560,11 +411,7 @@ async fn settle(inner: &Inner, job: Job, outcome: Outcome, failures: &mut u32) -
             true
         }
         Outcome::TimedOut(deadline) => {
-            let timed_out = inner.transition(|q| {
-                let n = q.deadline_failures.entry(job).or_default();
-                *n += 1;
-                *n
-            });
+            let timed_out = inner.transition(|q| q.ran_out_of_time(job));
             if timed_out >= inner.limits.max_deadline_failures {
                 metrics().shared_uploads.with_label_values(&[kind, "gave_up"]).inc();
                 tracing::error!(%job.digest, kind, attempts = timed_out, ?deadline,
@@ -668,56 +515,6 @@ async fn attempt(inner: &Inner, job: Job, mut stopped: watch::Receiver<Option<St
                 stop = stop => Outcome::Stopped(stop),
             }
         }
-    }
-}
-
-fn parse_manifest_marker(content: &[u8]) -> Option<(MediaType, Bytes)> {
-    let newline = content.iter().position(|b| *b == b'\n')?;
-    let media_type = MediaType::parse(std::str::from_utf8(&content[..newline]).ok()?)?;
-    Some((media_type, Bytes::copy_from_slice(&content[newline + 1..])))
-}
-
-/// Every marker under `dir` (creating the folders); leftover temp files
-/// of an interrupted `write_marker` are removed.
-fn scan(dir: &Path) -> Result<Vec<Job>, Error> {
-    let mut jobs = Vec::new();
-    for kind in [ObjectKind::Blob, ObjectKind::Manifest] {
-        let sub = dir.join(folder(kind));
-        std::fs::create_dir_all(&sub)?;
-        for entry in std::fs::read_dir(&sub)? {
-            let path = entry?.path();
-            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-            match format!("sha256:{name}").parse::<Digest>() {
-                Ok(digest) => jobs.push(Job { kind, digest }),
-                Err(_) => {
-                    tracing::debug!(path = %path.display(), "removing a stray file among upload markers");
-                    remove_marker(&path)?;
-                }
-            }
-        }
-    }
-    // Oldest first would need a stat per marker; digest order is as fair.
-    jobs.sort_by_key(|j| (j.kind.as_str(), j.digest));
-    Ok(jobs)
-}
-
-/// Writes `content` to `path` atomically and durably: a temp file beside
-/// it, fsynced, renamed into place, and the folder fsynced.
-fn write_marker(path: &Path, content: &[u8]) -> Result<(), Error> {
-    let parent = path.parent().ok_or_else(|| Error::Internal("marker path has no folder".into()))?;
-    std::fs::create_dir_all(parent)?;
-    let mut temp = tempfile::Builder::new().prefix(".tmp-").tempfile_in(parent)?;
-    temp.write_all(content)?;
-    temp.as_file().sync_all()?;
-    temp.persist(path).map_err(|e| e.error)?;
-    File::open(parent)?.sync_all()?;
-    Ok(())
-}
-
-fn remove_marker(path: &Path) -> Result<(), Error> {
-    match std::fs::remove_file(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.into()),
-        _ => Ok(()),
     }
 }
 

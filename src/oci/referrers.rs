@@ -10,16 +10,30 @@ use serde::{Deserialize, Serialize};
 
 use super::{Digest, MediaType};
 
-#[derive(Deserialize)]
-struct RawIndex {
+/// An image index as a referrers answer carries it.
+#[derive(Deserialize, Serialize)]
+pub struct ReferrersIndex {
     #[serde(rename = "schemaVersion")]
     schema_version: u32,
-    #[serde(rename = "mediaType")]
-    media_type: Option<String>,
+    #[serde(rename = "mediaType", default, skip_deserializing)]
+    media_type: IndexMediaType,
     manifests: Vec<Descriptor>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    annotations: Option<BTreeMap<String, String>>,
 }
 
-/// The fields of a descriptor a referrers answer carries.
+/// Always the OCI image index's media type when written.
+#[derive(Default)]
+struct IndexMediaType;
+
+impl Serialize for IndexMediaType {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(MediaType::OciIndex.as_str())
+    }
+}
+
+/// The fields of a descriptor a referrers answer carries (an image
+/// manifest's `platform` included, as an image index may have it).
 #[derive(Deserialize, Serialize)]
 struct Descriptor {
     #[serde(rename = "mediaType")]
@@ -30,29 +44,67 @@ struct Descriptor {
     size: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     annotations: Option<BTreeMap<String, String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    platform: Option<Platform>,
 }
 
-#[derive(Serialize)]
-struct Index<'a> {
-    #[serde(rename = "schemaVersion")]
-    schema_version: u32,
-    #[serde(rename = "mediaType")]
-    media_type: &'a str,
-    manifests: &'a [Descriptor],
+#[derive(Deserialize, Serialize)]
+struct Platform {
+    architecture: String,
+    os: String,
+    #[serde(rename = "os.version", skip_serializing_if = "Option::is_none")]
+    os_version: Option<String>,
+    #[serde(rename = "os.features", skip_serializing_if = "Option::is_none")]
+    os_features: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    variant: Option<String>,
+}
+
+impl ReferrersIndex {
+    /// An index with no referrers.
+    pub fn empty() -> ReferrersIndex {
+        ReferrersIndex { schema_version: 2, media_type: IndexMediaType, manifests: Vec::new(), annotations: None }
+    }
+
+    /// Parses an image index; an error says why it is not one.
+    pub fn parse(body: &[u8]) -> Result<ReferrersIndex, String> {
+        #[derive(Deserialize)]
+        struct MediaTypeOnly {
+            #[serde(rename = "mediaType")]
+            media_type: Option<String>,
+        }
+        let declared: MediaTypeOnly = serde_json::from_slice(body).map_err(|e| format!("not an image index: {e}"))?;
+        if let Some(t) = declared.media_type.as_deref().filter(|t| *t != MediaType::OciIndex.as_str()) {
+            return Err(format!("mediaType {t:?} is not an OCI image index"));
+        }
+        let index: ReferrersIndex = serde_json::from_slice(body).map_err(|e| format!("not an image index: {e}"))?;
+        if index.schema_version != 2 {
+            return Err(format!("schemaVersion {} is not 2", index.schema_version));
+        }
+        Ok(index)
+    }
+
+    /// Keeps only the referrers of `artifact_type` (the `artifactType`
+    /// query filter).
+    pub fn filter(&mut self, artifact_type: &str) {
+        self.manifests.retain(|d| d.artifact_type.as_deref() == Some(artifact_type));
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("an index of strings and numbers serializes")
+    }
 }
 
 /// Upstream's referrers answer, checked and written anew; an error says
 /// why it is not an image index.
 pub fn reserialize(body: &[u8]) -> Result<Vec<u8>, String> {
-    let raw: RawIndex = serde_json::from_slice(body).map_err(|e| format!("not an image index: {e}"))?;
-    if raw.schema_version != 2 {
-        return Err(format!("schemaVersion {} is not 2", raw.schema_version));
-    }
-    if let Some(t) = raw.media_type.as_deref().filter(|t| *t != MediaType::OciIndex.as_str()) {
-        return Err(format!("mediaType {t:?} is not an OCI image index"));
-    }
-    let index = Index { schema_version: 2, media_type: MediaType::OciIndex.as_str(), manifests: &raw.manifests };
-    serde_json::to_vec(&index).map_err(|e| e.to_string())
+    Ok(ReferrersIndex::parse(body)?.to_bytes())
+}
+
+/// The tag a registry without the referrers API keeps a digest's referrers
+/// under (the OCI distribution spec's tag schema): `sha256-<hex>`.
+pub fn fallback_tag(digest: &Digest) -> String {
+    format!("sha256-{}", digest.hex().as_str())
 }
 
 #[cfg(test)]

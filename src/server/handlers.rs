@@ -170,7 +170,7 @@ pub async fn listing(
     method: &Method,
     uri: &Uri,
 ) -> Result<(Response<Body>, CacheResult), Error> {
-    let (page, result) = app.cache.listing(&route.upstream, &route.repo, listing, query).await?;
+    let (page, result) = app.cache.listing(&route.upstream, &route.repo, listing, query, route.via).await?;
     let mut builder = response(StatusCode::OK)
         .header(CONTENT_TYPE, page.content_type.clone())
         .header(CONTENT_LENGTH, page.body.len());

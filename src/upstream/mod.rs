@@ -153,20 +153,6 @@ pub struct Page {
     pub filters_applied: Option<HeaderValue>,
 }
 
-impl Page {
-    /// The answer for a registry without the referrers API: no referrers.
-    pub fn empty_referrers() -> Page {
-        Page {
-            body: Bytes::from_static(
-                br#"{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json","manifests":[]}"#,
-            ),
-            content_type: HeaderValue::from_static(MediaType::OciIndex.as_str()),
-            link: None,
-            filters_applied: None,
-        }
-    }
-}
-
 impl Upstream {
     /// Builds the client for one upstream (reads its `ca_file`: call it off
     /// the async threads).

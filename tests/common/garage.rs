@@ -71,11 +71,13 @@ pub fn binary() -> PathBuf {
 pub struct GarageBuilder {
     nodes: usize,
     bucket: String,
+    /// Each node in its own network namespace, on its own address.
+    netns: Option<Vec<(String, std::net::Ipv4Addr)>>,
 }
 
 impl Default for GarageBuilder {
     fn default() -> Self {
-        GarageBuilder { nodes: 3, bucket: "larder-test".to_owned() }
+        GarageBuilder { nodes: 3, bucket: "larder-test".to_owned(), netns: None }
     }
 }
 
@@ -84,6 +86,15 @@ impl GarageBuilder {
     pub fn nodes(mut self, nodes: usize) -> Self {
         assert!(nodes >= 3, "replication_factor = 3 needs at least 3 nodes");
         self.nodes = nodes;
+        self
+    }
+
+    /// One node per `(namespace, address)`, each run with `ip netns exec`
+    /// and listening on its address (S3 3900, RPC 3901, admin 3903); the
+    /// test must reach those addresses (a runtime in a lab namespace).
+    pub fn in_netns(mut self, places: Vec<(String, std::net::Ipv4Addr)>) -> Self {
+        self.nodes = places.len();
+        self.netns = Some(places);
         self
     }
 
@@ -104,7 +115,8 @@ impl GarageBuilder {
         let rpc_secret = hex::encode(rand::random::<[u8; 32]>());
         let mut nodes = Vec::with_capacity(self.nodes);
         for index in 0..self.nodes {
-            let node = Node::configure(dir.path(), index, &rpc_secret);
+            let place = self.netns.as_ref().map(|places| places[index].clone());
+            let node = Node::configure(dir.path(), index, &rpc_secret, place);
             nodes.push(node);
         }
         let mut garage = Garage {
@@ -157,18 +169,26 @@ struct Node {
     log_path: PathBuf,
     s3_port: u16,
     admin_port: u16,
+    /// The address it listens on: 127.0.0.1, or its own in `netns`.
+    host: String,
+    /// The network namespace it runs in, if not the test's own.
+    netns: Option<String>,
     /// `<hex id>@127.0.0.1:<rpc port>`, once known.
     id: String,
     process: Option<LoggedChild>,
 }
 
 impl Node {
-    fn configure(root: &Path, index: usize, rpc_secret: &str) -> Node {
+    fn configure(root: &Path, index: usize, rpc_secret: &str, place: Option<(String, std::net::Ipv4Addr)>) -> Node {
         let dir = root.join(format!("node{index}"));
         for sub in ["meta", "data"] {
             std::fs::create_dir_all(dir.join(sub)).unwrap_or_else(|e| panic!("cannot create {}: {e}", dir.display()));
         }
-        let (s3_port, rpc_port, admin_port) = (free_port(), free_port(), free_port());
+        let (s3_port, rpc_port, admin_port) = match place {
+            Some(_) => (3900, 3901, 3903),
+            None => (free_port(), free_port(), free_port()),
+        };
+        let host = place.as_ref().map_or_else(|| "127.0.0.1".to_owned(), |(_, ip)| ip.to_string());
         let mut toml = String::new();
         let _ = writeln!(toml, "metadata_dir = {:?}", dir.join("meta").display().to_string());
         let _ = writeln!(toml, "data_dir = {:?}", dir.join("data").display().to_string());
@@ -176,11 +196,11 @@ impl Node {
         let _ = writeln!(toml, "metadata_fsync = false");
         let _ = writeln!(toml, "data_fsync = false");
         let _ = writeln!(toml, "replication_factor = 3");
-        let _ = writeln!(toml, "rpc_bind_addr = \"127.0.0.1:{rpc_port}\"");
-        let _ = writeln!(toml, "rpc_public_addr = \"127.0.0.1:{rpc_port}\"");
+        let _ = writeln!(toml, "rpc_bind_addr = \"{host}:{rpc_port}\"");
+        let _ = writeln!(toml, "rpc_public_addr = \"{host}:{rpc_port}\"");
         let _ = writeln!(toml, "rpc_secret = \"{rpc_secret}\"");
-        let _ = writeln!(toml, "\n[s3_api]\ns3_region = \"{REGION}\"\napi_bind_addr = \"127.0.0.1:{s3_port}\"");
-        let _ = writeln!(toml, "\n[admin]\napi_bind_addr = \"127.0.0.1:{admin_port}\"");
+        let _ = writeln!(toml, "\n[s3_api]\ns3_region = \"{REGION}\"\napi_bind_addr = \"{host}:{s3_port}\"");
+        let _ = writeln!(toml, "\n[admin]\napi_bind_addr = \"{host}:{admin_port}\"");
         let config_path = dir.join("garage.toml");
         write_private(&config_path, &toml);
         Node {
@@ -189,8 +209,22 @@ impl Node {
             log_path: dir.join("garage.log"),
             s3_port,
             admin_port,
+            host,
+            netns: place.map(|(ns, _)| ns),
             id: String::new(),
             process: None,
+        }
+    }
+
+    /// `binary`, run in this node's namespace if it has one.
+    fn command(&self, binary: &Path) -> Command {
+        match &self.netns {
+            Some(ns) => {
+                let mut command = Command::new("ip");
+                command.args(["netns", "exec", ns]).arg(binary);
+                command
+            }
+            None => Command::new(binary),
         }
     }
 
@@ -230,19 +264,21 @@ impl Garage {
         GarageBuilder::default()
     }
 
-    /// Node 0's S3 endpoint, `http://127.0.0.1:<port>`: what clients use.
+    /// Node 0's S3 endpoint, `http://127.0.0.1:<port>` (or its address in
+    /// its namespace): what clients use.
     pub fn endpoint(&self) -> String {
         self.s3_url(0)
     }
 
     /// Node `index`'s S3 endpoint.
     pub fn s3_url(&self, index: usize) -> String {
-        format!("http://127.0.0.1:{}", self.nodes[index].s3_port)
+        format!("http://{}:{}", self.nodes[index].host, self.nodes[index].s3_port)
     }
 
     /// Node `index`'s S3 address.
     pub fn s3_addr(&self, index: usize) -> std::net::SocketAddr {
-        std::net::SocketAddr::from(([127, 0, 0, 1], self.nodes[index].s3_port))
+        let host: std::net::IpAddr = self.nodes[index].host.parse().expect("an IP address");
+        std::net::SocketAddr::new(host, self.nodes[index].s3_port)
     }
 
     pub fn bucket(&self) -> &str {
@@ -363,7 +399,7 @@ impl Garage {
 
     fn spawn(&mut self, index: usize) {
         let node = &mut self.nodes[index];
-        let mut command = Command::new(&self.binary);
+        let mut command = node.command(&self.binary);
         command.arg("-c").arg(&node.config_path).arg("server").env("RUST_LOG", "garage=info").env("NO_COLOR", "1");
         process::append_marker(&node.log_path, "starting node");
         node.process = Some(LoggedChild::spawn(&format!("garage node {index}"), command, &node.log_path));
@@ -379,7 +415,7 @@ impl Garage {
                     self.fail(&format!("garage node {index} exited ({status}) during `garage {}`", args.join(" ")));
                 }
             }
-            let output = tokio::process::Command::new(&self.binary)
+            let output = tokio::process::Command::from(self.nodes[index].command(&self.binary))
                 .arg("-c")
                 .arg(&self.nodes[index].config_path)
                 .args(args)
@@ -401,7 +437,7 @@ impl Garage {
     /// Waits until node `index`'s admin `/health` answers 200: it sees
     /// quorum for every partition.
     async fn wait_healthy(&mut self, index: usize) {
-        let url = format!("http://127.0.0.1:{}/health", self.nodes[index].admin_port);
+        let url = format!("http://{}:{}/health", self.nodes[index].host, self.nodes[index].admin_port);
         let client = super::http::client();
         let started = Instant::now();
         loop {
@@ -420,7 +456,7 @@ impl Garage {
     /// Multipart uploads begun in the bucket and neither completed nor
     /// aborted (what `garage bucket info` reports).
     pub async fn incomplete_multipart_uploads(&self) -> u64 {
-        let output = tokio::process::Command::new(&self.binary)
+        let output = tokio::process::Command::from(self.nodes[0].command(&self.binary))
             .arg("-c")
             .arg(&self.nodes[0].config_path)
             .args(["bucket", "info", &self.bucket])

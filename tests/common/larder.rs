@@ -149,6 +149,9 @@ pub struct LarderBuilder {
     appended: Vec<String>,
     env: Vec<(String, String)>,
     tcp_ready: bool,
+    /// Run inside this network namespace, listening on this address
+    /// (port 5000): see [`LarderBuilder::in_netns`].
+    netns: Option<(String, std::net::Ipv4Addr)>,
 }
 
 impl Default for LarderBuilder {
@@ -166,6 +169,7 @@ impl Default for LarderBuilder {
                 ("NO_COLOR".to_owned(), "1".to_owned()),
             ],
             tcp_ready: false,
+            netns: None,
         }
     }
 }
@@ -215,12 +219,25 @@ impl LarderBuilder {
         self
     }
 
+    /// Runs larder inside network namespace `ns` (`ip netns exec`), its
+    /// registry listener on `ip:5000`; the test reaches it from a
+    /// namespace on the same lab (see `netns::Lab`).
+    pub fn in_netns(mut self, ns: &str, ip: std::net::Ipv4Addr) -> Self {
+        self.netns = Some((ns.to_owned(), ip));
+        self
+    }
+
+    /// The address the registry listener binds.
+    fn host(&self) -> String {
+        self.netns.as_ref().map_or_else(|| "127.0.0.1".to_owned(), |(_, ip)| ip.to_string())
+    }
+
     /// The config file text for a larder on `port` caching in `dir/cache`;
     /// password files are written into `dir`.
     pub fn config_toml(&self, dir: &Path, port: u16) -> String {
         let mut toml = String::new();
         let _ = writeln!(toml, "[server]");
-        let _ = writeln!(toml, "listen = \"127.0.0.1:{port}\"");
+        let _ = writeln!(toml, "listen = \"{}:{port}\"", self.host());
         for line in &self.server_lines {
             let _ = writeln!(toml, "{line}");
         }
@@ -267,10 +284,12 @@ impl LarderBuilder {
     pub async fn start(self) -> Larder {
         assert!(!self.upstreams.is_empty(), "a larder needs at least one upstream");
         let dir = larder_temp_dir();
-        let port = free_port();
+        let port = if self.netns.is_some() { 5000 } else { free_port() };
         let config_path = dir.path().join("larder.toml");
         write_file(&config_path, &self.config_toml(dir.path(), port));
         let mut larder = Larder {
+            host: self.host(),
+            netns: self.netns.map(|(ns, _)| ns),
             port,
             config_path,
             log_path: dir.path().join("larder.log"),
@@ -287,6 +306,10 @@ impl LarderBuilder {
 
 /// A running larder; killed (by PID) on drop.
 pub struct Larder {
+    /// The registry listener's address (`127.0.0.1`, or an address in `netns`).
+    host: String,
+    /// The network namespace it runs in, if not the test's own.
+    netns: Option<String>,
     port: u16,
     config_path: PathBuf,
     log_path: PathBuf,
@@ -303,18 +326,18 @@ impl Larder {
         LarderBuilder::default()
     }
 
-    /// `http://127.0.0.1:<port>`.
+    /// `http://127.0.0.1:<port>` (or its address in its namespace).
     pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
+        format!("http://{}:{}", self.host, self.port)
     }
 
     pub fn port(&self) -> u16 {
         self.port
     }
 
-    /// `127.0.0.1:<port>`.
+    /// `127.0.0.1:<port>` (or its address in its namespace).
     pub fn host_port(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
+        format!("{}:{}", self.host, self.port)
     }
 
     /// `docker://127.0.0.1:<port>/<repo_and_tag>`: served by the default upstream.
@@ -457,16 +480,23 @@ impl Larder {
 
     async fn spawn_and_wait(&mut self) {
         self.starts += 1;
-        let mut command = Command::new(binary());
+        let mut command = match &self.netns {
+            Some(ns) => {
+                let mut command = Command::new("ip");
+                command.args(["netns", "exec", ns]).arg(binary());
+                command
+            }
+            None => Command::new(binary()),
+        };
         command.arg("--config").arg(&self.config_path).envs(self.env.iter().map(|(k, v)| (k, v)));
         super::process::append_marker(&self.log_path, &format!("larder start #{}", self.starts));
         let process = LoggedChild::spawn("larder", command, &self.log_path);
         let ready_url = format!("{}/v2/", self.url());
-        let (port, tcp_ready) = (self.port, self.tcp_ready);
+        let (port, tcp_ready, host) = (self.port, self.tcp_ready, self.host.clone());
         let process = self.process.insert(process);
         if tcp_ready {
             let started = std::time::Instant::now();
-            while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
+            while tokio::net::TcpStream::connect(format!("{host}:{port}")).await.is_err() {
                 process.assert_running("before accepting connections");
                 assert!(
                     started.elapsed() < super::process::READY_TIMEOUT,

@@ -27,6 +27,7 @@ pub mod cut_proxy;
 pub mod garage;
 pub mod http;
 pub mod image;
+pub mod isolation;
 pub mod larder;
 pub mod metrics;
 pub mod netns;

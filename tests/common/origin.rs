@@ -210,6 +210,38 @@ impl Origin {
         }
     }
 
+    /// Pushes `bytes` as a blob of `repo` with the registry API (a
+    /// monolithic upload); returns its digest. Not behind token auth.
+    pub async fn push_blob(&self, repo: &str, bytes: &[u8]) -> String {
+        let digest = sha256_digest(bytes);
+        let start = format!("{}/v2/{repo}/blobs/uploads/", self.url());
+        let resp = self.client.post(&start).send().await.unwrap_or_else(|e| panic!("POST {start}: {e}"));
+        assert_eq!(resp.status(), 202, "POST {start}");
+        let location = resp.headers()["location"].to_str().expect("an ASCII Location").to_owned();
+        let location = if location.starts_with('/') { format!("{}{location}", self.url()) } else { location };
+        let sep = if location.contains('?') { '&' } else { '?' };
+        let put = format!("{location}{sep}digest={digest}");
+        let resp = self.client.put(&put).body(bytes.to_vec()).send().await.unwrap_or_else(|e| panic!("PUT {put}: {e}"));
+        assert_eq!(resp.status(), 201, "PUT {put}: {}", resp.text().await.unwrap_or_default());
+        digest
+    }
+
+    /// Pushes `bytes` as a manifest of `repo` under `reference` (a tag or
+    /// its digest) with `media_type`; returns its digest.
+    pub async fn push_manifest(&self, repo: &str, reference: &str, media_type: &str, bytes: &[u8]) -> String {
+        let url = format!("{}/v2/{repo}/manifests/{reference}", self.url());
+        let resp = self
+            .client
+            .put(&url)
+            .header("content-type", media_type)
+            .body(bytes.to_vec())
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("PUT {url}: {e}"));
+        assert_eq!(resp.status(), 201, "PUT {url}: {}", resp.text().await.unwrap_or_default());
+        sha256_digest(bytes)
+    }
+
     /// Panics, with the log, if distribution is no longer running.
     pub fn assert_running(&mut self) {
         self.process.assert_running("while the test still needed it");

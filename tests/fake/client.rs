@@ -328,8 +328,20 @@ pub async fn get(addr: SocketAddr, path: &str) -> Response {
 
 /// `GET path`, whole response, errors returned instead of panicking.
 pub async fn try_get(addr: SocketAddr, path: &str) -> Result<Response, String> {
-    let streaming = try_open_with(addr, "GET", path, &[]).await?;
+    try_get_with(addr, path, &[]).await
+}
+
+/// `GET path` with `headers`, whole response, errors returned instead of
+/// panicking (and no patience of its own: the caller bounds it).
+pub async fn try_get_with(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> Result<Response, String> {
+    let streaming = try_open_with(addr, "GET", path, headers).await?;
     Ok(streaming.into_response().await)
+}
+
+/// `GET path`, head read, body left to read; errors returned instead of
+/// panicking (no patience of its own).
+pub async fn try_open(addr: SocketAddr, path: &str) -> Result<Streaming, String> {
+    try_open_with(addr, "GET", path, &[]).await
 }
 
 /// `GET path`: reads `n` body bytes, then hangs up. Returns them.

@@ -405,6 +405,16 @@ impl FakeUpstreamBuilder {
 
     pub async fn start(self) -> FakeUpstream {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the fake upstream on 127.0.0.1");
+        self.start_with(listener)
+    }
+
+    /// Serves on `listener` (made elsewhere, e.g. in a network namespace
+    /// of a test lab, where it stays), which must be non-blocking.
+    pub fn start_on(self, listener: std::net::TcpListener) -> FakeUpstream {
+        self.start_with(TcpListener::from_std(listener).expect("a tokio listener"))
+    }
+
+    fn start_with(self, listener: TcpListener) -> FakeUpstream {
         let addr = listener.local_addr().expect("local address");
         let state = Arc::new(State {
             content: Mutex::new(self.content),
@@ -439,6 +449,25 @@ impl FakeUpstream {
     /// `http://127.0.0.1:<port>`
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    // ---- content at run time --------------------------------------------
+
+    /// Serves `bytes` as a blob from now on, in any repository.
+    pub fn add_blob(&self, bytes: impl Into<Bytes>) {
+        let bytes = bytes.into();
+        let key = super::digest(&bytes);
+        lock(&self.state.content).items.insert(key, Item { kind: Kind::Blob, bytes, ..Item::plain() });
+    }
+
+    /// Serves a manifest by `repo:tag` and by its digest from now on.
+    pub fn add_manifest(&self, repo: &str, tag: &str, media_type: &str, bytes: impl Into<Bytes>) {
+        let bytes = bytes.into();
+        let key = super::digest(&bytes);
+        let mut content = lock(&self.state.content);
+        let item = Item { kind: Kind::Manifest, bytes, media_type: Some(media_type.to_owned()), ..Item::plain() };
+        content.items.insert(key.clone(), item);
+        content.tags.insert((repo.to_owned(), tag.to_owned()), key);
     }
 
     // ---- faults at run time ---------------------------------------------

@@ -112,8 +112,8 @@ fn an_enqueue_that_races_an_upload_finishing_is_never_lost() {
     // orders differ in where each enqueue's first step falls.
     assert!(ends.len() >= 6, "every order of the three operations' steps: {}", ends.len());
     for end in &ends {
-        assert_eq!(end.q.states.get(&job()), Some(&State::Waiting), "queued again");
-        assert_eq!(end.q.waiting, [job()], "once");
+        assert_eq!(end.q.state(&job()), Some(queue::State::Waiting), "queued again");
+        assert_eq!(*end.q.waiting(), [job()], "once");
         assert!(end.marker, "with its marker on disk: it survives a crash");
     }
 }
@@ -180,7 +180,7 @@ fn removing_a_waiting_item_takes_it_out_of_the_line_and_an_enqueue_meanwhile_wai
     assert_eq!(q.begin_enqueue(job()), Enqueue::Write);
     q.end_enqueue(job(), true);
     assert_eq!(q.cancel(job()), Cancel::RemoveMarker);
-    assert!(q.waiting.is_empty());
+    assert!(q.waiting().is_empty());
     assert_eq!(q.begin_enqueue(job()), Enqueue::Wait, "its marker is being removed");
     q.end_finish(job());
     assert_eq!(q.begin_enqueue(job()), Enqueue::Write, "then written again");
