@@ -7,7 +7,8 @@
 //! - A client range far ahead of the fill gets its part at once, on a
 //!   connection of its own, before the parts below it.
 //! - A part whose connection breaks resumes from the byte it reached.
-//! - An upstream that ignores `Range` is read as one stream, nothing twice.
+//! - An upstream that ignores `Range` is read as one stream, nothing twice;
+//!   one that redirects to a CDN gets each part's range asked of the CDN.
 //! - Many clients pulling at once still make one fill per blob.
 //! - Serving an image manifest starts its blobs ahead of the client.
 
@@ -215,6 +216,40 @@ async fn an_upstream_that_ignores_range_is_read_as_one_stream_without_refetching
     assert_eq!(up.ranged_requests(), 1, "only the first part was asked for by range");
     assert_eq!(up.bytes_sent(&d), blob.len() as u64, "nothing fetched twice");
     assert_eq!(metric(&larder, &per_upstream("fill_parts_total")).await, 0.0, "no parts");
+    assert_eq!(metric(&larder, &per_upstream("upstream_bytes_total")).await, blob.len() as f64);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn parts_follow_the_redirect_to_a_cdn_that_answers_ranges() {
+    let blob = fake::random_bytes(2 * PART + 7, 29);
+    let config = fake::random_bytes(300, 30);
+    let d = fake::digest(&blob);
+    let manifest = fake::image_manifest((&fake::digest(&config), config.len()), &[(&d, blob.len())]);
+    let up = fake::FakeUpstream::builder()
+        .manifest(fake::REPO, "v1", fake::OCI_MANIFEST, manifest)
+        .blob(config)
+        .blob(blob.clone())
+        .redirect(&format!("/cdn/{d}"))
+        .start()
+        .await;
+    let larder = larder_over(&up.url(), &["fill_ahead = false"]).await;
+    get_manifest(&larder, fake::REPO, "v1").await;
+
+    let (status, body) = get_blob(&larder, fake::REPO, &d, None).await;
+    assert_eq!(status, 200);
+    assert!(body == blob, "the blob, byte for byte");
+    wait_for_commits(&larder).await;
+    let mut cdn_ranges: Vec<String> =
+        up.log().into_iter().filter(|r| r.path == format!("/cdn/{d}")).filter_map(|r| r.range).collect();
+    cdn_ranges.sort();
+    let (p, end) = (PART, 2 * PART + 7);
+    let mut parts =
+        vec![format!("bytes=0-{}", p - 1), format!("bytes={p}-{}", 2 * p - 1), format!("bytes={}-{}", 2 * p, end - 1)];
+    parts.sort();
+    assert_eq!(cdn_ranges, parts, "each part asked of the CDN by range, once");
+    assert_eq!(up.blob_gets(&d), 3, "one GET of the registry per part, each redirected");
+    assert_eq!(metric(&larder, &per_upstream("fill_parts_total")).await, 3.0);
+    assert_eq!(metric(&larder, &per_upstream("fill_part_bytes_total")).await, blob.len() as f64);
     assert_eq!(metric(&larder, &per_upstream("upstream_bytes_total")).await, blob.len() as f64);
 }
 
