@@ -5,14 +5,17 @@
 //! A request sent for a fill that runs ahead first takes one of the
 //! upstream's *ahead* permits, half of its `max_concurrency` (at least
 //! one), then an ordinary permit: fills ahead hold at most half the
-//! upstream's connections, and the other half stays for clients. When a
-//! client joins such a fill it is promoted: its requests from then on
-//! take ordinary permits only, and one waiting for an ahead permit stops
-//! waiting.
+//! upstream's connections, and the other half stays for clients. It never
+//! queues for the ordinary permit: it takes one only when no request a
+//! client waits on is queued for it (a permit released goes to those
+//! first), and otherwise waits for the next release. When a client joins
+//! such a fill it is promoted: its requests from then on take ordinary
+//! permits in order like any other, and one waiting stops waiting for an
+//! ahead permit.
 
 use std::sync::Arc;
 
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, TryAcquireError, watch};
 
 /// Share of `max_concurrency` that fills ahead of a client may hold: one
 /// in this many (rounded down, at least one).
@@ -53,8 +56,19 @@ impl Priority {
 /// The permits one upstream request holds until its body is read or dropped.
 #[derive(Debug)]
 pub struct Permit {
-    _open: OwnedSemaphorePermit,
+    open: Option<OwnedSemaphorePermit>,
     _ahead: Option<OwnedSemaphorePermit>,
+    /// Told once `open` is back, for requests ahead waiting for one.
+    released: Arc<Notify>,
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        // Back first (to a queued client request, if any), then the
+        // requests ahead look whether one is left for them.
+        drop(self.open.take());
+        self.released.notify_waiters();
+    }
 }
 
 /// An upstream's concurrency: `max_concurrency` permits, of which fills
@@ -62,6 +76,7 @@ pub struct Permit {
 pub struct Permits {
     open: Arc<Semaphore>,
     ahead: Arc<Semaphore>,
+    released: Arc<Notify>,
 }
 
 /// The upstream is shutting down (its semaphores were closed).
@@ -73,22 +88,45 @@ impl Permits {
         Permits {
             open: Arc::new(Semaphore::new(max_concurrency)),
             ahead: Arc::new(Semaphore::new((max_concurrency / AHEAD_SHARE).max(1))),
+            released: Arc::new(Notify::new()),
         }
     }
 
     /// Waits for a permit (waiters are served in order); a request of a
-    /// fill ahead waits for an ahead permit first, unless promoted meanwhile.
+    /// fill ahead waits for an ahead permit first, then for an ordinary
+    /// one no client request is queued for, unless promoted meanwhile.
     pub async fn acquire(&self, priority: Option<&Priority>) -> Result<Permit, Closed> {
-        let ahead = match priority.filter(|p| p.is_ahead()) {
-            None => None,
-            Some(p) => tokio::select! {
-                biased;
-                _ = p.promoted() => None,
-                permit = Arc::clone(&self.ahead).acquire_owned() => Some(permit.map_err(|_| Closed)?),
-            },
+        let permit = |open, ahead| Permit { open: Some(open), _ahead: ahead, released: Arc::clone(&self.released) };
+        let Some(p) = priority.filter(|p| p.is_ahead()) else {
+            let open = Arc::clone(&self.open).acquire_owned().await.map_err(|_| Closed)?;
+            return Ok(permit(open, None));
         };
-        let open = Arc::clone(&self.open).acquire_owned().await.map_err(|_| Closed)?;
-        Ok(Permit { _open: open, _ahead: ahead })
+        let ahead = tokio::select! {
+            biased;
+            _ = p.promoted() => None,
+            permit = Arc::clone(&self.ahead).acquire_owned() => Some(permit.map_err(|_| Closed)?),
+        };
+        loop {
+            // Registered before looking, so a release in between is not missed.
+            let released = self.released.notified();
+            tokio::pin!(released);
+            released.as_mut().enable();
+            // A released permit goes to queued waiters first: one that is
+            // free now is one no client request waits for.
+            match Arc::clone(&self.open).try_acquire_owned() {
+                Ok(open) => return Ok(permit(open, ahead)),
+                Err(TryAcquireError::Closed) => return Err(Closed),
+                Err(TryAcquireError::NoPermits) => {}
+            }
+            tokio::select! {
+                biased;
+                _ = p.promoted() => {
+                    let open = Arc::clone(&self.open).acquire_owned().await.map_err(|_| Closed)?;
+                    return Ok(permit(open, ahead));
+                }
+                _ = &mut released => {}
+            }
+        }
     }
 }
 
@@ -108,6 +146,35 @@ mod tests {
         let c1 = permits.acquire(None).await.unwrap();
         let c2 = permits.acquire(Some(&Priority::client())).await.unwrap();
         drop((a1, a2, c1, c2));
+    }
+
+    #[tokio::test]
+    async fn a_client_request_queued_later_is_served_before_a_request_ahead() {
+        let permits = Arc::new(Permits::new(2));
+        let held = (permits.acquire(None).await.unwrap(), permits.acquire(None).await.unwrap());
+        let ahead = {
+            let permits = Arc::clone(&permits);
+            tokio::spawn(async move { permits.acquire(Some(&Priority::ahead())).await.map(drop) })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let (got, tx) = (Arc::new(std::sync::atomic::AtomicBool::new(false)), Arc::clone(&permits));
+        let client = {
+            let got = Arc::clone(&got);
+            tokio::spawn(async move {
+                let permit = tx.acquire(None).await.unwrap();
+                got.store(true, std::sync::atomic::Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                drop(permit);
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        drop(held.0);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(got.load(std::sync::atomic::Ordering::SeqCst), "the client request took the released permit");
+        assert!(!ahead.is_finished(), "the request ahead, queued first, still waits");
+        client.await.unwrap();
+        tokio::time::timeout(Duration::from_secs(5), ahead).await.expect("then it goes").unwrap().unwrap();
+        drop(held.1);
     }
 
     #[tokio::test]
