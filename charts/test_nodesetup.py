@@ -942,6 +942,119 @@ def check_mirror_addresses() -> None:
         node.cleanup()
 
 
+def check_node_pools() -> None:
+    """Grants render as [[server.auth.grant]]; each node pool gets its own
+    node setup DaemonSet writing its own credentials into hosts.toml, and
+    the default DaemonSet skips the pools' nodes."""
+    hosts_dir = "/etc/containerd/certs.d"
+    config = "/etc/containerd/config.toml"
+    v3 = V3_DEFAULT.replace("config_path = ''", f"config_path = '{hosts_dir}'")
+    grants = [
+        {"who": ["team-a"], "upstreams": ["ghcr.io"], "repositories": ["team-a/**"]},
+        {"who": ["team-b"], "repositories": ["team-b/**"]},
+        {"who": ["team-a", "team-b", "kubelet"], "upstreams": ["docker.io"]},
+    ]
+    pools = [
+        {"name": "team-a", "nodeSelector": {"example.com/tenant": "a"}, "mirrorCredentials": {"existingSecret": "team-a-pull"}},
+        {
+            "name": "team-b",
+            "nodeSelector": {"example.com/tenant": "b"},
+            "mirrorCredentials": {"existingSecret": "team-b-pull", "usernameKey": "user", "passwordKey": "token"},
+        },
+    ]
+    values = {
+        "upstreams": UPSTREAMS,
+        "service": {"type": "NodePort", "nodePort": 30500},
+        "config": {"auth": {"enabled": True, "existingSecret": "larder-htpasswd", "grants": grants}},
+        "nodeSetup": {"enabled": True, "mirrorCredentials": {"existingSecret": "node-pull"}, "nodePools": pools},
+    }
+    r = tc.render("node pools", values)  # validated with kubernetes-validate
+    if not r:
+        return
+    toml = r.toml()
+    check(
+        "[pools] grants rendered as [[server.auth.grant]], keys left out stay out",
+        toml["server"]["auth"].get("grant") == grants,
+        toml["server"]["auth"],
+    )
+    tc.check_config("node pools", r.toml_text())
+
+    sets = {d["metadata"]["name"]: d for d in r.of_kind("DaemonSet") if "-node-setup" in d["metadata"]["name"]}
+    names = ["larder-node-setup", "larder-node-setup-team-a", "larder-node-setup-team-b"]
+    check("[pools] one node setup DaemonSet per pool beside the default", sorted(sets) == names, sorted(sets))
+    if sorted(sets) != names:
+        return
+    selectors = [tuple(sorted(d["spec"]["selector"]["matchLabels"].items())) for d in sets.values()]
+    check("[pools] the DaemonSets' selectors are distinct", len(set(selectors)) == 3, selectors)
+    for d in sets.values():
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        check(
+            f"[pools] {d['metadata']['name']}: its pods carry its selector",
+            d["spec"]["selector"]["matchLabels"].items() <= labels.items(),
+            labels,
+        )
+    a = pod_spec(r, "DaemonSet", "larder-node-setup-team-a")
+    check(
+        "[pools] team-a: on the pool's nodes (and nodeSetup.nodeSelector's)",
+        a.get("nodeSelector") == {"example.com/tenant": "a", "kubernetes.io/os": "linux"},
+        a.get("nodeSelector"),
+    )
+    default = pod_spec(r, "DaemonSet", "larder-node-setup")
+    terms = default["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    excluded = [
+        {"key": "example.com/tenant", "operator": "NotIn", "values": ["a"]},
+        {"key": "example.com/tenant", "operator": "NotIn", "values": ["b"]},
+    ]
+    check(
+        "[pools] default: every term excludes both pools and keeps nodeSetup.affinity's expressions",
+        terms
+        and all(t["matchExpressions"][-2:] == excluded and len(t["matchExpressions"]) > 2 for t in terms),
+        terms,
+    )
+
+    secrets = {
+        "node-pull": {"username": "kubelet", "password": "k-secret\n"},
+        "team-a-pull": {"username": "team-a", "password": "a-secret\n"},
+        "team-b-pull": {"user": "team-b", "token": "b-secret"},
+    }
+    for name, user in (("larder-node-setup", b"kubelet:k-secret"), ("larder-node-setup-team-a", b"team-a:a-secret"), ("larder-node-setup-team-b", b"team-b:b-secret")):
+        node = Node()
+        node.write(config, v3)
+        spec = pod_spec(r, "DaemonSet", name)
+        run = run_container(r, spec, init_container(spec, "containerd-hosts"), node, secrets=secrets)
+        path = f"{hosts_dir}/ghcr.io/hosts.toml"
+        text = node.read(path) if node.exists(path) else ""
+        entry = (parses(text) or {}).get("host", {}).get(next(iter(hosts_of(text)), ""), {})
+        check(
+            f"[pools] {name}: hosts.toml sends its own credentials",
+            run.rc == 0 and entry.get("header") == {"Authorization": "Basic " + base64.b64encode(user).decode()},
+            (run, entry),
+        )
+        node.cleanup()
+
+    no_pools = {**values, "nodeSetup": {"enabled": True, "mirrorCredentials": {"existingSecret": "node-pull"}}}
+    refused = {
+        "grants without config.auth": ({**no_pools, "config": {"auth": {"grants": grants}}}, "config.auth.grants need"),
+        "pools without config.auth": ({**values, "config": {}}, "which larder checks only with config.auth"),
+        "pools in node mode": ({**values, "mode": "node"}, "need mode: deployment"),
+        "a pool name used twice": (
+            {**values, "nodeSetup": {**values["nodeSetup"], "nodePools": [pools[0], pools[0]]}},
+            "used twice",
+        ),
+        "a pool selected by two labels": (
+            {**values, "nodeSetup": {**values["nodeSetup"], "nodePools": [{**pools[0], "nodeSelector": {"a": "1", "b": "2"}}]}},
+            "nodeSelector",
+        ),
+        "a pool without a Secret": (
+            {**values, "nodeSetup": {**values["nodeSetup"], "nodePools": [{**pools[0], "mirrorCredentials": {}}]}},
+            "existingSecret",
+        ),
+    }
+    for label, (bad, why) in refused.items():
+        error = tc.render_error(bad) or ""
+        check(f"[pools] refused: {label}", why in error, error)
+
+
 def check_listen_address() -> None:
     """node.hostNetwork: the init container writes the node's IP into larder.toml."""
     r = render("hostNetwork listen address", {"mode": "node", "node": {"hostNetwork": True}})
@@ -1534,6 +1647,7 @@ def main() -> int:
         check_existing_files,
         check_mirror_addresses,
         check_listen_address,
+        check_node_pools,
         check_cleanup_wait,
         check_real_containerd,
     ):

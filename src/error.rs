@@ -57,6 +57,13 @@ pub enum Error {
     /// names the repository, the upstream and the rule.
     #[error("{0}")]
     Denied(String),
+    /// An image layout given to `larder import` is incomplete, tampered
+    /// with or not a layout: nothing of it was imported.
+    #[error("{0}")]
+    LayoutInvalid(String),
+    /// Another larder process holds the cache folder (its index's lock).
+    #[error("{0} is in use by another larder process (its index is locked); stop it first")]
+    CacheInUse(String),
     #[error("the cache disk is full")]
     DiskFull,
     /// The cache's own storage failed in a way that may pass (too many open
@@ -126,6 +133,7 @@ impl Error {
             Error::ManifestUnknown | Error::NotAcceptable => (S::NOT_FOUND, "MANIFEST_UNKNOWN", None),
             Error::BlobUnknown(_) => (S::NOT_FOUND, "BLOB_UNKNOWN", None),
             Error::DigestInvalid(_) => (S::BAD_REQUEST, "DIGEST_INVALID", None),
+            Error::LayoutInvalid(_) => (S::BAD_REQUEST, "MANIFEST_INVALID", None),
             Error::RangeNotSatisfiable { size } => {
                 (S::RANGE_NOT_SATISFIABLE, "RANGE_INVALID", Some((header::CONTENT_RANGE, format!("bytes */{size}"))))
             }
@@ -161,7 +169,7 @@ impl Error {
                 (S::TOO_MANY_REQUESTS, "TOOMANYREQUESTS", Some((header::RETRY_AFTER, retry_after.to_string())))
             }
             // Retryable: eviction is making room.
-            Error::DiskFull | Error::Storage(_) => (S::SERVICE_UNAVAILABLE, "UNAVAILABLE", None),
+            Error::DiskFull | Error::Storage(_) | Error::CacheInUse(_) => (S::SERVICE_UNAVAILABLE, "UNAVAILABLE", None),
             Error::Internal(_) => (S::INTERNAL_SERVER_ERROR, "UNKNOWN", None),
         }
     }

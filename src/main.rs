@@ -1,6 +1,7 @@
 //! The `larder` command: parse the CLI, load the config, set up logs, run;
-//! or, for the operator commands (`prefetch`, `purge`, `status`), talk to a
-//! running larder's admin listener (see `larder::cli`).
+//! or, for the operator commands (`prefetch`, `purge`, `status`, `export`,
+//! `import`), talk to a running larder's admin listener (see `larder::cli`;
+//! `import` loads a stopped cache folder itself).
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -49,6 +50,11 @@ enum Command {
         /// Only this platform of a multi-platform image, e.g. `linux/arm64`.
         #[arg(long)]
         platform: Option<String>,
+        /// Also cache its referrers (signatures, SBOMs, attestations, from
+        /// the referrers API or cosign's `sha256-<hex>.sig` tags) and their
+        /// blobs, so they are served with upstream gone.
+        #[arg(long)]
+        referrers: bool,
         #[command(flatten)]
         admin: AdminArgs,
     },
@@ -58,6 +64,35 @@ enum Command {
         upstream: String,
         /// Only this repository, e.g. `library/alpine`.
         repo: Option<String>,
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
+    /// Write images as an OCI image layout (skopeo's `oci:DIR`) for an
+    /// air-gapped site, through a running larder: each image is fetched
+    /// into its cache first (with progress), then written into `--output`.
+    Export {
+        /// `[registry/]repository[:tag|@digest]`, routed like a pull.
+        #[arg(required = true)]
+        images: Vec<String>,
+        /// The layout folder (created; images already in it are kept).
+        #[arg(long)]
+        output: PathBuf,
+        /// Only this platform of a multi-platform image, e.g. `linux/arm64`.
+        #[arg(long)]
+        platform: Option<String>,
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
+    /// Load an OCI image layout (a folder, or a tar of one) into the cache,
+    /// every blob verified first; into the stopped cache folder of
+    /// `--config`, or through the admin listener while larder runs.
+    Import {
+        /// The layout folder (`oci:DIR`) or archive (`oci-archive:FILE`).
+        path: PathBuf,
+        /// Where its images go, `UPSTREAM/REPO` (needed when the layout
+        /// names them by tag alone, as skopeo's `oci:DIR:TAG` does).
+        #[arg(long = "as", value_name = "UPSTREAM/REPO")]
+        as_name: Option<String>,
         #[command(flatten)]
         admin: AdminArgs,
     },
@@ -151,6 +186,8 @@ fn operator(command: Command, config_path: Option<&PathBuf>) -> ExitCode {
         Command::Prefetch { admin, .. } => ("prefetch", admin),
         Command::Purge { admin, .. } => ("purge", admin),
         Command::Status { admin, .. } => ("status", admin),
+        Command::Export { admin, .. } => ("export", admin),
+        Command::Import { admin, .. } => ("import", admin),
         _ => return ExitCode::from(2),
     };
     let config = match config_path.map(|p| Config::load(p)).transpose() {
@@ -175,14 +212,28 @@ fn operator(command: Command, config_path: Option<&PathBuf>) -> ExitCode {
         }
     };
     let result = runtime.block_on(async {
+        if let Command::Import { path, as_name, .. } = &command {
+            // The cache folder and upstreams are the config's (or the
+            // embedded default's); the admin listener only if larder runs.
+            let config = match config.clone().map_or_else(Config::embedded_default, Ok) {
+                Ok(c) => c,
+                Err(e) => return Err(larder::cli::client::CallError::Usage(e.to_string())),
+            };
+            let client = || target.client(Some(&config));
+            return larder::cli::seed::import(&config, client, path, as_name.as_deref()).await;
+        }
         let client = target.client(config.as_ref())?;
         match &command {
-            Command::Prefetch { image, platform, .. } => {
+            Command::Prefetch { image, platform, referrers, .. } => {
                 let terminal = std::io::stdout().is_terminal();
-                larder::cli::prefetch::run(&client, image, platform.as_deref(), terminal).await
+                larder::cli::prefetch::run(&client, image, platform.as_deref(), *referrers, terminal).await
             }
             Command::Purge { upstream, repo, .. } => larder::cli::purge(&client, upstream, repo.as_deref()).await,
             Command::Status { json, .. } => larder::cli::status(&client, *json).await,
+            Command::Export { images, output, platform, .. } => {
+                let terminal = std::io::stdout().is_terminal();
+                larder::cli::seed::export(&client, images, platform.as_deref(), output, terminal).await
+            }
             _ => Ok(()),
         }
     });
@@ -200,7 +251,14 @@ fn operator(command: Command, config_path: Option<&PathBuf>) -> ExitCode {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Some(command @ (Command::Prefetch { .. } | Command::Purge { .. } | Command::Status { .. })) = cli.command {
+    if let Some(
+        command @ (Command::Prefetch { .. }
+        | Command::Purge { .. }
+        | Command::Status { .. }
+        | Command::Export { .. }
+        | Command::Import { .. }),
+    ) = cli.command
+    {
         return operator(command, cli.config.as_ref());
     }
     let config = match load(cli.config.as_ref()) {

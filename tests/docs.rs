@@ -618,6 +618,7 @@ async fn the_operating_guides_admin_commands_work_against_a_running_larder() {
     assert!(answers.iter().any(|a| a["event"] == "progress"), "streamed progress: {stdout}");
     assert!(answers.iter().any(|a| a["event"] == "done"), "{stdout}");
     assert_eq!(answers.iter().filter(|a| a.get("members").is_some()).count(), 2, "two purges: {stdout}");
+    assert!(answers.iter().any(|a| a["images"] == 1 && a["manifests"] == 1), "the exported layout imported: {stdout}");
 
     let console = blocks.iter().find(|b| b.lang == "console").expect("the console block");
     let example = console.text.split("\n$ ").map(|c| c.trim_start_matches("$ ")).collect::<Vec<_>>();
@@ -783,16 +784,15 @@ fn check_curl(at: &str, c: &shell::Command, d: &Defaults, cx: &ShellContext) {
         .unwrap()
         .map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap())
         .collect();
-    let operations = std::fs::read_to_string(root().join("src/server/admin/operations.rs")).unwrap();
     match url.port_or_known_default() {
         Some(p) if p == d.admin_port => {
             let path = url.path();
             assert!(admin.contains(&format!("\"{path}\"")), "{at}: the admin listener has no {path}");
-            if matches!(path, "/prefetch" | "/purge") {
+            if matches!(path, "/prefetch" | "/purge" | "/export" | "/import") {
                 assert_eq!(c.option("-X"), Some("POST"), "{at}: {path} is a POST");
             }
             for (k, _) in url.query_pairs() {
-                assert!(operations.contains(&format!("params.get(\"{k}\")")), "{at}: {path} reads no `{k}`");
+                assert!(admin.contains(&format!("params.get(\"{k}\")")), "{at}: {path} reads no `{k}`");
             }
             for header in c.options("-H") {
                 let (name, value) = header.split_once(": ").unwrap();

@@ -251,3 +251,60 @@ async fn referrers_from_an_upstream_with_the_api_are_relayed_as_it_answered() {
     );
     assert!(!heads.iter().any(|h| h.contains("sha256-")), "no fallback tag asked of a registry with the API");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn prefetch_with_referrers_keeps_signatures_and_sboms_served_with_the_origin_gone() {
+    let origin = Origin::start().await;
+    let image = ImageBuilder::oci().layers(&[4 * KIB]).push(&origin, "team/app", "v1").await;
+    let subject = origin.fetch_manifest("team/app", &image.digest).await;
+    let signature = push_referrer(&origin, "team/app", &image.digest, subject.body.len(), SIGNATURE).await;
+    let sbom = push_referrer(&origin, "team/app", &image.digest, subject.body.len(), SBOM).await;
+    let fallback = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [signature, sbom],
+    }))
+    .unwrap();
+    origin.push_manifest("team/app", &image.digest.replace(':', "-"), OCI_INDEX, &fallback).await;
+    // cosign's own scheme: the signature under the `sha256-<hex>.sig` tag.
+    let cosign_tag = format!("{}.sig", image.digest.replace(':', "-"));
+    let cosign_type = "application/vnd.dev.cosign.artifact.sig.v1+json";
+    let cosign = push_referrer(&origin, "team/app", &image.digest, subject.body.len(), cosign_type).await;
+    let cosign_manifest = origin.fetch_manifest("team/app", cosign["digest"].as_str().unwrap()).await;
+    origin.push_manifest("team/app", &cosign_tag, OCI_MANIFEST, &cosign_manifest.body).await;
+    let (builder, admin) = common::Admin::open(Larder::builder().upstream(&origin));
+    let mut larder = builder.start().await;
+
+    let config = larder.config_path().display().to_string();
+    let out = admin.command(&["prefetch", "--referrers", "team/app:v1", "--config", &config]).output().unwrap();
+    let stdout = common::admin::stdout(&out);
+    assert!(out.status.success(), "{stdout}{}", common::admin::stderr(&out));
+    assert!(stdout.contains("with 3 referrers"), "two from the fallback tag, one from cosign's tag: {stdout}");
+    drop(origin);
+    larder.restart().await;
+
+    let base = larder.url();
+    let resp = http::client().get(format!("{base}/v2/team/app/referrers/{}", image.digest)).send().await.unwrap();
+    assert_eq!(resp.status(), 200, "the referrers, with the origin gone");
+    let index: serde_json::Value = serde_json::from_slice(&resp.bytes().await.unwrap()).unwrap();
+    assert_eq!(index["manifests"], serde_json::json!([signature, sbom]));
+    for referrer in [&signature, &sbom, &cosign] {
+        let digest = referrer["digest"].as_str().unwrap();
+        let resp = http::client()
+            .get(format!("{base}/v2/team/app/manifests/{digest}"))
+            .header("accept", OCI_MANIFEST)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200, "referrer {digest}");
+        let manifest: serde_json::Value = serde_json::from_slice(&resp.bytes().await.unwrap()).unwrap();
+        let layer = manifest["layers"][0]["digest"].as_str().unwrap();
+        let resp = http::client().get(format!("{base}/v2/team/app/blobs/{layer}")).send().await.unwrap();
+        assert_eq!(resp.status(), 200, "its payload {layer}");
+    }
+    let resp = http::client()
+        .get(format!("{base}/v2/team/app/manifests/{cosign_tag}"))
+        .header("accept", OCI_MANIFEST)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "cosign's signature tag, with the origin gone");
+}

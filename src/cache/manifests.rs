@@ -219,7 +219,7 @@ impl Cache {
     /// becomes a member when it is fetched for `repo`, or confirmed there
     /// by one upstream `HEAD` ([`Cache::ensure_member`]). The sizes it
     /// declares for its blobs bound their fills for `repo`.
-    async fn store_manifest(
+    pub(super) async fn store_manifest(
         &self,
         m: FetchedManifest,
         upstream: &str,

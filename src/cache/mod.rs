@@ -35,9 +35,11 @@ mod ahead;
 mod blobs;
 mod disk;
 mod evict;
+pub mod export;
 pub mod fill;
 mod fill_chain;
 mod fill_copy;
+pub mod import;
 pub mod index;
 mod listings;
 mod maintenance;
@@ -192,10 +194,7 @@ const FILLS_POLL: Duration = Duration::from_millis(10);
 fn open_locked(dir: &std::path::Path) -> Result<(Store, Index), Error> {
     let store = Store::new(dir)?;
     let index = Index::open(&store.index_path()).map_err(|e| match e {
-        redb::Error::DatabaseAlreadyOpen => Error::Internal(format!(
-            "{} is in use by another larder process (its index is locked); stop it first",
-            dir.display()
-        )),
+        redb::Error::DatabaseAlreadyOpen => Error::CacheInUse(dir.display().to_string()),
         e => e.into(),
     })?;
     store.prepare()?;

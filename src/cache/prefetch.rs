@@ -13,14 +13,21 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use super::fill::Progress;
-use super::{BlobSource, Cache, CacheResult};
+use super::{BlobSource, Cache, CacheResult, StoredManifest};
 use crate::error::Error;
-use crate::oci::{Digest, Reference, RepoName, inspect_manifest};
-use crate::upstream::Upstream;
+use crate::oci::referrers::ReferrersIndex;
+use crate::oci::{Digest, Reference, RepoName, Tag, inspect_manifest};
+use crate::upstream::{Listing, Upstream};
 
 /// Blobs of one prefetch fetched at once (each still counts against the
 /// upstream's `max_concurrency`).
 pub const PREFETCH_PARALLELISM: usize = 4;
+
+/// Referrers of referrers are followed this deep (a signature of an SBOM).
+pub const REFERRER_DEPTH: usize = 2;
+/// The tags cosign keeps a manifest's signature, attestations and SBOM
+/// under on registries without the referrers API: `sha256-<hex>.<suffix>`.
+pub const COSIGN_TAG_SUFFIXES: [&str; 3] = ["sig", "att", "sbom"];
 
 /// What a prefetch did, once done.
 #[derive(Debug, Default, Serialize, PartialEq, Eq)]
@@ -32,6 +39,11 @@ pub struct Prefetched {
     /// Blobs that were not cached before (fetched from upstream now).
     pub fetched: usize,
     pub bytes: u64,
+    /// With referrers: the referrer manifests (signatures, SBOMs,
+    /// attestations) cached with their blobs (counted in `blobs`, `fetched`
+    /// and `bytes` too).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub referrers: Option<usize>,
 }
 
 /// Where a prefetch is, published as it goes. Totals are known once the
@@ -77,25 +89,34 @@ fn declared_sizes(bytes: &[u8], sizes: &mut HashMap<Digest, u64>) {
     }
 }
 
-/// Fetches the manifest(s) of `repo:reference` and every blob into the
-/// cache. For an index, every platform, or those whose `os/arch[/variant]`
-/// starts with `platform`. `image` is only echoed in the report. Progress
-/// goes to `progress` (nobody needs to be listening).
-pub async fn prefetch(
+/// What an image is made of, for the platforms chosen: its manifests (in
+/// the cache now) and the blobs they name.
+pub struct Plan {
+    pub top: Arc<StoredManifest>,
+    /// The child manifests chosen, for an index (empty for an image).
+    pub children: Vec<Arc<StoredManifest>>,
+    /// Every blob of the chosen image manifests, once each, sorted.
+    pub blobs: Vec<Digest>,
+    /// The sizes the manifests declare.
+    pub sizes: HashMap<Digest, u64>,
+}
+
+/// Reads the manifest(s) of `repo:reference` through the cache: for an
+/// index, every platform, or those whose `os/arch[/variant]` starts with
+/// `platform`.
+pub async fn plan(
     cache: &Arc<Cache>,
     upstream: &Arc<Upstream>,
     repo: &RepoName,
     reference: &Reference,
-    image: &str,
     platform: Option<&str>,
-    progress: &watch::Sender<PrefetchProgress>,
-) -> Result<Prefetched, Error> {
+) -> Result<Plan, Error> {
     let (top, _) = cache.manifest(upstream, repo, reference).await?;
     let (_, refs) = inspect_manifest(&top.bytes, Some(top.media_type)).map_err(Error::Internal)?;
     let mut sizes = HashMap::new();
     declared_sizes(&top.bytes, &mut sizes);
     let mut blobs: Vec<Digest> = refs.blobs.clone();
-    let mut manifests = usize::from(refs.manifests.is_empty());
+    let mut children = Vec::new();
     for (child, child_platform) in refs.manifests.iter().zip(&refs.platforms) {
         let selected = match (platform, child_platform) {
             (None, _) => true,
@@ -109,15 +130,44 @@ pub async fn prefetch(
         let (_, child_refs) = inspect_manifest(&m.bytes, Some(m.media_type)).map_err(Error::Internal)?;
         declared_sizes(&m.bytes, &mut sizes);
         blobs.extend(child_refs.blobs);
-        manifests += 1;
+        children.push(m);
     }
     blobs.sort();
     blobs.dedup();
-    let bytes_total = blobs.iter().map(|d| sizes.get(d).copied().unwrap_or(0)).sum();
+    Ok(Plan { top, children, blobs, sizes })
+}
+
+/// Fetches the manifest(s) of `repo:reference` and every blob into the
+/// cache (see [`plan`] for `platform`). `image` is only echoed in the
+/// report. Progress goes to `progress` (nobody needs to be listening).
+pub async fn prefetch(
+    cache: &Arc<Cache>,
+    upstream: &Arc<Upstream>,
+    repo: &RepoName,
+    reference: &Reference,
+    image: &str,
+    platform: Option<&str>,
+    progress: &watch::Sender<PrefetchProgress>,
+) -> Result<Prefetched, Error> {
+    let plan = plan(cache, upstream, repo, reference, platform).await?;
+    fetch(cache, upstream, repo, &plan, image, progress).await
+}
+
+/// Fetches every blob of `plan` into the cache.
+pub async fn fetch(
+    cache: &Arc<Cache>,
+    upstream: &Arc<Upstream>,
+    repo: &RepoName,
+    plan: &Plan,
+    image: &str,
+    progress: &watch::Sender<PrefetchProgress>,
+) -> Result<Prefetched, Error> {
+    let manifests = plan.children.len().max(1);
+    let blobs = plan.blobs.clone();
+    let bytes_total = blobs.iter().map(|d| plan.sizes.get(d).copied().unwrap_or(0)).sum();
     progress.send_modify(|p| {
         *p = PrefetchProgress { planned: true, manifests, blobs_total: blobs.len(), bytes_total, ..p.clone() };
     });
-
     let mut report = Prefetched { image: image.to_owned(), manifests, blobs: blobs.len(), ..Prefetched::default() };
     let mut results = futures_util::stream::iter(blobs)
         .map(|digest| async move {
@@ -170,5 +220,67 @@ async fn follow_fill(
         if rx.changed().await.is_err() {
             return Err(Error::Internal("fill ended without a result".into()));
         }
+    }
+}
+
+/// Caches the referrers of `plan`'s manifests (signatures, SBOMs,
+/// attestations), each with its blobs, and theirs down to
+/// [`REFERRER_DEPTH`]: those the referrers API (or larder's answer from the
+/// fallback tag) lists, and cosign's `sha256-<hex>.sig|att|sbom` tags. So
+/// `cosign verify` and SBOM lookups work with upstream gone. Adds what it
+/// cached to `report`.
+pub async fn prefetch_referrers(
+    cache: &Arc<Cache>,
+    upstream: &Arc<Upstream>,
+    repo: &RepoName,
+    plan: &Plan,
+    report: &mut Prefetched,
+) -> Result<(), Error> {
+    let mut subjects: Vec<Digest> =
+        std::iter::once(plan.top.digest).chain(plan.children.iter().map(|m| m.digest)).collect();
+    let mut seen: std::collections::HashSet<Digest> = subjects.iter().copied().collect();
+    let (progress, _) = watch::channel(PrefetchProgress::default());
+    let mut cached = 0;
+    for _ in 0..REFERRER_DEPTH {
+        let mut next = Vec::new();
+        for subject in &subjects {
+            let listing = Listing::Referrers(*subject);
+            let (page, _) = cache.listing(upstream, repo, &listing, None, super::Via::Client).await?;
+            let listed = ReferrersIndex::parse(&page.body).map_err(Error::Internal)?.digests();
+            let mut references: Vec<Reference> = listed.into_iter().map(Reference::Digest).collect();
+            for suffix in COSIGN_TAG_SUFFIXES {
+                let tag = format!("sha256-{}.{suffix}", subject.hex().as_str());
+                references.extend(tag.parse::<Tag>().ok().map(Reference::Tag));
+            }
+            for reference in references {
+                let referrer = match plan_of(cache, upstream, repo, &reference).await? {
+                    Some(referrer) if seen.insert(referrer.top.digest) => referrer,
+                    _ => continue,
+                };
+                let fetched = fetch(cache, upstream, repo, &referrer, &reference.to_string(), &progress).await?;
+                report.blobs += fetched.blobs;
+                report.bytes += fetched.bytes;
+                report.fetched += fetched.fetched;
+                cached += 1;
+                next.push(referrer.top.digest);
+            }
+        }
+        subjects = next;
+    }
+    report.referrers = Some(cached);
+    Ok(())
+}
+
+/// [`plan`] of every platform, `None` for a tag or digest upstream does not have.
+async fn plan_of(
+    cache: &Arc<Cache>,
+    upstream: &Arc<Upstream>,
+    repo: &RepoName,
+    reference: &Reference,
+) -> Result<Option<Plan>, Error> {
+    match plan(cache, upstream, repo, reference, None).await {
+        Ok(plan) => Ok(Some(plan)),
+        Err(Error::ManifestUnknown | Error::NotFound) => Ok(None),
+        Err(e) => Err(e),
     }
 }

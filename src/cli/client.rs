@@ -9,6 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::header::{ACCEPT, AUTHORIZATION, USER_AGENT};
 use http::{Method, Request, Response, Uri};
+use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
@@ -113,11 +114,14 @@ impl ServerCertVerifier for PinnedOrRoots {
     }
 }
 
+/// What a request to the admin listener carries.
+pub type RequestBody = BoxBody<Bytes, crate::body::BoxError>;
+
 /// A running larder's admin listener.
 pub struct AdminClient {
     base: String,
     token: Option<Secret>,
-    inner: Client<hyper_rustls::HttpsConnector<HttpConnector>, Empty<Bytes>>,
+    inner: Client<hyper_rustls::HttpsConnector<HttpConnector>, RequestBody>,
 }
 
 impl AdminClient {
@@ -168,15 +172,29 @@ impl AdminClient {
         path_and_query: &str,
         accept: &str,
     ) -> Result<Response<Incoming>, CallError> {
+        let empty = Empty::new().map_err(|never| match never {}).boxed();
+        self.send(method, path_and_query, accept, empty, RESPONSE_TIMEOUT).await
+    }
+
+    /// [`AdminClient::call`] with a request body (a layout to import):
+    /// the response headers within `timeout`, the body's upload included.
+    pub async fn send(
+        &self,
+        method: Method,
+        path_and_query: &str,
+        accept: &str,
+        body: RequestBody,
+        timeout: Duration,
+    ) -> Result<Response<Incoming>, CallError> {
         let url = format!("{}{path_and_query}", self.base);
         let mut req =
             Request::builder().method(method).uri(&url).header(ACCEPT, accept).header(USER_AGENT, crate::USER_AGENT);
         if let Some(token) = &self.token {
             req = req.header(AUTHORIZATION, format!("Bearer {}", token.expose()));
         }
-        let req = req.body(Empty::new()).map_err(|e| CallError::Usage(format!("{url}: {e}")))?;
+        let req = req.body(body).map_err(|e| CallError::Usage(format!("{url}: {e}")))?;
         let unreachable = |message: String| CallError::Unreachable { url: self.base.clone(), message };
-        let resp = match tokio::time::timeout(RESPONSE_TIMEOUT, self.inner.request(req)).await {
+        let resp = match tokio::time::timeout(timeout, self.inner.request(req)).await {
             Ok(Ok(resp)) => resp,
             Ok(Err(e)) if self.base.starts_with("http://") => {
                 // A TLS listener hangs up on plain HTTP: say what may be wrong.
@@ -185,7 +203,7 @@ impl AdminClient {
                 return Err(unreachable(format!("{}{hint}", crate::upstream::error_chain(&e))));
             }
             Ok(Err(e)) => return Err(unreachable(crate::upstream::error_chain(&e))),
-            Err(_) => return Err(unreachable(format!("no answer within {RESPONSE_TIMEOUT:?}"))),
+            Err(_) => return Err(unreachable(format!("no answer within {timeout:?}"))),
         };
         if resp.status().is_success() {
             return Ok(resp);
@@ -215,7 +233,7 @@ pub fn refusal(status: u16, body: &[u8]) -> CallError {
     CallError::Refused { status, code, message }
 }
 
-async fn read_body(body: Incoming) -> Result<Bytes, CallError> {
+pub async fn read_body(body: Incoming) -> Result<Bytes, CallError> {
     let limited = http_body_util::Limited::new(body, MAX_ANSWER);
     match tokio::time::timeout(BODY_IDLE_TIMEOUT, limited.collect()).await {
         Ok(Ok(collected)) => Ok(collected.to_bytes()),

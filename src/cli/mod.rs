@@ -9,6 +9,7 @@
 
 pub mod client;
 pub mod prefetch;
+pub mod seed;
 pub mod status;
 
 use std::net::SocketAddr;

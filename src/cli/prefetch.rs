@@ -77,11 +77,20 @@ impl Display {
 }
 
 /// Runs the prefetch; prints progress and a closing summary line.
-pub async fn run(client: &AdminClient, image: &str, platform: Option<&str>, terminal: bool) -> Result<(), CallError> {
+pub async fn run(
+    client: &AdminClient,
+    image: &str,
+    platform: Option<&str>,
+    referrers: bool,
+    terminal: bool,
+) -> Result<(), CallError> {
     let mut query = form_urlencoded::Serializer::new(String::new());
     query.append_pair("image", image);
     if let Some(platform) = platform {
         query.append_pair("platform", platform);
+    }
+    if referrers {
+        query.append_pair("referrers", "true");
     }
     let started = Instant::now();
     let resp = client.call(Method::POST, &format!("/prefetch?{}", query.finish()), NDJSON).await?;
@@ -122,5 +131,8 @@ pub async fn run(client: &AdminClient, image: &str, platform: Option<&str>, term
         bytes(n("bytes")),
         started.elapsed().as_secs_f64()
     );
+    if let Some(referrers) = done["referrers"].as_u64() {
+        println!("  with {referrers} referrers (signatures, SBOMs, attestations) and their blobs");
+    }
     Ok(())
 }

@@ -4,6 +4,7 @@
 
 mod digest;
 pub mod headers;
+pub mod layout;
 mod manifest;
 mod media;
 mod reference;

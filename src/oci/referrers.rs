@@ -66,6 +66,11 @@ impl ReferrersIndex {
         ReferrersIndex { schema_version: 2, media_type: IndexMediaType, manifests: Vec::new(), annotations: None }
     }
 
+    /// The digests of the referrers it lists.
+    pub fn digests(&self) -> Vec<Digest> {
+        self.manifests.iter().map(|d| d.digest).collect()
+    }
+
     /// Parses an image index; an error says why it is not one.
     pub fn parse(body: &[u8]) -> Result<ReferrersIndex, String> {
         #[derive(Deserialize)]

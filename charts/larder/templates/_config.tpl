@@ -42,6 +42,17 @@ key = "/run/larder/tls/tls.key"
 [server.auth]
 htpasswd = "/run/larder/auth/htpasswd"
 realm = {{ include "larder.toml.string" .Values.config.auth.realm }}
+{{- range .Values.config.auth.grants }}
+
+[[server.auth.grant]]
+who = {{ include "larder.toml.stringArray" .who }}
+{{- if hasKey . "upstreams" }}
+upstreams = {{ include "larder.toml.stringArray" .upstreams }}
+{{- end }}
+{{- if hasKey . "repositories" }}
+repositories = {{ include "larder.toml.stringArray" .repositories }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 [cache]

@@ -400,6 +400,27 @@ Folder name for an upstream's mounted files (secrets, CA): its name with
 {{- if and $v.nodeSetup.enabled $v.config.auth.enabled (not $v.nodeSetup.mirrorCredentials.existingSecret) }}
 {{- fail "config.auth.enabled with nodeSetup.enabled needs nodeSetup.mirrorCredentials.existingSecret: containerd would get 401 from larder and silently pull from the registries directly" }}
 {{- end }}
+{{- if and $v.config.auth.grants (not $v.config.auth.enabled) }}
+{{- fail "config.auth.grants need config.auth.enabled: grants say what an authenticated client may pull" }}
+{{- end }}
+{{- with $v.nodeSetup.nodePools }}
+{{- if not $v.nodeSetup.enabled }}
+{{- fail "nodeSetup.nodePools need nodeSetup.enabled: they are node setup DaemonSets" }}
+{{- end }}
+{{- if include "larder.nodeMode" $ }}
+{{- fail "nodeSetup.nodePools need mode: deployment (in node mode the larder DaemonSet itself writes hosts.toml, with nodeSetup.mirrorCredentials)" }}
+{{- end }}
+{{- if not $v.config.auth.enabled }}
+{{- fail "nodeSetup.nodePools send per-pool credentials, which larder checks only with config.auth.enabled" }}
+{{- end }}
+{{- $names := list }}
+{{- range . }}
+{{- if has .name $names }}
+{{- fail (printf "nodeSetup.nodePools: the name %q is used twice" .name) }}
+{{- end }}
+{{- $names = append $names .name }}
+{{- end }}
+{{- end }}
 {{- if include "larder.nodeMode" . }}
 {{- if and $v.node.fallbackMirror (eq (toString $v.service.internalTrafficPolicy) "Local") }}
 {{- fail "node.fallbackMirror sends pulls to the Service when the node's own larder is down; service.internalTrafficPolicy=Local would send them to that same (down) pod. Leave it empty, or use service.trafficDistribution" }}

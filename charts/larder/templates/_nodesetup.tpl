@@ -21,13 +21,15 @@ variables (documented at the top of the script).
 
 {{/*
 The script's container. Call with (dict "root" $ "name" NAME "mode"
-setup|cleanup).
+setup|cleanup), and "credentials" (a node pool's mirrorCredentials) to
+write those instead of nodeSetup.mirrorCredentials.
 */}}
 {{- define "larder.nodeSetup.container" -}}
 {{- $root := .root }}
 {{- $v := $root.Values }}
 {{- $paths := include "larder.nodeSetup.paths" $root | fromYaml }}
 {{- $verify := and (eq .mode "setup") $v.nodeSetup.verifyContainerdConfig }}
+{{- $credentials := .credentials | default $v.nodeSetup.mirrorCredentials }}
 - name: {{ .name }}
   image: {{ include "larder.nodeSetup.image" $root }}
   imagePullPolicy: {{ $v.nodeSetup.image.pullPolicy }}
@@ -72,7 +74,7 @@ setup|cleanup).
     - name: LARDER_MIRROR_CA
       value: /run/larder/mirror-ca/ca.crt
     {{- end }}
-    {{- if $v.nodeSetup.mirrorCredentials.existingSecret }}
+    {{- if $credentials.existingSecret }}
     - name: LARDER_MIRROR_USERNAME_FILE
       value: /run/larder/mirror-credentials/username
     - name: LARDER_MIRROR_PASSWORD_FILE
@@ -118,7 +120,7 @@ setup|cleanup).
       mountPath: /run/larder/mirror-ca
       readOnly: true
     {{- end }}
-    {{- if $v.nodeSetup.mirrorCredentials.existingSecret }}
+    {{- if $credentials.existingSecret }}
     - name: mirror-credentials
       mountPath: /run/larder/mirror-credentials
       readOnly: true
@@ -126,8 +128,13 @@ setup|cleanup).
     {{- end }}
 {{- end }}
 
-{{/* Volumes of the script's container (setup mode). */}}
+{{/*
+Volumes of the script's container (setup mode). Call with (dict "root" $),
+and "credentials" as for the container.
+*/}}
 {{- define "larder.nodeSetup.volumes" -}}
+{{- $credentials := .credentials | default .root.Values.nodeSetup.mirrorCredentials }}
+{{- with .root }}
 {{- $paths := include "larder.nodeSetup.paths" . | fromYaml }}
 - name: node-setup-script
   configMap:
@@ -154,17 +161,46 @@ setup|cleanup).
       - key: {{ .Values.config.tls.caKey }}
         path: ca.crt
 {{- end }}
-{{- with .Values.nodeSetup.mirrorCredentials }}
+{{- with $credentials }}
 {{- if .existingSecret }}
 - name: mirror-credentials
   secret:
     secretName: {{ .existingSecret }}
     defaultMode: 0400
     items:
-      - key: {{ .usernameKey }}
+      - key: {{ .usernameKey | default "username" }}
         path: username
-      - key: {{ .passwordKey }}
+      - key: {{ .passwordKey | default "password" }}
         path: password
 {{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+nodeSetup.affinity for the default node setup DaemonSet: every term also
+excludes the nodes of each node pool (their own DaemonSets cover them).
+*/}}
+{{- define "larder.nodeSetup.defaultAffinity" -}}
+{{- $affinity := deepCopy (.Values.nodeSetup.affinity | default dict) }}
+{{- $excluded := list }}
+{{- range .Values.nodeSetup.nodePools }}
+{{- range $key, $value := .nodeSelector }}
+{{- $excluded = append $excluded (dict "key" $key "operator" "NotIn" "values" (list $value)) }}
+{{- end }}
+{{- end }}
+{{- if $excluded }}
+{{- $node := $affinity.nodeAffinity | default dict }}
+{{- $required := $node.requiredDuringSchedulingIgnoredDuringExecution | default dict }}
+{{- $terms := list }}
+{{- range ($required.nodeSelectorTerms | default (list dict)) }}
+{{- $terms = append $terms (set (deepCopy .) "matchExpressions" (concat (.matchExpressions | default list) $excluded)) }}
+{{- end }}
+{{- $_ := set $required "nodeSelectorTerms" $terms }}
+{{- $_ := set $node "requiredDuringSchedulingIgnoredDuringExecution" $required }}
+{{- $_ := set $affinity "nodeAffinity" $node }}
+{{- end }}
+{{- if $affinity }}
+{{- toYaml $affinity }}
 {{- end }}
 {{- end }}

@@ -300,7 +300,7 @@ spec:
             path: htpasswd
     {{- end }}
     {{- if $nodeSetup }}
-    {{- include "larder.nodeSetup.volumes" . | trim | nindent 4 }}
+    {{- include "larder.nodeSetup.volumes" (dict "root" .) | trim | nindent 4 }}
     {{- end }}
     {{- range $i, $u := .Values.upstreams }}
     {{- with $u.credentials }}

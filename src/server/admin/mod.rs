@@ -4,7 +4,8 @@
 //! `/readyz` (the index is readable and the cache folder writable), `/`
 //! (the status page) and `/status` (the same facts as JSON, for
 //! `larder status`). Mutating, guarded by [`auth`]: `POST /prefetch` and
-//! `POST /purge` (see [`operations`]). The listener has the registry
+//! `POST /purge` (see [`operations`]), `POST /export` and `POST /import`
+//! (see [`seed`]). The listener has the registry
 //! listener's protections (first-request deadline, idle timeout, header
 //! timeout), with its own, smaller connection cap. It speaks TLS when
 //! `[admin] tls` gives it a certificate (by default `[server.tls]`'s, so a
@@ -14,6 +15,7 @@
 pub mod auth;
 pub mod operations;
 pub mod provenance;
+pub mod seed;
 pub mod status;
 pub mod status_page;
 pub mod token_file;
@@ -162,13 +164,15 @@ fn endpoint_label(path: &str) -> &'static str {
     match path {
         "/prefetch" => "prefetch",
         "/purge" => "purge",
+        "/export" => "export",
+        "/import" => "import",
         _ => "other",
     }
 }
 
 impl Admin {
     async fn handle(&self, req: Request<Incoming>) -> Response<Body> {
-        let (parts, _body) = req.into_parts();
+        let (parts, body) = req.into_parts();
         let head = parts.method == Method::HEAD;
         let mut resp = if parts.method == Method::GET || head {
             self.read(parts.uri.path()).await
@@ -193,6 +197,8 @@ impl Admin {
                             operations::prefetch(&self.app, &params, stream).await
                         }
                         "/purge" => operations::purge(&self.app, &params).await,
+                        "/export" => seed::export(&self.app, &params).await,
+                        "/import" => seed::import(&self.app, &params, body).await,
                         _ => Err(Error::NotFound),
                     }
                 }

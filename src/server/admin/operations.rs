@@ -1,4 +1,4 @@
-//! The admin listener's operations: `POST /prefetch?image=REF[&platform=os/arch]`
+//! The admin listener's operations: `POST /prefetch?image=REF[&platform=os/arch][&referrers=true]`
 //! and `POST /purge?upstream=NAME[&repo=REPO]`. Callers have passed the
 //! token check already (see [`super::auth`]).
 //!
@@ -30,6 +30,7 @@ use crate::error::Error;
 use crate::oci::{Reference, RepoName};
 use crate::server::routes::{self, Endpoint, Parsed, Route};
 use crate::state::App;
+use crate::upstream::Upstreams;
 
 /// Media type of the streamed prefetch progress.
 pub const NDJSON: &str = "application/x-ndjson";
@@ -53,7 +54,7 @@ impl Params {
         Params(form_urlencoded::parse(uri.query().unwrap_or("").as_bytes()).into_owned().collect())
     }
 
-    fn get(&self, name: &str) -> Option<&str> {
+    pub fn get(&self, name: &str) -> Option<&str> {
         self.0.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
     }
 }
@@ -61,7 +62,7 @@ impl Params {
 /// Resolves `image` (`[registry/]repo[:tag|@digest]`) as a client's pull
 /// would be routed: a registry that names a configured upstream selects it,
 /// anything else goes to the default upstream.
-fn resolve(app: &App, image: &str) -> Result<(Route, Reference), Error> {
+pub fn route_image(upstreams: &Upstreams, image: &str) -> Result<(Route, Reference), Error> {
     let (name, reference) = match image.split_once('@') {
         Some((name, digest)) => (name, digest.to_owned()),
         None => match image.rsplit_once(':').filter(|(_, tag)| !tag.contains('/')) {
@@ -72,7 +73,7 @@ fn resolve(app: &App, image: &str) -> Result<(Route, Reference), Error> {
     let uri: http::Uri = format!("/v2/{name}/manifests/{reference}")
         .parse()
         .map_err(|_| Error::NameInvalid(crate::oci::NameError::BadComponent(image.chars().take(64).collect())))?;
-    match routes::parse(&Method::GET, &uri, &app.upstreams)? {
+    match routes::parse(&Method::GET, &uri, upstreams)? {
         Parsed::Repo(route) => match route.endpoint.clone() {
             Endpoint::Manifest(reference) => Ok((route, reference)),
             _ => Err(Error::NotFound),
@@ -94,14 +95,21 @@ impl Drop for AbortOnDrop {
 pub async fn prefetch(app: &Arc<App>, params: &Params, stream: bool) -> Result<Response<Body>, Error> {
     let image = params.get("image").ok_or(Error::NameInvalid(crate::oci::NameError::Empty))?.to_owned();
     let platform = params.get("platform").map(str::to_owned);
-    let (route, reference) = resolve(app, &image)?;
+    let referrers = matches!(params.get("referrers"), Some("1" | "true"));
+    let (route, reference) = route_image(&app.upstreams, &image)?;
     let (tx, mut rx) = watch::channel(PrefetchProgress::default());
     let task = {
         let app = Arc::clone(app);
         tokio::spawn(async move {
+            use crate::cache::prefetch::{fetch, plan, prefetch_referrers};
             let cache = &app.cache;
             let (upstream, repo) = (&route.upstream, &route.repo);
-            crate::cache::prefetch::prefetch(cache, upstream, repo, &reference, &image, platform.as_deref(), &tx).await
+            let plan = plan(cache, upstream, repo, &reference, platform.as_deref()).await?;
+            let mut report = fetch(cache, upstream, repo, &plan, &image, &tx).await?;
+            if referrers {
+                prefetch_referrers(cache, upstream, repo, &plan, &mut report).await?;
+            }
+            Ok(report)
         })
     };
     let mut task = AbortOnDrop(task);
