@@ -327,6 +327,7 @@ fn cache_config(dir: &Path) -> larder::config::CacheConfig {
         warm_file: None,
         warm_interval: None,
         upstream_max_size: Vec::new(),
+        parallel_fill_min: larder::config::DEFAULT_PARALLEL_FILL_MIN,
     }
 }
 

@@ -29,6 +29,22 @@ pub struct Metrics {
     /// through larder's memory.
     pub sendfile_bytes: IntCounter,
     pub fills_in_flight: IntGauge,
+    /// `fills_total{reason}`: blob fills started; reason `client` (a
+    /// client's request), `peer` (another replica's) or `ahead` (the blobs
+    /// of an image manifest just served, before the client asks).
+    pub fills: IntCounterVec,
+    /// `fills_ahead_joined_total`: fills started ahead that a client then
+    /// asked for (the rest of `fills_total{reason="ahead"}` went unused).
+    pub fills_ahead_joined: IntCounter,
+    /// `fill_parts_total{upstream}`: ranged parts of parallel fills, one
+    /// per part however many GETs it took.
+    pub fill_parts: IntCounterVec,
+    /// `fill_part_bytes_total{upstream}`: blob bytes the parts received
+    /// (part of `upstream_bytes_total`).
+    pub fill_part_bytes: IntCounterVec,
+    /// `fill_part_resumes_total{upstream}`: GETs that resumed a part whose
+    /// connection broke, from the byte it reached.
+    pub fill_part_resumes: IntCounterVec,
     /// `cache_size_bytes`: blobs and manifests on disk.
     pub cache_size: IntGauge,
     /// `cache_evictions_total{kind}`: kind `blob|manifest`.
@@ -220,6 +236,24 @@ fn build() -> Result<Metrics, prometheus::Error> {
         upstream_bytes: counter_vec("upstream_bytes_total", "Blob bytes received from upstream", &["upstream"])?,
         sendfile_bytes,
         fills_in_flight,
+        fills: counter_vec("fills_total", "Blob fills started, by who they were started for", &["reason"])?,
+        fills_ahead_joined: {
+            let c =
+                IntCounter::new("fills_ahead_joined_total", "Fills started ahead of a client that a client joined")?;
+            registry.register(Box::new(c.clone()))?;
+            c
+        },
+        fill_parts: counter_vec("fill_parts_total", "Ranged parts of parallel blob fills", &["upstream"])?,
+        fill_part_bytes: counter_vec(
+            "fill_part_bytes_total",
+            "Blob bytes received by the ranged parts of parallel fills",
+            &["upstream"],
+        )?,
+        fill_part_resumes: counter_vec(
+            "fill_part_resumes_total",
+            "Ranged GETs resuming a part whose connection broke",
+            &["upstream"],
+        )?,
         cache_size,
         cache_reconcile_running,
         log_lines_dropped,
@@ -364,6 +398,9 @@ pub fn init_known_series() {
     }
     for state in WARM_STATES {
         m.warm_images.with_label_values(&[state]);
+    }
+    for reason in ["client", "peer", "ahead"] {
+        m.fills.with_label_values(&[reason]);
     }
 }
 

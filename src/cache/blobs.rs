@@ -18,7 +18,7 @@ impl Cache {
     /// is genuinely missing, or of the wrong size, drops its row (with
     /// exact accounting, see [`Cache::forget_removed`]); any other failure
     /// to open it (too many open files, EIO) is a 503 that changes nothing.
-    async fn committed_blob(&self, digest: &Digest) -> Result<Option<(Arc<File>, u64)>, Error> {
+    pub(super) async fn committed_blob(&self, digest: &Digest) -> Result<Option<(Arc<File>, u64)>, Error> {
         if let Some(open) = self.memory.open_blob(digest) {
             return Ok(Some(open));
         }
@@ -152,11 +152,12 @@ impl Cache {
                         self.evictor.record_access(Kind::Blob, digest, unix_ms(SystemTime::now()));
                         return Ok((BlobSource::Committed { file, size }, CacheResult::Hit));
                     }
+                    let priority = Priority::client();
                     let attach = self.fills.join_or_start(
                         digest,
-                        &owner,
+                        (&owner, &priority),
                         || self.memory.blob_size(&digest).is_some(),
-                        |tx| self.spawn_fill(Arc::clone(upstream), repo.clone(), digest, via, tx),
+                        |tx| self.spawn_fill(Arc::clone(upstream), repo.clone(), digest, (via, priority.clone()), tx),
                     );
                     match attach {
                         Attach::Started(rx) => return Ok((BlobSource::Filling(rx), CacheResult::Miss)),
@@ -171,6 +172,10 @@ impl Cache {
                 }
             };
             self.ensure_member(upstream, repo, &digest, Content::Blob, via).await?;
+            // A fill started ahead of the client: someone waits on it now.
+            if joined.priority.promote() {
+                metrics().fills_ahead_joined.inc();
+            }
             let mut rx = joined.progress;
             if joined.owner != owner && foreign_failures < FOREIGN_FILL_RETRIES {
                 if let Err(e) = fill::wait_for_headers(&mut rx).await {
@@ -185,19 +190,27 @@ impl Cache {
         }
     }
 
-    fn spawn_fill(
+    /// Runs the fill of `digest` for `repo` in its own task, for a client
+    /// or a peer (`via`), and ahead of any client or not (`priority`).
+    pub(super) fn spawn_fill(
         self: &Arc<Self>,
         upstream: Arc<Upstream>,
         repo: RepoName,
         digest: Digest,
-        via: Via,
+        (via, priority): (Via, Priority),
         tx: watch::Sender<Progress>,
     ) {
         let cache = Arc::clone(self);
+        let reason = match via {
+            Via::Peer { .. } => "peer",
+            Via::Client if priority.is_ahead() => "ahead",
+            Via::Client => "client",
+        };
+        metrics().fills.with_label_values(&[reason]).inc();
         metrics().fills_in_flight.inc();
         // A fill the warm loop starts stays background work (clients first).
         tokio::spawn(crate::background::inherit(async move {
-            match cache.fill(&upstream, &repo, digest, via, &tx).await {
+            match cache.fill(&upstream, &repo, digest, via, &priority, &tx).await {
                 Ok((file, size)) => {
                     cache.memory.insert_blob_size(digest, size);
                     cache.memory.insert_open_blob(digest, Arc::clone(&file), size);

@@ -6,29 +6,32 @@
 //! else, and memory does not grow with the number of readers or their
 //! backlog. A client that disconnects drops only its reader; the fill goes
 //! on and commits, so the next pull is warm.
+//!
+//! A large blob may be fetched as parallel ranged parts (`super::parts`):
+//! then bytes beyond the contiguous prefix are written too, and a reader
+//! whose range starts there reads them as soon as they are (asking the
+//! fill for its part first when no connection fetches it yet).
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::Write;
 use std::sync::{Arc, Mutex};
+#[cfg(test)]
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
-use futures_util::FutureExt;
+use bytes::Bytes;
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 use tokio::sync::watch;
 
-use crate::blocking::blocking;
+use super::parts::Extents;
 use crate::body::Body;
-use crate::error::{Error, UpstreamError};
-use crate::oci::{Digest, Hasher};
+use crate::error::Error;
+use crate::oci::Digest;
 use crate::sendfile::{self, FileSink};
+use crate::upstream::Priority;
 
-/// Bytes gathered from upstream before one write to the temp file. Frames
-/// that are already buffered are batched up to this; a trickling upstream
-/// is written (and published to readers) as it arrives.
-pub const WRITE_CHUNK: usize = 256 << 10;
+pub use super::fill_copy::{Bounds, Cause, Interrupted, WRITE_CHUNK, Writer, copy_body};
+
 /// Largest read a client's body stream makes from a blob file at once
 /// (tokio's default 4 KiB reads are several times slower).
 pub const READ_CHUNK: usize = 256 << 10;
@@ -42,8 +45,10 @@ pub enum Progress {
     /// source's `Content-Length` if it sent one. Bytes from `vouched_from`
     /// on came from upstream itself; those before it came from the shared
     /// tier or a peer, and a client's range gets them only once the digest
-    /// matched ([`UNVOUCHED`]: none came from upstream yet).
-    Streaming { file: Arc<File>, size: Option<u64>, written: u64, vouched_from: u64 },
+    /// matched ([`UNVOUCHED`]: none came from upstream yet). With
+    /// `extents` (a ranged fill), bytes beyond `written` may be written
+    /// too, all from upstream.
+    Streaming { file: Arc<File>, size: Option<u64>, written: u64, vouched_from: u64, extents: Option<Arc<Extents>> },
     /// Every byte is written and the digest matched; the commit (fsync,
     /// rename, index row) is under way. Readers may send the last byte,
     /// and one that has seen this reads on to its end whatever the commit
@@ -67,6 +72,8 @@ pub struct Flight {
     pub progress: watch::Receiver<Progress>,
     /// `upstream\0repo` of the request that started it.
     pub owner: String,
+    /// Whether it runs ahead of any client (promoted when one joins).
+    pub priority: Priority,
 }
 
 /// What [`Fills::join_or_start`] did.
@@ -114,13 +121,14 @@ impl Fills {
         self.lock().inflight.get(digest).cloned()
     }
 
-    /// Joins the fill for `digest`, or registers a new one for `owner` and
-    /// calls `start` with its sender. `recently_committed` is checked under
-    /// the same lock, so a fill that finished a moment ago is not started again.
+    /// Joins the fill for `digest`, or registers a new one for `owner` at
+    /// `priority` and calls `start` with its sender. `recently_committed`
+    /// is checked under the same lock, so a fill that finished a moment
+    /// ago is not started again.
     pub fn join_or_start(
         &self,
         digest: Digest,
-        owner: &str,
+        (owner, priority): (&str, &Priority),
         recently_committed: impl FnOnce() -> bool,
         start: impl FnOnce(watch::Sender<Progress>),
     ) -> Attach {
@@ -135,7 +143,8 @@ impl Fills {
             return Attach::Committed;
         }
         let (tx, rx) = watch::channel(Progress::Connecting);
-        state.inflight.insert(digest, Flight { progress: rx.clone(), owner: owner.to_owned() });
+        let flight = Flight { progress: rx.clone(), owner: owner.to_owned(), priority: priority.clone() };
+        state.inflight.insert(digest, flight);
         start(tx);
         Attach::Started(rx)
     }
@@ -208,251 +217,6 @@ pub async fn wait_until_committed(rx: &mut watch::Receiver<Progress>) -> Result<
     }
 }
 
-/// The temp file being written and the hash of what was written so far.
-/// Moved into `spawn_blocking` for each write and back.
-pub struct Writer {
-    temp: tempfile::NamedTempFile,
-    hasher: Hasher,
-    written: u64,
-}
-
-impl Writer {
-    pub fn new(temp: tempfile::NamedTempFile) -> Writer {
-        Writer { temp, hasher: Hasher::default(), written: 0 }
-    }
-
-    pub fn written(&self) -> u64 {
-        self.written
-    }
-
-    pub async fn write(mut self, chunk: Bytes) -> Result<Writer, Error> {
-        blocking(move || {
-            self.temp.as_file_mut().write_all(&chunk)?;
-            self.hasher.update(&chunk);
-            self.written += chunk.len() as u64;
-            Ok(self)
-        })
-        .await
-    }
-
-    pub fn finish(self) -> (tempfile::NamedTempFile, Digest, u64) {
-        (self.temp, self.hasher.finish(), self.written)
-    }
-}
-
-/// The writer between chunks: idle, or busy writing and hashing one chunk
-/// on the blocking pool while the next one is read from upstream.
-enum Slot {
-    Idle(Writer),
-    Busy(tokio::task::JoinHandle<Result<Writer, Error>>),
-}
-
-/// What happened first while a write was in flight.
-enum Step {
-    Wrote(Result<Result<Writer, Error>, tokio::task::JoinError>),
-    Read(Result<(Bytes, bool), Error>),
-}
-
-impl Slot {
-    /// The writer once its chunk (if any) is written and hashed.
-    async fn settle(self) -> Result<Writer, Error> {
-        match self {
-            Slot::Idle(w) => Ok(w),
-            Slot::Busy(task) => task.await.map_err(|e| Error::Internal(format!("fill write task failed: {e}")))?,
-        }
-    }
-}
-
-/// What a fill's body may be.
-#[derive(Clone, Copy, Debug)]
-pub struct Bounds {
-    /// The blob's whole size, if its source said: the bytes written, from
-    /// the first source and any that resumed it, must add up to exactly this.
-    pub declared: Option<u64>,
-    /// The most bytes written before the fill is aborted, whatever the
-    /// source declared (a chunked body has no length to hold it to).
-    pub limit: u64,
-    /// Longest pause between two chunks.
-    pub idle: Duration,
-}
-
-/// A copy that stopped short.
-pub struct Interrupted {
-    pub error: Error,
-    pub cause: Cause,
-}
-
-/// Whose fault an interruption was, and what can still be done.
-pub enum Cause {
-    /// The source broke, stalled or ended early: what was written and
-    /// hashed so far is in the writer, and another source can resume from
-    /// `writer.written()`.
-    Broke(Writer),
-    /// The source sent more than it declared or than is allowed: its bytes
-    /// cannot be trusted, and nothing it wrote is worth resuming.
-    Lied,
-    /// The fill's own failure (the disk): no other source mends it.
-    Local,
-}
-
-impl std::fmt::Debug for Interrupted {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let cause = match &self.cause {
-            Cause::Broke(w) => format!("broke after {} bytes", w.written()),
-            Cause::Lied => "lied".to_owned(),
-            Cause::Local => "local".to_owned(),
-        };
-        f.debug_struct("Interrupted").field("error", &self.error).field("cause", &cause).finish()
-    }
-}
-
-impl Interrupted {
-    fn local(error: Error) -> Interrupted {
-        Interrupted { error, cause: Cause::Local }
-    }
-
-    fn lied(error: Error) -> Interrupted {
-        Interrupted { error, cause: Cause::Lied }
-    }
-}
-
-/// The source's part in an interruption: its error, and the writer to
-/// resume with once its write in flight (if any) has landed.
-async fn resumable(error: Error, slot: Slot) -> Interrupted {
-    match slot.settle().await {
-        Ok(writer) => Interrupted { error, cause: Cause::Broke(writer) },
-        Err(write_error) => Interrupted::local(write_error),
-    }
-}
-
-/// Streams a blob body into `writer` (which may already hold the start of
-/// the blob, from a source that failed), publishing progress, and checks
-/// the length against the `bounds`. The first `skip` bytes of `body` are
-/// dropped (a source that answered a range request with the whole blob).
-/// Returns the writer at EOF.
-///
-/// One chunk is written and hashed while the next is read, so hashing
-/// overlaps the network instead of adding to it; chunks stay in order
-/// because at most one write is in flight.
-pub async fn copy_body(
-    mut body: Body,
-    writer: Writer,
-    mut skip: u64,
-    bounds: Bounds,
-    tx: &watch::Sender<Progress>,
-    received: Option<&prometheus::IntCounter>,
-) -> Result<Writer, Interrupted> {
-    let Bounds { declared, limit, idle } = bounds;
-    let publish = |written: u64| {
-        tx.send_modify(|p| {
-            if let Progress::Streaming { written: w, .. } = p {
-                *w = written;
-            }
-        })
-    };
-    let mut slot = Slot::Idle(writer);
-    loop {
-        // Read the next chunk; a write finishing meanwhile is published at
-        // once, so followers see bytes as soon as they are on disk even
-        // while the source stalls.
-        let (mut chunk, eof) = {
-            let next = next_chunk(&mut body, idle);
-            tokio::pin!(next);
-            loop {
-                let step = match &mut slot {
-                    Slot::Busy(task) => tokio::select! {
-                        done = task => Step::Wrote(done),
-                        read = &mut next => Step::Read(read),
-                    },
-                    Slot::Idle(_) => Step::Read((&mut next).await),
-                };
-                match step {
-                    Step::Read(Ok(read)) => break read,
-                    Step::Read(Err(e)) => return Err(resumable(e, slot).await),
-                    Step::Wrote(done) => {
-                        let writer = match done {
-                            Ok(Ok(writer)) => writer,
-                            Ok(Err(e)) => return Err(Interrupted::local(e)),
-                            Err(e) => {
-                                let e = Error::Internal(format!("fill write task failed: {e}"));
-                                return Err(Interrupted::local(e));
-                            }
-                        };
-                        publish(writer.written());
-                        slot = Slot::Idle(writer);
-                    }
-                }
-            }
-        };
-        if skip > 0 {
-            let dropped = skip.min(chunk.len() as u64);
-            skip -= dropped;
-            chunk = chunk.slice(dropped as usize..);
-        }
-        let writer = slot.settle().await.map_err(Interrupted::local)?;
-        publish(writer.written());
-        slot = if chunk.is_empty() {
-            Slot::Idle(writer)
-        } else {
-            if declared.is_some_and(|d| writer.written() + chunk.len() as u64 > d) {
-                let e = UpstreamError::Protocol("blob body is longer than its Content-Length".into());
-                return Err(Interrupted::lied(e.into()));
-            }
-            if writer.written() + chunk.len() as u64 > limit {
-                let e = UpstreamError::Protocol(format!(
-                    "blob body is longer than the {limit} bytes allowed (its manifest's size, or cache.max_blob_size)"
-                ));
-                return Err(Interrupted::lied(e.into()));
-            }
-            if let Some(received) = received {
-                received.inc_by(chunk.len() as u64);
-            }
-            Slot::Busy(tokio::spawn(writer.write(chunk)))
-        };
-        if eof {
-            break;
-        }
-    }
-    let writer = slot.settle().await.map_err(Interrupted::local)?;
-    publish(writer.written());
-    if let Some(d) = declared.filter(|d| *d != writer.written()) {
-        let got = writer.written();
-        let e = UpstreamError::Protocol(format!("blob body ended after {got} of {d} bytes"));
-        return Err(Interrupted { error: e.into(), cause: Cause::Broke(writer) });
-    }
-    Ok(writer)
-}
-
-/// Waits for the next data frame, then takes the frames already buffered
-/// behind it, up to [`WRITE_CHUNK`]. Returns the bytes and whether the body ended.
-async fn next_chunk(body: &mut Body, idle: Duration) -> Result<(Bytes, bool), Error> {
-    let mut buf = BytesMut::new();
-    let first = match tokio::time::timeout(idle, body.frame()).await {
-        Err(_) => return Err(UpstreamError::Timeout("blob body stalled").into()),
-        Ok(frame) => frame,
-    };
-    let mut next = Some(first);
-    while let Some(frame) = next.take() {
-        match frame {
-            None => return Ok((buf.freeze(), true)),
-            Some(Err(e)) => return Err(UpstreamError::Protocol(format!("blob body: {e}")).into()),
-            Some(Ok(frame)) => {
-                if let Ok(data) = frame.into_data() {
-                    if buf.is_empty() && data.len() >= WRITE_CHUNK {
-                        return Ok((data, false));
-                    }
-                    buf.extend_from_slice(&data);
-                }
-            }
-        }
-        if buf.len() < WRITE_CHUNK {
-            // Dropping a pending `frame()` future loses nothing.
-            next = body.frame().now_or_never();
-        }
-    }
-    Ok((buf.freeze(), false))
-}
-
 /// A response body reading `file` from `start` to `end` (exclusive; `None`:
 /// to the end of the blob, learnt from the fill). With `progress`, the file
 /// is a fill in flight: reads stop at the published offset and wait for
@@ -490,6 +254,7 @@ pub fn read_body(
         served,
         buffers: super::pread::Buffers::default(),
         sink,
+        wanted: None,
     };
     let stream = futures_util::stream::try_unfold(state, |mut reader| async move {
         match reader.next().await? {
@@ -513,14 +278,27 @@ struct Reader {
     served: prometheus::IntCounter,
     buffers: super::pread::Buffers,
     sink: Option<FileSink>,
+    /// The offset this reader last told a ranged fill it waits for.
+    wanted: Option<u64>,
 }
 
 /// What a fill in flight offers a reader now.
 struct Offer {
+    /// Bytes from the reader's offset up to this are written.
     available: u64,
+    /// The end of the contiguous prefix.
+    prefix: u64,
     total: Option<u64>,
     verified: bool,
     vouched_from: u64,
+    /// A ranged fill's extents, to say where the reader waits.
+    extents: Option<Arc<Extents>>,
+}
+
+impl Offer {
+    fn settled(available: u64, total: Option<u64>) -> Offer {
+        Offer { available, prefix: available, total, verified: true, vouched_from: 0, extents: None }
+    }
 }
 
 impl Reader {
@@ -530,19 +308,33 @@ impl Reader {
     /// of the bad attempt, or that promised another size, is aborted.
     fn offer(&mut self) -> Result<Offer, crate::body::BoxError> {
         let Some(rx) = &mut self.progress else {
-            let end = self.end.unwrap_or(0);
-            return Ok(Offer { available: end, total: self.end, verified: true, vouched_from: 0 });
+            return Ok(Offer::settled(self.end.unwrap_or(0), self.end));
         };
         let (file, offer) = match &*rx.borrow_and_update() {
-            Progress::Connecting => (None, Offer { available: 0, total: None, verified: false, vouched_from: 0 }),
-            Progress::Streaming { file, written, size, vouched_from } => {
-                let offer = Offer { available: *written, total: *size, verified: false, vouched_from: *vouched_from };
+            Progress::Connecting => {
+                let offer = Offer { verified: false, ..Offer::settled(0, None) };
+                (None, offer)
+            }
+            Progress::Streaming { file, written, size, vouched_from, extents } => {
+                // Beyond the prefix, a ranged fill may have written the
+                // bytes at the reader's offset already.
+                let available = match extents {
+                    Some(x) => x.reach(self.offset).unwrap_or(*written).max(*written),
+                    None => *written,
+                };
+                let offer = Offer {
+                    available,
+                    prefix: *written,
+                    total: *size,
+                    verified: false,
+                    vouched_from: *vouched_from,
+                    extents: extents.clone(),
+                };
                 (Some(Arc::clone(file)), offer)
             }
-            Progress::Verified { file, size } | Progress::Complete { file, size } => (
-                Some(Arc::clone(file)),
-                Offer { available: *size, total: Some(*size), verified: true, vouched_from: 0 },
-            ),
+            Progress::Verified { file, size } | Progress::Complete { file, size } => {
+                (Some(Arc::clone(file)), Offer::settled(*size, Some(*size)))
+            }
             Progress::Failed(e) => return Err(Box::new(e.clone())),
         };
         if let Some(file) = file.filter(|f| !Arc::ptr_eq(f, &self.file)) {
@@ -569,7 +361,7 @@ impl Reader {
     /// digest before bytes not vouched for by upstream (see [`read_body`]).
     async fn next(&mut self) -> Result<Option<Bytes>, crate::body::BoxError> {
         loop {
-            let Offer { available, total, verified, vouched_from } = self.offer()?;
+            let Offer { available, prefix, total, verified, vouched_from, extents } = self.offer()?;
             if verified && self.progress.is_some() {
                 // The bytes are final: a commit that fails from here on
                 // (the disk, the index) does not make them wrong, so the
@@ -613,6 +405,11 @@ impl Reader {
                 // validated against the size first, but never spin on it.
                 return Err("blob ended before the requested range".into());
             };
+            // Waiting beyond the prefix of a ranged fill: its part goes next.
+            if let Some(x) = extents.filter(|_| self.offset > prefix && self.wanted != Some(self.offset)) {
+                x.want(self.offset);
+                self.wanted = Some(self.offset);
+            }
             let terminal =
                 |p: &Progress| matches!(p, Progress::Verified { .. } | Progress::Complete { .. } | Progress::Failed(_));
             if rx.changed().await.is_err() && !terminal(&rx.borrow()) {
@@ -627,6 +424,8 @@ mod tests {
     use super::*;
     use crate::cache::Via;
     use http_body_util::BodyExt;
+    use std::io::Write;
+    use std::os::unix::fs::FileExt;
 
     /// A fill in progress over a temp file: the test plays the fill's part.
     struct FakeFill {
@@ -646,7 +445,13 @@ mod tests {
         fn vouched_from(size: u64, vouched_from: u64) -> (FakeFill, watch::Receiver<Progress>) {
             let temp = tempfile::NamedTempFile::new().unwrap();
             let file = Arc::new(temp.as_file().try_clone().unwrap());
-            let progress = Progress::Streaming { file: Arc::clone(&file), size: Some(size), written: 0, vouched_from };
+            let progress = Progress::Streaming {
+                file: Arc::clone(&file),
+                size: Some(size),
+                written: 0,
+                vouched_from,
+                extents: None,
+            };
             let (tx, rx) = watch::channel(progress);
             (FakeFill { temp, file, tx }, rx)
         }
@@ -656,7 +461,8 @@ mod tests {
             self.temp = tempfile::NamedTempFile::new().unwrap();
             self.file = Arc::new(self.temp.as_file().try_clone().unwrap());
             let file = Arc::clone(&self.file);
-            self.tx.send_replace(Progress::Streaming { file, size: Some(size), written: 0, vouched_from: 0 });
+            let progress = Progress::Streaming { file, size: Some(size), written: 0, vouched_from: 0, extents: None };
+            self.tx.send_replace(progress);
         }
 
         fn write(&mut self, bytes: &[u8]) {
@@ -763,6 +569,37 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_range_beyond_the_prefix_of_a_ranged_fill_reads_its_bytes_as_they_are_written() {
+        let (fill, rx) = FakeFill::new(10);
+        let extents = Arc::new(Extents::new(0));
+        fill.tx.send_modify(|p| {
+            if let Progress::Streaming { extents: e, .. } = p {
+                *e = Some(Arc::clone(&extents));
+            }
+        });
+        let mut far = read_body(Arc::clone(&fill.file), Some(rx.clone()), 6, Some(8), Via::Client, None);
+        let mut whole = read_body(Arc::clone(&fill.file), Some(rx), 0, Some(10), Via::Client, None);
+        assert!(next_frame(&mut far).await.is_none(), "nothing written there yet");
+        assert_eq!(extents.pop_want(), Some(6), "the reader said where it waits");
+        // A part writes bytes 6..10 before anything before them.
+        fill.temp.as_file().write_all_at(b"6789", 6).unwrap();
+        extents.record(6, 10);
+        fill.tx.send_modify(|_| {});
+        assert_eq!(next_frame(&mut far).await.unwrap().unwrap(), "67", "served before the prefix reaches it");
+        assert!(far.frame().await.is_none());
+        assert!(next_frame(&mut whole).await.is_none(), "the whole blob waits for its prefix");
+        fill.temp.as_file().write_all_at(b"012345", 0).unwrap();
+        extents.record(0, 6);
+        fill.tx.send_modify(|p| {
+            if let Progress::Streaming { written, .. } = p {
+                *written = 10;
+            }
+        });
+        assert_eq!(next_frame(&mut whole).await.unwrap().unwrap(), "012345678", "the last byte waits for the digest");
+        assert_eq!(extents.pop_want(), None, "a reader at the prefix asks for nothing");
+    }
+
+    #[tokio::test]
     async fn a_failed_fill_aborts_every_reader() {
         let (mut fill, rx) = FakeFill::new(10);
         let mut first = read_body(Arc::clone(&fill.file), Some(rx.clone()), 0, None, Via::Client, None);
@@ -794,13 +631,16 @@ mod tests {
         let d = Digest::of(b"evicted");
         let marked = fills.begin_removal([d]);
         assert_eq!(marked, [d]);
-        let Attach::Removing(done) = fills.join_or_start(d, "u\0r", || false, |_| panic!("no fill may start")) else {
+        let client = Priority::client();
+        let Attach::Removing(done) =
+            fills.join_or_start(d, ("u\0r", &client), || false, |_| panic!("no fill may start"))
+        else {
             panic!("a digest being removed is neither joined nor started");
         };
         let waiter = tokio::spawn(removal_finished(done));
         fills.end_removal(&marked);
         tokio::time::timeout(Duration::from_secs(5), waiter).await.expect("the waiter is woken").unwrap();
-        assert!(matches!(fills.join_or_start(d, "u\0r", || false, |_| {}), Attach::Started(_)));
+        assert!(matches!(fills.join_or_start(d, ("u\0r", &client), || false, |_| {}), Attach::Started(_)));
         assert!(fills.begin_removal([d]).is_empty(), "a digest with a fill in flight is left to the fill");
     }
 

@@ -1,6 +1,7 @@
 //! A blob's fill walking its source chain — the shared tier, the owner,
 //! upstream (`fill_sources`) — resuming with the next source from the byte
-//! the last one reached, verifying, and committing.
+//! the last one reached, verifying, and committing. Upstream's part of a
+//! large blob may be fetched as parallel ranged parts (`parts`).
 
 use std::fs::File;
 use std::sync::Arc;
@@ -22,7 +23,14 @@ struct Want<'a> {
     repo: &'a RepoName,
     digest: &'a Digest,
     via: Via,
+    priority: &'a Priority,
+    /// The blob's size as its manifest declared it, if seen.
+    expected: Option<u64>,
 }
+
+/// A source's body, and for upstream's answer to the first part of a
+/// ranged fill, where that part ends (the rest is fetched in parts).
+type Opening = (SourceBody, Option<u64>);
 
 /// What the sources of a fill wrote so far: resumed by the next source
 /// when one breaks off.
@@ -71,41 +79,61 @@ impl Cache {
         want: Want<'_>,
         offset: u64,
         shared_missed: bool,
-    ) -> Result<SourceBody, Unavailable> {
-        let Want { upstream, repo, digest, via } = want;
+    ) -> Result<Opening, Unavailable> {
+        let Want { upstream, repo, digest, via, .. } = want;
         match source {
-            Source::Shared => self.open_shared(upstream, repo, digest, offset, via).await,
-            Source::Peer(peer) => self.open_peer(peer, upstream, repo, digest, offset, shared_missed).await,
-            Source::Upstream => {
-                let opened =
-                    upstream.get_blob_from(repo, digest, offset).await.map_err(|e| Unavailable::Final(e.into()))?;
-                let Opened { response, permit } = opened.ok_or(Unavailable::Final(Error::BlobUnknown(*digest)))?;
-                // A 206 starts where asked; a 200 is the whole blob again.
-                let (total, skip) = if response.status() == http::StatusCode::PARTIAL_CONTENT {
-                    match tiers::content_range(response.headers()) {
-                        Some((first, total)) if first == offset => (total, 0),
-                        _ => {
-                            let e = format!("upstream answered another range than from byte {offset}");
-                            return Err(Unavailable::Final(UpstreamError::Protocol(e).into()));
-                        }
-                    }
-                } else {
-                    (content_length(response.headers()), offset)
-                };
-                let body = http_body_util::BodyExt::boxed_unsync(http_body_util::BodyExt::map_err(
-                    response.into_body(),
-                    |e| Box::new(e) as crate::body::BoxError,
-                ));
-                Ok(SourceBody {
-                    body,
-                    total,
-                    skip,
-                    permit: Some(permit),
-                    received: Some(metrics().upstream_bytes.with_label_values(&[upstream.name()])),
-                    idle: upstream.body_idle_timeout(),
-                })
+            Source::Shared => Ok((self.open_shared(upstream, repo, digest, offset, via).await?, None)),
+            Source::Peer(peer) => {
+                Ok((self.open_peer(peer, upstream, repo, digest, offset, shared_missed).await?, None))
             }
+            Source::Upstream => self.open_upstream(want, offset).await,
         }
+    }
+
+    /// Asks upstream for the blob from byte `offset`. When what is left of
+    /// it is at least `parallel_fill_min` (by the size its manifest
+    /// declared) and the upstream may use more than one connection, only
+    /// the first part is asked for: a `206` for it means upstream answers
+    /// ranges and the rest comes in parts; a `200` (an upstream that
+    /// ignores `Range`) is the whole blob, read as one stream from
+    /// `offset` on, so nothing is fetched twice.
+    async fn open_upstream(&self, want: Want<'_>, offset: u64) -> Result<Opening, Unavailable> {
+        let Want { upstream, repo, digest, priority, expected, .. } = want;
+        let ranged = upstream.config.fill_connections.get() > 1
+            && expected.is_some_and(|size| size > offset && size - offset >= self.config.parallel_fill_min);
+        let span = match expected.filter(|_| ranged) {
+            Some(size) => Span { start: offset, end: Some(parts::part_end(offset, size)) },
+            None => Span::from(offset),
+        };
+        let opened = upstream.get_blob(repo, digest, span, priority).await.map_err(|e| Unavailable::Final(e.into()))?;
+        let Opened { response, permit } = opened.ok_or(Unavailable::Final(Error::BlobUnknown(*digest)))?;
+        let protocol = |e: String| Unavailable::Final(UpstreamError::Protocol(e).into());
+        // A 206 starts where asked; a 200 is the whole blob again.
+        let (total, skip, part_end) = if response.status() == http::StatusCode::PARTIAL_CONTENT {
+            match (content_range(response.headers()), span.end) {
+                (Some((first, _, total)), None) if first == offset => (total, 0, None),
+                (Some((first, last, Some(total))), Some(end)) if first == offset && last < end => {
+                    (Some(total), 0, Some(last + 1))
+                }
+                (range, _) => {
+                    return Err(protocol(format!("upstream answered bytes {range:?} to a GET of {span:?}")));
+                }
+            }
+        } else {
+            (content_length(response.headers()), offset, None)
+        };
+        let body = http_body_util::BodyExt::boxed_unsync(http_body_util::BodyExt::map_err(response.into_body(), |e| {
+            Box::new(e) as crate::body::BoxError
+        }));
+        let body = SourceBody {
+            body,
+            total,
+            skip,
+            permit: Some(permit),
+            received: Some(metrics().upstream_bytes.with_label_values(&[upstream.name()])),
+            idle: upstream.body_idle_timeout(),
+        };
+        Ok((body, part_end))
     }
 
     /// Streams one blob into a temp file from the first source that has
@@ -129,6 +157,7 @@ impl Cache {
         repo: &RepoName,
         digest: Digest,
         via: Via,
+        priority: &Priority,
         tx: &watch::Sender<Progress>,
     ) -> Result<(Arc<File>, u64), Error> {
         let limit = self.fill_limit(upstream.name(), repo, &digest);
@@ -140,7 +169,7 @@ impl Cache {
         let mut shared_missed = via == (Via::Peer { shared_missed: true });
         while let Some(source) = sources.pop_front() {
             let offset = partial.as_ref().map_or(0, |p| p.writer.written());
-            let want = Want { upstream, repo, digest: &digest, via };
+            let want = Want { upstream, repo, digest: &digest, via, priority, expected };
             let opened = self.open_source(source.clone(), want, offset, shared_missed).await;
             shared_missed |= source == Source::Shared;
             let opened = match opened {
@@ -157,7 +186,7 @@ impl Cache {
                     continue;
                 }
             };
-            let SourceBody { body, total, skip, permit, received, idle } = opened;
+            let (SourceBody { body, total, skip, permit, received, idle }, part_end) = opened;
             let known = partial.as_ref().and_then(|p| p.declared);
             if let Some(len) = total.filter(|len| *len > limit) {
                 let e = UpstreamError::Protocol(format!(
@@ -201,6 +230,7 @@ impl Cache {
                         size: total,
                         written: 0,
                         vouched_from: fill::UNVOUCHED,
+                        extents: None,
                     };
                     tx.send_replace(progress);
                     Partial { writer: Writer::new(temp), file, declared: total, used: Vec::new() }
@@ -219,10 +249,30 @@ impl Cache {
                 }
             });
             used.push(source.clone());
-            let bounds = fill::Bounds { declared, limit, idle };
-            match fill::copy_body(body, writer, skip, bounds, tx, received.as_ref()).await {
-                Ok(writer) => {
+            let copied = match (part_end, permit, declared) {
+                (Some(first_end), Some(permit), Some(size)) => {
+                    let job = parts::PartsJob {
+                        upstream,
+                        repo,
+                        digest: &digest,
+                        priority,
+                        size,
+                        connections: upstream.config.fill_connections.get(),
+                        file: Arc::clone(&file),
+                        tx,
+                        idle,
+                    };
+                    job.run(writer, parts::OpenedPart { body, permit }, first_end).await
+                }
+                (_, permit, _) => {
+                    let bounds = fill::Bounds { declared, limit, idle };
+                    let copied = fill::copy_body(body, writer, skip, bounds, tx, received.as_slice()).await;
                     drop(permit);
+                    copied
+                }
+            };
+            match copied {
+                Ok(writer) => {
                     let (temp, actual, size) = writer.finish();
                     if actual == digest {
                         // Readers send the last byte now; the commit's fsyncs

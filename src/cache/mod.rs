@@ -21,21 +21,26 @@
 //! something to serve plus how it was served (hit, miss, coalesced, stale).
 //!
 //! The facade's rooms: `manifests` (by digest and by tag), `blobs` (a
-//! committed file or a fill to attach to) and `fill_chain` (the sources a
-//! fill walks), `membership`, `listings`, and `maintenance` (eviction,
-//! purges). Beneath them: [`memory`](StoredManifest) (moka), `disk` (the
+//! committed file or a fill to attach to), `fill_chain` (the sources a
+//! fill walks), `ahead` (fills started when an image manifest is served),
+//! `membership`, `listings`, and `maintenance` (eviction, purges).
+//! Beneath them: [`memory`](StoredManifest) (moka), `disk` (the
 //! content-addressed files), [`index`] (redb), [`fill`] (fills in flight and
-//! their readers), `tiers` (how the shared tier and the owners are asked),
+//! their readers), `fill_copy` (a source's body into the temp file),
+//! [`parts`] (a large blob as parallel ranged GETs), `tiers` (how the shared
+//! tier and the owners are asked),
 //! [`shared`] and [`upload`] (the shared tier), [`prefetch`] and [`stats`],
 //! [`pins`] (what eviction passes over) and `warm` (revalidating the warm
 //! images' tags).
 
+mod ahead;
 mod blobs;
 mod disk;
 mod evict;
 pub mod export;
 pub mod fill;
 mod fill_chain;
+mod fill_copy;
 pub mod import;
 pub mod index;
 mod listings;
@@ -43,6 +48,7 @@ mod maintenance;
 mod manifests;
 mod membership;
 mod memory;
+pub mod parts;
 pub mod pins;
 mod pread;
 pub mod prefetch;
@@ -77,7 +83,9 @@ use crate::config::CacheConfig;
 use crate::error::{Error, UpstreamError};
 use crate::metrics::metrics;
 use crate::oci::{Digest, Reference, RepoName, Tag, tag_list};
-use crate::upstream::{FetchedManifest, Listing, Opened, Page, Upstream, content_length};
+use crate::upstream::{
+    FetchedManifest, Listing, Opened, Page, Priority, Span, Upstream, content_length, content_range,
+};
 use disk::Store;
 use evict::{Evictor, Limits};
 use fill::{Attach, Cause, Fills, Progress, Writer};

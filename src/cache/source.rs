@@ -5,11 +5,10 @@
 
 use std::time::Duration;
 
-use tokio::sync::OwnedSemaphorePermit;
-
 use crate::body::Body;
 use crate::cluster::PeerUrl;
 use crate::error::Error;
+use crate::upstream::Permit;
 
 /// One place a blob can be read from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -51,7 +50,7 @@ pub struct SourceBody {
     /// that answered a range request with the whole blob.
     pub skip: u64,
     /// Held while the body is read (an upstream's concurrency slot).
-    pub permit: Option<OwnedSemaphorePermit>,
+    pub permit: Option<Permit>,
     /// Counts the bytes received from this source (`None`: it counts them itself).
     pub received: Option<prometheus::IntCounter>,
     /// Longest pause allowed between two chunks of the body.

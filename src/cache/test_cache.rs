@@ -27,6 +27,7 @@ pub async fn temporary_with(edit: impl FnOnce(&mut CacheConfig)) -> (tempfile::T
         warm_file: None,
         warm_interval: None,
         upstream_max_size: Vec::new(),
+        parallel_fill_min: crate::config::DEFAULT_PARALLEL_FILL_MIN,
     };
     let mut config = config;
     edit(&mut config);

@@ -17,6 +17,9 @@ pub const DEFAULT_LOW_WATERMARK: f64 = 0.85;
 pub const MIN_MAX_SIZE: u64 = 1 << 20;
 /// `cache.max_blob_size` when not set: this share of `max_size`.
 pub const DEFAULT_MAX_BLOB_SIZE_DIVISOR: u64 = 4;
+/// `cache.parallel_fill_min` when not set: blobs this large or larger are
+/// fetched as parallel ranges (see `crate::cache::parts`).
+pub const DEFAULT_PARALLEL_FILL_MIN: u64 = 32 << 20;
 
 #[derive(Debug, Clone)]
 pub struct CacheConfig {
@@ -44,6 +47,9 @@ pub struct CacheConfig {
     /// Each upstream's own share (`[[upstream]] max_size`), by upstream
     /// name: copied here from the upstreams, for the evictor.
     pub upstream_max_size: Vec<(String, u64)>,
+    /// Smallest blob (by the size its manifest declared) fetched from
+    /// upstream as parallel ranged parts, `upstream.fill_connections` at once.
+    pub parallel_fill_min: u64,
 }
 
 /// Shortest `cache.warm_interval` accepted: each warm tag costs one `HEAD`
@@ -64,6 +70,7 @@ pub(super) struct RawCache {
     stale_if_error: Option<String>,
     warm_file: Option<String>,
     warm_interval: Option<String>,
+    parallel_fill_min: Option<String>,
 }
 
 impl Validator<'_> {
@@ -103,7 +110,15 @@ impl Validator<'_> {
                 .map(|v| self.duration("cache.warm_interval", Some(v), Duration::ZERO))
                 .transpose()?,
             upstream_max_size: Vec::new(),
+            parallel_fill_min: self.size(
+                "cache.parallel_fill_min",
+                rc.parallel_fill_min.as_deref(),
+                DEFAULT_PARALLEL_FILL_MIN,
+            )?,
         };
+        if cache.parallel_fill_min == 0 {
+            return Err(self.err("cache.parallel_fill_min", "must be more than 0"));
+        }
         if cache.warm_interval.is_some_and(|i| i < MIN_WARM_INTERVAL) {
             return Err(self.err("cache.warm_interval", "must be at least 1s"));
         }

@@ -19,6 +19,11 @@ use crate::policy::{RepoGlob, RepoPolicy};
 pub const MAX_MAX_CONCURRENCY: usize = 65_536;
 /// Default number of open upstream requests per upstream.
 pub const DEFAULT_MAX_CONCURRENCY: usize = 32;
+/// Default number of ranged GETs one fill of a large blob keeps open at once.
+pub const DEFAULT_FILL_CONNECTIONS: usize = 4;
+/// Largest `fill_connections` accepted: more connections to one registry
+/// for one blob than this is abuse, not speed.
+pub const MAX_FILL_CONNECTIONS: usize = 16;
 /// Default time allowed to establish an upstream connection (TCP + TLS).
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default wait for upstream response headers. containerd gives up on a
@@ -80,6 +85,12 @@ pub struct UpstreamConfig {
     pub immutable_tags: Vec<Regex>,
     /// Open upstream requests allowed at once; further requests wait in order.
     pub max_concurrency: NonZeroUsize,
+    /// Ranged GETs one fill of a blob of at least `cache.parallel_fill_min`
+    /// keeps open at once (1: one stream, as for smaller blobs).
+    pub fill_connections: NonZeroUsize,
+    /// Whether serving an image manifest starts the fills of its blobs
+    /// that are not cached, ahead of the client asking for them.
+    pub fill_ahead: bool,
     pub ca_file: Option<PathBuf>,
     pub connect_timeout: Duration,
     pub response_timeout: Duration,
@@ -127,6 +138,8 @@ pub(super) struct RawUpstream {
     #[serde(default)]
     immutable_tags: Vec<String>,
     max_concurrency: Option<usize>,
+    fill_connections: Option<usize>,
+    fill_ahead: Option<bool>,
     ca_file: Option<String>,
     connect_timeout: Option<String>,
     response_timeout: Option<String>,
@@ -365,6 +378,11 @@ impl Validator<'_> {
         if max_size.is_some_and(|m| m < super::MIN_MAX_SIZE) {
             return Err(self.err(key("max_size"), "must be at least 1MiB"));
         }
+        let fill_connections = NonZeroUsize::new(u.fill_connections.unwrap_or(DEFAULT_FILL_CONNECTIONS))
+            .filter(|n| n.get() <= MAX_FILL_CONNECTIONS)
+            .ok_or_else(|| {
+                self.err(key("fill_connections"), format!("must be between 1 and {MAX_FILL_CONNECTIONS}"))
+            })?;
         let ca_file = u.ca_file.as_deref().map(|f| self.path(f));
         if let Some(ca) = &ca_file {
             if !ca.is_file() {
@@ -391,6 +409,8 @@ impl Validator<'_> {
                 .transpose()?,
             immutable_tags,
             max_concurrency,
+            fill_connections,
+            fill_ahead: u.fill_ahead.unwrap_or(true),
             ca_file,
             connect_timeout: self.upstream_timeout(
                 &key("connect_timeout"),

@@ -50,6 +50,12 @@ pub async fn manifest(
     if matches!(reference, Reference::Tag(_)) && !Accept::from_headers(headers).allows(m.media_type) {
         return Err(Error::NotAcceptable);
     }
+    // A client about to pull an image it fetched from upstream just now:
+    // its blobs start downloading before it asks for them. A manifest
+    // served from the cache was pulled before, blobs most likely with it.
+    if method == Method::GET && route.via == Via::Client && result == CacheResult::Miss {
+        app.cache.fill_ahead(&route.upstream, &route.repo, &m);
+    }
     // A peer keeps the tag as long as this owner would: from when upstream
     // last confirmed it, not from now.
     let confirmed = match (route.via, reference) {

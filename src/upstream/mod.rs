@@ -16,6 +16,7 @@ mod credentials;
 pub mod dial;
 pub mod health;
 mod helper;
+pub mod priority;
 mod ratelimit;
 mod realm;
 mod scope;
@@ -30,11 +31,11 @@ use http::header::{ACCEPT, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, LINK, LO
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri};
 use http_body_util::Empty;
 use hyper::body::Incoming;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 pub use backoff::Backoff;
 pub use challenge::Challenge;
 pub use client::{client_tls, error_chain};
+pub use priority::{Permit, Priority};
 pub use upstreams::Upstreams;
 
 use crate::config::UpstreamConfig;
@@ -60,11 +61,12 @@ pub struct Upstream {
     http: HttpClient,
     auth: Auth,
     /// `max_concurrency` permits; one is held while an upstream request is
-    /// open (until its body is read or dropped). Waiters are served in order.
-    permits: Arc<Semaphore>,
+    /// open (until its body is read or dropped). Waiters are served in
+    /// order; fills ahead of a client hold at most half (see [`priority`]).
+    permits: priority::Permits,
     /// The permits of background work (the warm loop), apart from
     /// clients' (see [`crate::background`]).
-    background_permits: Arc<Semaphore>,
+    background_permits: priority::Permits,
     /// Last error, last success and rate-limit headroom, for operators.
     pub health: health::Health,
     /// `url` and the fallbacks of `urls`, in order: the upstream's own origins.
@@ -86,7 +88,34 @@ struct Origin {
 /// permit it holds.
 pub struct Opened {
     pub response: Response<Incoming>,
-    pub permit: OwnedSemaphorePermit,
+    pub permit: Permit,
+}
+
+/// The bytes of a blob a GET asks for: from `start` to `end` (exclusive),
+/// or to the blob's end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    pub start: u64,
+    pub end: Option<u64>,
+}
+
+impl Span {
+    /// The whole blob: a GET without `Range`.
+    pub const WHOLE: Span = Span { start: 0, end: None };
+
+    /// From `start` to the blob's end (a resume).
+    pub fn from(start: u64) -> Span {
+        Span { start, end: None }
+    }
+
+    /// The `Range` header asking for it; `None` for the whole blob.
+    fn header(&self) -> Option<String> {
+        match (self.start, self.end) {
+            (0, None) => None,
+            (start, None) => Some(format!("bytes={start}-")),
+            (start, Some(end)) => Some(format!("bytes={start}-{}", end.saturating_sub(1))),
+        }
+    }
 }
 
 /// A manifest as upstream sent it, checked: its digest is the hash of the
@@ -133,7 +162,7 @@ impl Upstream {
     /// the async threads).
     pub fn new(config: UpstreamConfig) -> Result<Upstream, String> {
         let auth = Auth::new(&config);
-        let permits = Arc::new(Semaphore::new(config.max_concurrency.get()));
+        let permits = priority::Permits::new(config.max_concurrency.get());
         // Through a hub larder (`via`), the hub is the only origin (and
         // such an upstream has no credentials: the config refuses them).
         let origins: Vec<Origin> = match &config.via {
@@ -161,7 +190,7 @@ impl Upstream {
             http,
             auth,
             permits,
-            background_permits: Arc::new(Semaphore::new(crate::background::CONCURRENCY)),
+            background_permits: priority::Permits::new(crate::background::CONCURRENCY),
             health: health::Health::default(),
         })
     }
@@ -217,21 +246,20 @@ impl Upstream {
     /// Sends one request for `repo` and returns the final response, from
     /// the first of the upstream's `urls` that connects and does not answer
     /// 5xx (the last one's answer, whatever it is). One permit of
-    /// `max_concurrency` is held throughout (of background work's own
-    /// pool for background work: clients go first, see [`crate::background`]).
+    /// `max_concurrency` is held throughout, taken as `priority` says (of
+    /// background work's own pool for background work: clients go first,
+    /// see [`crate::background`]).
     async fn open(
         &self,
         method: Method,
         path_and_query: &str,
         repo: &RepoName,
         accept: Option<&'static str>,
-        from: Option<u64>,
+        (range, priority): (Option<String>, Option<&Priority>),
     ) -> Result<Opened, UpstreamError> {
         let permits = if crate::background::active() { &self.background_permits } else { &self.permits };
-        let permit = Arc::clone(permits)
-            .acquire_owned()
-            .await
-            .map_err(|_| UpstreamError::Connect("upstream is shutting down".into()))?;
+        let permit =
+            permits.acquire(priority).await.map_err(|_| UpstreamError::Connect("upstream is shutting down".into()))?;
         // A hub routes by `ns`, as it does containerd's requests.
         let with_ns;
         let path_and_query = match &self.config.via {
@@ -245,7 +273,8 @@ impl Upstream {
         };
         let mut order = self.origin_order().into_iter().peekable();
         while let Some(i) = order.next() {
-            let result = self.open_from(&self.origins[i].uri, &method, path_and_query, repo, accept, from).await;
+            let result =
+                self.open_from(&self.origins[i].uri, &method, path_and_query, repo, accept, range.as_deref()).await;
             let unreachable = matches!(result, Err(UpstreamError::Connect(_) | UpstreamError::Timeout(_)));
             self.demote(i, unreachable.then(|| Instant::now() + FAILOVER_PAUSE));
             let failed = unreachable || result.as_ref().is_ok_and(|r| r.status().is_server_error());
@@ -275,7 +304,7 @@ impl Upstream {
         path_and_query: &str,
         repo: &RepoName,
         accept: Option<&'static str>,
-        from: Option<u64>,
+        range: Option<&str>,
     ) -> Result<Response<Incoming>, UpstreamError> {
         let mut url = Self::url(base, path_and_query)?;
         let mut answer: Option<HeaderValue> = None;
@@ -297,8 +326,8 @@ impl Upstream {
             if let Some(accept) = accept {
                 req = req.header(ACCEPT, accept);
             }
-            if let Some(from) = from.filter(|f| *f > 0) {
-                req = req.header(RANGE, format!("bytes={from}-"));
+            if let Some(range) = range {
+                req = req.header(RANGE, range);
             }
             if let Some(a) = authorization {
                 req = req.header(AUTHORIZATION, a);
@@ -366,7 +395,7 @@ impl Upstream {
         reference: &Reference,
     ) -> Result<Option<FetchedManifest>, UpstreamError> {
         let path = format!("/v2/{repo}/manifests/{reference}");
-        let opened = self.open(Method::GET, &path, repo, Some(MediaType::upstream_accept()), None).await?;
+        let opened = self.open(Method::GET, &path, repo, Some(MediaType::upstream_accept()), (None, None)).await?;
         let resp = opened.response;
         if resp.status() == StatusCode::NOT_FOUND {
             return Ok(None);
@@ -403,7 +432,7 @@ impl Upstream {
     /// a digest exists in `repo`. `Ok(None)`: upstream does not have it.
     pub async fn head_manifest(&self, repo: &RepoName, reference: &Reference) -> Result<Option<Digest>, UpstreamError> {
         let path = format!("/v2/{repo}/manifests/{reference}");
-        let opened = self.open(Method::HEAD, &path, repo, Some(MediaType::upstream_accept()), None).await?;
+        let opened = self.open(Method::HEAD, &path, repo, Some(MediaType::upstream_accept()), (None, None)).await?;
         let resp = opened.response;
         match resp.status() {
             StatusCode::NOT_FOUND => Ok(None),
@@ -415,26 +444,26 @@ impl Upstream {
         }
     }
 
-    /// GET a blob; the body is left open for the caller to stream.
-    /// `Ok(None)`: upstream says it does not exist.
-    pub async fn get_blob(&self, repo: &RepoName, digest: &Digest) -> Result<Option<Opened>, UpstreamError> {
-        self.get_blob_from(repo, digest, 0).await
-    }
-
-    /// GET a blob from byte `from` (a `Range` request when `from > 0`, to
-    /// resume a fill another source broke off): the response is a 206 from
-    /// there, or a 200 with the whole blob from a registry that ignores
-    /// `Range`. `Ok(None)`: upstream says it does not exist.
-    pub async fn get_blob_from(
+    /// GET the `span` of a blob, the body left open for the caller to
+    /// stream: a `Range` request unless it is the whole blob (a resume of
+    /// a fill another source broke off, or one part of a parallel fill).
+    /// The response is a 206 for the range, or a 200 with the whole blob
+    /// from a registry that ignores `Range`. `Ok(None)`: upstream says it
+    /// does not exist.
+    pub async fn get_blob(
         &self,
         repo: &RepoName,
         digest: &Digest,
-        from: u64,
+        span: Span,
+        priority: &Priority,
     ) -> Result<Option<Opened>, UpstreamError> {
-        let opened = self.open(Method::GET, &format!("/v2/{repo}/blobs/{digest}"), repo, None, Some(from)).await?;
+        let path = format!("/v2/{repo}/blobs/{digest}");
+        let range = span.header();
+        let ranged = range.is_some();
+        let opened = self.open(Method::GET, &path, repo, None, (range, Some(priority))).await?;
         match opened.response.status() {
             StatusCode::OK => Ok(Some(opened)),
-            StatusCode::PARTIAL_CONTENT if from > 0 => Ok(Some(opened)),
+            StatusCode::PARTIAL_CONTENT if ranged => Ok(Some(opened)),
             StatusCode::NOT_FOUND => Ok(None),
             status => Err(failure(status, opened.response.headers())),
         }
@@ -443,7 +472,7 @@ impl Upstream {
     /// HEAD a blob: `Some` if upstream has it in `repo`, with its size if
     /// upstream said.
     pub async fn head_blob(&self, repo: &RepoName, digest: &Digest) -> Result<Option<Option<u64>>, UpstreamError> {
-        let opened = self.open(Method::HEAD, &format!("/v2/{repo}/blobs/{digest}"), repo, None, None).await?;
+        let opened = self.open(Method::HEAD, &format!("/v2/{repo}/blobs/{digest}"), repo, None, (None, None)).await?;
         let resp = opened.response;
         match resp.status() {
             StatusCode::OK => Ok(Some(content_length(resp.headers()))),
@@ -464,7 +493,7 @@ impl Upstream {
             Some(q) => format!("{}?{q}", listing.path(repo)),
             None => listing.path(repo),
         };
-        let opened = self.open(Method::GET, &path, repo, None, None).await?;
+        let opened = self.open(Method::GET, &path, repo, None, (None, None)).await?;
         let resp = opened.response;
         match resp.status() {
             StatusCode::OK => {}
@@ -527,6 +556,16 @@ fn retry_after(headers: &HeaderMap) -> Option<String> {
 
 fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
     headers.get(name).and_then(|v| v.to_str().ok())
+}
+
+/// `Content-Range: bytes <first>-<last>/<total or *>` of a `206`: the
+/// first and last byte (inclusive) and the blob's size if given.
+pub fn content_range(headers: &HeaderMap) -> Option<(u64, u64, Option<u64>)> {
+    let value = header_str(headers, http::header::CONTENT_RANGE.as_str())?;
+    let (range, total) = value.trim().strip_prefix("bytes ")?.split_once('/')?;
+    let (first, last) = range.split_once('-')?;
+    let (first, last) = (first.trim().parse().ok()?, last.trim().parse().ok()?);
+    (first <= last).then_some((first, last, total.trim().parse().ok()))
 }
 
 /// `Content-Length` of a response, if present and valid.

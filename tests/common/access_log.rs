@@ -20,6 +20,8 @@ pub struct AccessLogEntry {
     /// Path including the query string, as sent.
     pub target: String,
     pub status: u16,
+    /// Body bytes sent, as logged (`None` for `-`).
+    pub bytes: Option<u64>,
     pub user_agent: String,
 }
 
@@ -65,7 +67,7 @@ pub fn parse_line(line: &str) -> Option<AccessLogEntry> {
     static COMBINED: OnceLock<Regex> = OnceLock::new();
     let combined = COMBINED.get_or_init(|| {
         Regex::new(
-            r#"^\S+ \S+ \S+ \[[^\]]+\] "(\S+) (\S+) [^"]*" (\d{3}) (?:\d+|-) "(?:[^"\\]|\\.)*" "((?:[^"\\]|\\.)*)"\s*$"#,
+            r#"^\S+ \S+ \S+ \[[^\]]+\] "(\S+) (\S+) [^"]*" (\d{3}) (\d+|-) "(?:[^"\\]|\\.)*" "((?:[^"\\]|\\.)*)"\s*$"#,
         )
         .unwrap_or_else(|e| panic!("the access-log pattern does not compile: {e}"))
     });
@@ -74,7 +76,8 @@ pub fn parse_line(line: &str) -> Option<AccessLogEntry> {
         method: captures[1].to_owned(),
         target: captures[2].to_owned(),
         status: captures[3].parse().ok()?,
-        user_agent: captures[4].to_owned(),
+        bytes: captures[4].parse().ok(),
+        user_agent: captures[5].to_owned(),
     })
 }
 

@@ -19,8 +19,9 @@
 //! For attack tests it can also act as a registry that wants credentials
 //! ([`FakeUpstreamBuilder::challenge`]), hands out a token at `/token`,
 //! redirects a blob to a "CDN" ([`FakeUpstreamBuilder::redirect`]), serves
-//! `/cdn/<digest>` itself for same-host redirects, and keeps an item to one
-//! repository ([`FakeUpstreamBuilder::only_in`]).
+//! `/cdn/<digest>` itself for same-host redirects (answering `Range` with
+//! a 206, as object stores do), and keeps an item to one repository
+//! ([`FakeUpstreamBuilder::only_in`]).
 //!
 //! Every connection carries exactly one request (no keep-alive), so the
 //! fake can look at a request before choosing how to answer it: through
@@ -40,7 +41,7 @@ use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Empty, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::header::{
-    AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, HeaderValue, LOCATION, RANGE, RETRY_AFTER, SET_COOKIE,
+    AUTHORIZATION, CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE, HeaderValue, LOCATION, RANGE, RETRY_AFTER, SET_COOKIE,
     WWW_AUTHENTICATE,
 };
 use hyper::service::service_fn;
@@ -777,12 +778,23 @@ fn status_code(status: u16) -> &'static str {
     }
 }
 
+/// `bytes=first-[last]` within a blob of `size` bytes, as inclusive offsets.
+fn cdn_range(header: &str, size: usize) -> Option<(usize, usize)> {
+    let (first, last) = header.strip_prefix("bytes=")?.split_once('-')?;
+    let first: usize = first.trim().parse().ok()?;
+    let last = match last.trim() {
+        "" => size.checked_sub(1)?,
+        l => l.parse::<usize>().ok()?.min(size.checked_sub(1)?),
+    };
+    (first <= last).then_some((first, last))
+}
+
 async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<FakeBody> {
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
     let range = req.headers().get(RANGE).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
     let authorization = req.headers().get(AUTHORIZATION).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
-    state.record(method.as_str(), &path, req.uri().query(), range, authorization.clone());
+    state.record(method.as_str(), &path, req.uri().query(), range.clone(), authorization.clone());
     let guard = OpenGuard::new(&state);
     let head = method == Method::HEAD;
 
@@ -806,11 +818,22 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<FakeBody>
         let Some(item) = item else {
             return error(404, "BLOB_UNKNOWN", None, head);
         };
-        return Response::builder()
+        // The CDN answers a satisfiable `bytes=first-[last]` with a 206,
+        // as object stores do; the registry itself ignores `Range`.
+        let size = item.bytes.len();
+        let wanted = range.as_deref().and_then(|r| cdn_range(r, size));
+        let (status, body) = match wanted {
+            Some((first, last)) => (206, item.bytes.slice(first..=last)),
+            None => (200, item.bytes),
+        };
+        let mut resp = Response::builder()
+            .status(status)
             .header(CONTENT_TYPE, "application/octet-stream")
-            .header(CONTENT_LENGTH, item.bytes.len())
-            .body(if head { empty() } else { full(item.bytes) })
-            .expect("a valid CDN response");
+            .header(CONTENT_LENGTH, body.len());
+        if let Some((first, last)) = wanted {
+            resp = resp.header(CONTENT_RANGE, format!("bytes {first}-{last}/{size}"));
+        }
+        return resp.body(if head { empty() } else { full(body) }).expect("a valid CDN response");
     }
     if let Some(challenge) = challenge {
         if authorization.is_none() || authorization != accepted {

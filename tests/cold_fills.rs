@@ -1,0 +1,367 @@
+//! Cold pulls over a modelled internet link (issue 27): the real origin
+//! behind the link shaper of benches/shaper (a throughput cap per
+//! connection, a delay before each request's first byte), larder in front.
+//!
+//! - A large blob comes in parallel ranged parts, each fetched once,
+//!   byte-exact, counted exactly in the metrics and the origin's log.
+//! - A client range far ahead of the fill gets its part at once, on a
+//!   connection of its own, before the parts below it.
+//! - A part whose connection breaks resumes from the byte it reached.
+//! - An upstream that ignores `Range` is read as one stream, nothing twice;
+//!   one that redirects to a CDN gets each part's range asked of the CDN.
+//! - Many clients pulling at once still make one fill per blob.
+//! - Serving an image manifest starts its blobs ahead of the client.
+
+mod common;
+mod fake;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::metrics::{ADMIN_LISTEN, metric, wait_for_commits};
+use common::push::{self, random};
+use common::{ImageBuilder, KIB, Larder, LinkModel, MIB, ORIGIN_NAME, Origin, Shaper, Upstream, http, skopeo};
+
+/// `parts::PART_SIZE`: parts end on multiples of it.
+const PART: usize = 8 * MIB;
+
+/// 8 MB/s per connection and 20 ms before each first byte: slow enough
+/// that parts overlap, fast enough for a test.
+const LINK: LinkModel =
+    LinkModel { per_connection: Some(8_000_000), first_byte: Duration::from_millis(20), aggregate: None };
+
+/// `larder_<name>{upstream="origin.test"}`.
+fn per_upstream(name: &str) -> String {
+    format!("larder_{name}{{upstream=\"{ORIGIN_NAME}\"}}")
+}
+
+/// larder with the origin (behind `url`) as its default upstream, blobs of
+/// 16 MiB or more in parallel parts, and `lines` in the upstream's table.
+async fn larder_over(url: &str, lines: &[&str]) -> Larder {
+    let upstream = lines.iter().fold(Upstream::new(ORIGIN_NAME, url).default(true), |u, l| u.line(l));
+    Larder::builder()
+        .upstream(upstream)
+        .cache_line(r#"parallel_fill_min = "16MiB""#)
+        .server_line(ADMIN_LISTEN)
+        .start()
+        .await
+}
+
+async fn get_manifest(larder: &Larder, repo: &str, reference: &str) {
+    let url = format!("{}/v2/{repo}/manifests/{reference}", larder.url());
+    let resp = http::manifest_get(&http::client(), &url).send().await.unwrap_or_else(|e| panic!("GET {url}: {e}"));
+    assert_eq!(resp.status(), 200, "GET {url}");
+}
+
+async fn get_blob(larder: &Larder, repo: &str, digest: &str, range: Option<&str>) -> (u16, Vec<u8>) {
+    let url = format!("{}/v2/{repo}/blobs/{digest}", larder.url());
+    let mut request = http::client().get(&url);
+    if let Some(range) = range {
+        request = request.header("Range", range);
+    }
+    let resp = request.send().await.unwrap_or_else(|e| panic!("GET {url}: {e}"));
+    let status = resp.status().as_u16();
+    let body = resp.bytes().await.unwrap_or_else(|e| panic!("reading GET {url}: {e}"));
+    (status, body.to_vec())
+}
+
+/// The origin's blob GETs after `mark`, as (status, bytes sent), sorted.
+async fn blob_gets_since(origin: &Origin, mark: &common::LogMark) -> Vec<(u16, u64)> {
+    let log = origin.requests_since(mark).await;
+    let mut gets: Vec<(u16, u64)> =
+        log.blob_get_entries().iter().map(|e| (e.status, e.bytes.unwrap_or_default())).collect();
+    gets.sort();
+    gets
+}
+
+/// Waits until `n` fills ahead of the client have started.
+async fn wait_for_fills_ahead(larder: &Larder, n: f64) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while metric(larder, r#"larder_fills_total{reason="ahead"}"#).await < n {
+        assert!(tokio::time::Instant::now() < deadline, "the fills ahead never started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_large_blob_comes_in_parallel_ranged_parts_each_fetched_once() {
+    let origin = Origin::start().await;
+    let size = 2 * PART + PART / 2 + 123;
+    let image = push::image(&origin, "team/big", "v1", vec![random(size)]).await;
+    let layer = &image.layers[0];
+    let link = Shaper::start(&origin.host_port(), LINK);
+    let larder = larder_over(&link.url(), &["fill_ahead = false"]).await;
+
+    // The manifest declares the layer's size: large enough for parts.
+    get_manifest(&larder, "team/big", "v1").await;
+    let mark = origin.log_mark().await;
+    let (status, body) = get_blob(&larder, "team/big", &layer.digest, None).await;
+    assert_eq!(status, 200);
+    assert!(body == layer.bytes, "the blob arrives byte for byte");
+    wait_for_commits(&larder).await;
+
+    let half = (PART / 2 + 123) as u64;
+    assert_eq!(
+        blob_gets_since(&origin, &mark).await,
+        vec![(206, half), (206, PART as u64), (206, PART as u64)],
+        "three ranged GETs, one per part, none repeated"
+    );
+    assert_eq!(metric(&larder, &per_upstream("fill_parts_total")).await, 3.0);
+    assert_eq!(metric(&larder, &per_upstream("fill_part_bytes_total")).await, size as f64);
+    assert_eq!(metric(&larder, &per_upstream("upstream_bytes_total")).await, size as f64, "no byte twice");
+    assert_eq!(metric(&larder, &per_upstream("fill_part_resumes_total")).await, 0.0);
+    assert_eq!(metric(&larder, r#"larder_fills_total{reason="client"}"#).await, 1.0);
+
+    let (_, again) = get_blob(&larder, "team/big", &layer.digest, None).await;
+    assert!(again == layer.bytes, "what was committed is the blob");
+    assert!(blob_gets_since(&origin, &mark).await.len() == 3, "the second pull is warm");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_range_far_ahead_of_the_fill_is_fetched_at_once_on_a_connection_of_its_own() {
+    let origin = Origin::start().await;
+    let size = 5 * PART;
+    let image = push::image(&origin, "team/lazy", "v1", vec![random(size)]).await;
+    let layer = &image.layers[0];
+    // 4 MB/s per connection: each 8 MiB part takes two seconds.
+    let slow = LinkModel { per_connection: Some(4_000_000), ..LINK };
+    let link = Shaper::start(&origin.host_port(), slow);
+    let larder = larder_over(&link.url(), &["fill_ahead = false", "fill_connections = 2"]).await;
+    get_manifest(&larder, "team/lazy", "v1").await;
+    let mark = origin.log_mark().await;
+
+    // A whole-blob client starts the fill: parts 0 and 1 run.
+    let url = format!("{}/v2/team/lazy/blobs/{}", larder.url(), layer.digest);
+    let mut whole = http::client().get(&url).send().await.expect("GET the whole blob");
+    let first = whole.chunk().await.expect("the first bytes").expect("a chunk");
+    assert!(!first.is_empty());
+
+    // A lazy-pull client wants half a MiB near the end (in part 4).
+    let start = 4 * PART + 1000;
+    let end = start + 512 * KIB;
+    let (status, far) =
+        get_blob(&larder, "team/lazy", &layer.digest, Some(&format!("bytes={start}-{}", end - 1))).await;
+    assert_eq!(status, 206);
+    assert!(far == layer.bytes[start..end], "the far range, byte for byte");
+    assert_eq!(
+        metric(&larder, &per_upstream("fill_parts_total")).await,
+        3.0,
+        "served from a part of its own, started before parts 2 and 3 (which wait for a free connection)"
+    );
+
+    let mut got = first.to_vec();
+    while let Some(chunk) = whole.chunk().await.expect("the rest of the blob") {
+        got.extend_from_slice(&chunk);
+    }
+    assert!(got == layer.bytes, "the whole blob, byte for byte");
+    wait_for_commits(&larder).await;
+    // [0,8) [8,16) background; [32+,40) for the far range; then [16,24)
+    // [24,32) and what the far range left of [32,40).
+    let gets = blob_gets_since(&origin, &mark).await;
+    assert_eq!(gets.len(), 6, "{gets:?}");
+    assert!(gets.iter().all(|(status, _)| *status == 206), "{gets:?}");
+    assert_eq!(gets.iter().map(|(_, b)| b).sum::<u64>(), size as u64, "no byte twice: {gets:?}");
+    assert_eq!(metric(&larder, &per_upstream("fill_part_bytes_total")).await, size as f64);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_part_whose_connection_breaks_resumes_from_the_byte_it_reached() {
+    let origin = Origin::start().await;
+    let size = 2 * PART + 5000;
+    let image = push::image(&origin, "team/cut", "v1", vec![random(size)]).await;
+    let layer = &image.layers[0];
+    let link = Shaper::start(&origin.host_port(), LinkModel { per_connection: Some(16_000_000), ..LINK });
+    let larder = larder_over(&link.url(), &["fill_ahead = false"]).await;
+    get_manifest(&larder, "team/cut", "v1").await;
+
+    link.cut_once_after(3 * MIB as u64);
+    let (status, body) = get_blob(&larder, "team/cut", &layer.digest, None).await;
+    assert_eq!(status, 200);
+    assert!(body == layer.bytes, "the client never saw the break: the blob, byte for byte");
+    wait_for_commits(&larder).await;
+
+    assert_eq!(link.cuts(), 1, "one connection was cut mid-part");
+    assert_eq!(metric(&larder, &per_upstream("fill_part_resumes_total")).await, 1.0);
+    assert_eq!(metric(&larder, &per_upstream("fill_parts_total")).await, 3.0);
+    assert_eq!(
+        metric(&larder, &per_upstream("fill_part_bytes_total")).await,
+        size as f64,
+        "the resume asked only for what the broken GET had not brought"
+    );
+    assert_eq!(metric(&larder, &per_upstream("upstream_bytes_total")).await, size as f64);
+    let (_, again) = get_blob(&larder, "team/cut", &layer.digest, None).await;
+    assert!(again == layer.bytes, "the committed blob is the blob");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upstream_that_ignores_range_is_read_as_one_stream_without_refetching() {
+    let blob = fake::random_bytes(2 * PART + 7, 27);
+    let config = fake::random_bytes(300, 28);
+    let d = fake::digest(&blob);
+    let manifest = fake::image_manifest((&fake::digest(&config), config.len()), &[(&d, blob.len())]);
+    let up = fake::FakeUpstream::builder()
+        .manifest(fake::REPO, "v1", fake::OCI_MANIFEST, manifest)
+        .blob(config)
+        .blob(blob.clone())
+        .start()
+        .await;
+    let larder = larder_over(&up.url(), &["fill_ahead = false"]).await;
+    get_manifest(&larder, fake::REPO, "v1").await;
+
+    let (status, body) = get_blob(&larder, fake::REPO, &d, None).await;
+    assert_eq!(status, 200);
+    assert!(body == blob, "the blob, byte for byte");
+    wait_for_commits(&larder).await;
+    assert_eq!(up.blob_gets(&d), 1, "the 200 to the first ranged GET was read to its end");
+    assert_eq!(up.ranged_requests(), 1, "only the first part was asked for by range");
+    assert_eq!(up.bytes_sent(&d), blob.len() as u64, "nothing fetched twice");
+    assert_eq!(metric(&larder, &per_upstream("fill_parts_total")).await, 0.0, "no parts");
+    assert_eq!(metric(&larder, &per_upstream("upstream_bytes_total")).await, blob.len() as f64);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn parts_follow_the_redirect_to_a_cdn_that_answers_ranges() {
+    let blob = fake::random_bytes(2 * PART + 7, 29);
+    let config = fake::random_bytes(300, 30);
+    let d = fake::digest(&blob);
+    let manifest = fake::image_manifest((&fake::digest(&config), config.len()), &[(&d, blob.len())]);
+    let up = fake::FakeUpstream::builder()
+        .manifest(fake::REPO, "v1", fake::OCI_MANIFEST, manifest)
+        .blob(config)
+        .blob(blob.clone())
+        .redirect(&format!("/cdn/{d}"))
+        .start()
+        .await;
+    let larder = larder_over(&up.url(), &["fill_ahead = false"]).await;
+    get_manifest(&larder, fake::REPO, "v1").await;
+
+    let (status, body) = get_blob(&larder, fake::REPO, &d, None).await;
+    assert_eq!(status, 200);
+    assert!(body == blob, "the blob, byte for byte");
+    wait_for_commits(&larder).await;
+    let mut cdn_ranges: Vec<String> =
+        up.log().into_iter().filter(|r| r.path == format!("/cdn/{d}")).filter_map(|r| r.range).collect();
+    cdn_ranges.sort();
+    let (p, end) = (PART, 2 * PART + 7);
+    let mut parts =
+        vec![format!("bytes=0-{}", p - 1), format!("bytes={p}-{}", 2 * p - 1), format!("bytes={}-{}", 2 * p, end - 1)];
+    parts.sort();
+    assert_eq!(cdn_ranges, parts, "each part asked of the CDN by range, once");
+    assert_eq!(up.blob_gets(&d), 3, "one GET of the registry per part, each redirected");
+    assert_eq!(metric(&larder, &per_upstream("fill_parts_total")).await, 3.0);
+    assert_eq!(metric(&larder, &per_upstream("fill_part_bytes_total")).await, blob.len() as f64);
+    assert_eq!(metric(&larder, &per_upstream("upstream_bytes_total")).await, blob.len() as f64);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_cold_pulls_make_one_fill_per_blob_and_one_get_per_part() {
+    const CLIENTS: usize = 8;
+    let origin = Origin::start().await;
+    let image =
+        ImageBuilder::oci().layers(&[2 * PART + PART / 4, 96 * KIB, 160 * KIB]).push(&origin, "team/herd", "v1").await;
+    let link = Shaper::start(&origin.host_port(), LINK);
+    // Fills ahead on, as shipped: the manifest starts every blob.
+    let larder = larder_over(&link.url(), &[]).await;
+
+    let mark = origin.log_mark().await;
+    let source = larder.image_ref("team/herd:v1");
+    let pulls: Vec<_> = (0..CLIENTS).map(|_| skopeo::pull(&source, false)).collect();
+    for (i, pulled) in futures_util::future::join_all(pulls).await.into_iter().enumerate() {
+        let pulled = pulled.unwrap_or_else(|e| panic!("pull {i} failed: {e}\nlarder log:\n{}", larder.log()));
+        assert_eq!(pulled.manifest_digest, image.digest, "pull {i}");
+        assert_eq!(pulled.blob_digests(), image.blob_digests(), "pull {i}");
+    }
+    wait_for_commits(&larder).await;
+
+    let seen = origin.requests_since(&mark).await;
+    let mut per_blob: BTreeMap<String, Vec<u16>> = BTreeMap::new();
+    for entry in seen.blob_get_entries() {
+        let digest = entry.path().rsplit('/').next().unwrap_or_default().to_owned();
+        per_blob.entry(digest).or_default().push(entry.status);
+    }
+    let expected: BTreeMap<String, Vec<u16>> = image
+        .blobs()
+        .into_iter()
+        .map(|b| {
+            let parts = b.size.div_ceil(PART as u64) as usize;
+            let statuses = if b.size >= 16 * MIB as u64 { vec![206; parts] } else { vec![200] };
+            (b.digest, statuses)
+        })
+        .collect();
+    assert_eq!(per_blob, expected, "one GET per part of the large layer, one GET per other blob");
+    assert_eq!(seen.manifest_requests().len(), 1, "one manifest fetch for {CLIENTS} clients");
+    let fills = metric(&larder, r#"larder_fills_total{reason="ahead"}"#).await
+        + metric(&larder, r#"larder_fills_total{reason="client"}"#).await;
+    assert_eq!(fills, image.blobs().len() as f64, "exactly one fill per blob");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn serving_an_image_manifest_starts_its_blobs_before_the_client_asks() {
+    let origin = Origin::start().await;
+    let image = push::image(&origin, "team/ahead", "v1", vec![random(300 * KIB), random(200 * KIB)]).await;
+    let larder = larder_over(&origin.url(), &[]).await;
+    let mark = origin.log_mark().await;
+
+    get_manifest(&larder, "team/ahead", "v1").await;
+    let blobs = std::iter::once(&image.config).chain(&image.layers).collect::<Vec<_>>();
+    let total: usize = blobs.iter().map(|b| b.bytes.len()).sum();
+    wait_for_fills_ahead(&larder, 3.0).await;
+    wait_for_commits(&larder).await;
+    assert_eq!(blob_gets_since(&origin, &mark).await.len(), 3, "config and both layers, once each");
+    assert_eq!(
+        metric(&larder, &per_upstream("upstream_bytes_total")).await,
+        total as f64,
+        "a client that stops here cost the image's bytes, once"
+    );
+
+    for blob in &blobs {
+        let (status, body) = get_blob(&larder, "team/ahead", &blob.digest, None).await;
+        assert_eq!(status, 200);
+        assert!(body == blob.bytes, "{}: byte for byte", blob.digest);
+    }
+    assert_eq!(blob_gets_since(&origin, &mark).await.len(), 3, "the client found them all cached");
+    assert_eq!(metric(&larder, r#"larder_cache_requests_total{kind="blob",result="hit"}"#).await, 3.0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_asking_for_a_blob_being_filled_ahead_joins_that_fill() {
+    let origin = Origin::start().await;
+    let image = push::image(&origin, "team/join", "v1", vec![random(3 * MIB)]).await;
+    let layer = &image.layers[0];
+    // 1 MB/s: the layer is still downloading when the client asks.
+    let link = Shaper::start(&origin.host_port(), LinkModel { per_connection: Some(1_000_000), ..LINK });
+    let larder = larder_over(&link.url(), &[]).await;
+    let mark = origin.log_mark().await;
+
+    get_manifest(&larder, "team/join", "v1").await;
+    // As skopeo does, the client asks for the layer after the manifest
+    // (and the config): by then its fill ahead has started.
+    wait_for_fills_ahead(&larder, 2.0).await;
+    let (status, body) = get_blob(&larder, "team/join", &layer.digest, None).await;
+    assert_eq!(status, 200);
+    assert!(body == layer.bytes);
+    wait_for_commits(&larder).await;
+    assert_eq!(metric(&larder, "larder_fills_ahead_joined_total").await, 1.0, "the client joined the fill ahead");
+    assert_eq!(metric(&larder, r#"larder_fills_total{reason="client"}"#).await, 0.0, "and started none of its own");
+    let layer_gets = origin
+        .requests_since(&mark)
+        .await
+        .blob_get_entries()
+        .iter()
+        .filter(|e| e.path().ends_with(&layer.digest))
+        .count();
+    assert_eq!(layer_gets, 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_fill_ahead_off_only_what_clients_ask_for_is_fetched() {
+    let origin = Origin::start().await;
+    push::image(&origin, "team/quiet", "v1", vec![random(100 * KIB)]).await;
+    let larder = larder_over(&origin.url(), &["fill_ahead = false"]).await;
+    let mark = origin.log_mark().await;
+    get_manifest(&larder, "team/quiet", "v1").await;
+    // Nothing to wait for: give a wrongly started fill time to show.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(blob_gets_since(&origin, &mark).await, vec![], "no blob was fetched");
+    assert_eq!(metric(&larder, r#"larder_fills_total{reason="ahead"}"#).await, 0.0);
+}
