@@ -71,6 +71,17 @@ impl Cache {
         }))
     }
 
+    /// The manifest a tag points to, if the tag was confirmed within its
+    /// TTL and the manifest is cached.
+    async fn fresh_tag(&self, upstream: &Upstream, key: Option<&str>) -> Result<Option<Arc<StoredManifest>>, Error> {
+        let Some(entry) = key.and_then(|k| self.memory.tag(k)) else { return Ok(None) };
+        let age = SystemTime::now().duration_since(entry.confirmed).unwrap_or_default();
+        if age >= upstream.config.tag_ttl(&self.config) {
+            return Ok(None);
+        }
+        self.stored_manifest(&entry.digest).await
+    }
+
     /// Upstream says the tag is gone: forget it, in memory and the index.
     async fn forget_tag(&self, key: String) -> Result<(), Error> {
         self.memory.remove_tag(&key);
@@ -206,6 +217,12 @@ impl Cache {
                     Reference::Tag(t) => Some(tag_key(upstream.name(), &repo, t)),
                     Reference::Digest(_) => None,
                 };
+                // A fetch that ended between the caller's miss and this
+                // one's start (a herd's straggler) left the tag fresh: no
+                // second upstream GET for it.
+                if let Some(fresh) = cache.fresh_tag(&upstream, tag.as_deref()).await? {
+                    return Ok(fresh);
+                }
                 if let Some(answer) = cache.manifest_from_owner(&upstream, &repo, &reference, via).await {
                     let (fetched, confirmed) = answer?;
                     return cache.store_manifest(fetched, upstream.name(), &repo, tag, confirmed).await;
@@ -267,5 +284,38 @@ impl Cache {
             self.memory.insert_tag(key, TagEntry { digest: stored.digest, confirmed: now });
         }
         Ok(stored)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::oci::inspect_manifest;
+    use crate::upstream::Upstreams;
+
+    /// An upstream nothing listens for (port 9 on loopback): any request to
+    /// it fails.
+    fn unreachable_upstream() -> Arc<Upstream> {
+        let toml = "[[upstream]]\nname = \"u.test\"\nurl = \"http://127.0.0.1:9\"\ndefault = true\n";
+        let config = Config::parse(toml, "test.toml", None).unwrap();
+        Arc::clone(Upstreams::new(&config).unwrap().get("u.test").unwrap())
+    }
+
+    #[tokio::test]
+    async fn a_fetch_that_starts_after_another_stored_the_tag_asks_upstream_nothing() {
+        let (_dir, cache) = super::super::test_cache::temporary().await;
+        let upstream = unreachable_upstream();
+        let repo: RepoName = "team/app".parse().unwrap();
+        let tag: Tag = "v1".parse().unwrap();
+        let bytes = Bytes::from_static(br#"{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a","size":2},"layers":[]}"#);
+        let (media_type, refs) = inspect_manifest(&bytes, None).unwrap();
+        let fetched = FetchedManifest { digest: Digest::of(&bytes), bytes, media_type, refs };
+        // Another client's fetch stored the tag just now...
+        let key = tag_key(upstream.name(), &repo, &tag);
+        cache.store_manifest(fetched.clone(), upstream.name(), &repo, Some(key), SystemTime::now()).await.unwrap();
+        // ... after this client found it missing: its fetch finds it fresh.
+        let (m, _) = cache.fetch_manifest(&upstream, &repo, &Reference::Tag(tag), Via::Client).await.unwrap();
+        assert_eq!(m.digest, fetched.digest, "served from the tag just stored, upstream not asked");
     }
 }
