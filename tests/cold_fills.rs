@@ -195,16 +195,8 @@ async fn a_part_whose_connection_breaks_resumes_from_the_byte_it_reached() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_upstream_that_ignores_range_is_read_as_one_stream_without_refetching() {
-    let blob = fake::random_bytes(2 * PART + 7, 27);
-    let config = fake::random_bytes(300, 28);
-    let d = fake::digest(&blob);
-    let manifest = fake::image_manifest((&fake::digest(&config), config.len()), &[(&d, blob.len())]);
-    let up = fake::FakeUpstream::builder()
-        .manifest(fake::REPO, "v1", fake::OCI_MANIFEST, manifest)
-        .blob(config)
-        .blob(blob.clone())
-        .start()
-        .await;
+    let (blob, d, up) = one_layer_v1(27);
+    let up = up.start().await;
     let larder = larder_over(&up.url(), &["fill_ahead = false"]).await;
     get_manifest(&larder, fake::REPO, "v1").await;
 
@@ -221,17 +213,8 @@ async fn an_upstream_that_ignores_range_is_read_as_one_stream_without_refetching
 
 #[tokio::test(flavor = "multi_thread")]
 async fn parts_follow_the_redirect_to_a_cdn_that_answers_ranges() {
-    let blob = fake::random_bytes(2 * PART + 7, 29);
-    let config = fake::random_bytes(300, 30);
-    let d = fake::digest(&blob);
-    let manifest = fake::image_manifest((&fake::digest(&config), config.len()), &[(&d, blob.len())]);
-    let up = fake::FakeUpstream::builder()
-        .manifest(fake::REPO, "v1", fake::OCI_MANIFEST, manifest)
-        .blob(config)
-        .blob(blob.clone())
-        .redirect(&format!("/cdn/{d}"))
-        .start()
-        .await;
+    let (blob, d, up) = one_layer_v1(29);
+    let up = up.redirect(&format!("/cdn/{d}")).start().await;
     let larder = larder_over(&up.url(), &["fill_ahead = false"]).await;
     get_manifest(&larder, fake::REPO, "v1").await;
 
@@ -364,4 +347,18 @@ async fn with_fill_ahead_off_only_what_clients_ask_for_is_fetched() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(blob_gets_since(&origin, &mark).await, vec![], "no blob was fetched");
     assert_eq!(metric(&larder, r#"larder_fills_total{reason="ahead"}"#).await, 0.0);
+}
+
+/// A fake upstream (not started) whose `v1` is a config and one layer of
+/// two parts and 7 bytes, random from `seed`: the layer and its digest.
+fn one_layer_v1(seed: u64) -> (bytes::Bytes, String, fake::FakeUpstreamBuilder) {
+    let blob = fake::random_bytes(2 * PART + 7, seed);
+    let config = fake::random_bytes(300, seed + 1);
+    let d = fake::digest(&blob);
+    let manifest = fake::image_manifest((&fake::digest(&config), config.len()), &[(&d, blob.len())]);
+    let up = fake::FakeUpstream::builder()
+        .manifest(fake::REPO, "v1", fake::OCI_MANIFEST, manifest)
+        .blob(config)
+        .blob(blob.clone());
+    (blob, d, up)
 }

@@ -102,20 +102,9 @@ const SBOM: &str = "application/spdx+json";
 #[tokio::test(flavor = "multi_thread")]
 async fn referrers_from_an_upstream_without_the_api_come_from_the_fallback_tag() {
     let origin = Origin::start().await;
-    let image = ImageBuilder::oci().layers(&[4 * KIB]).push(&origin, "team/app", "v1").await;
+    let (image, signature, sbom) = signed_image(&origin).await;
     let bare = ImageBuilder::oci().layers(&[4 * KIB]).push(&origin, "team/app", "v2").await;
-    let subject = origin.fetch_manifest("team/app", &image.digest).await;
-    // A signature and an SBOM, kept the way a client keeps them on a
-    // registry without the referrers API (distribution 2.8): an index
-    // under the `sha256-<hex>` tag.
-    let signature = origin.push_referrer("team/app", &image.digest, subject.body.len(), SIGNATURE).await;
-    let sbom = origin.push_referrer("team/app", &image.digest, subject.body.len(), SBOM).await;
-    let fallback = serde_json::to_vec(&serde_json::json!({
-        "schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [signature, sbom],
-    }))
-    .unwrap();
     let fallback_tag = image.digest.replace(':', "-");
-    origin.push_manifest("team/app", &fallback_tag, OCI_INDEX, &fallback).await;
     let mut larder = Larder::builder().upstream(&origin).start().await;
 
     let base = larder.url();
@@ -226,15 +215,8 @@ async fn referrers_from_an_upstream_with_the_api_are_relayed_as_it_answered() {
 #[tokio::test(flavor = "multi_thread")]
 async fn prefetch_with_referrers_keeps_signatures_and_sboms_served_with_the_origin_gone() {
     let origin = Origin::start().await;
-    let image = ImageBuilder::oci().layers(&[4 * KIB]).push(&origin, "team/app", "v1").await;
+    let (image, signature, sbom) = signed_image(&origin).await;
     let subject = origin.fetch_manifest("team/app", &image.digest).await;
-    let signature = origin.push_referrer("team/app", &image.digest, subject.body.len(), SIGNATURE).await;
-    let sbom = origin.push_referrer("team/app", &image.digest, subject.body.len(), SBOM).await;
-    let fallback = serde_json::to_vec(&serde_json::json!({
-        "schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [signature, sbom],
-    }))
-    .unwrap();
-    origin.push_manifest("team/app", &image.digest.replace(':', "-"), OCI_INDEX, &fallback).await;
     // cosign's own scheme: the signature under the `sha256-<hex>.sig` tag.
     let cosign_tag = format!("{}.sig", image.digest.replace(':', "-"));
     let cosign_type = "application/vnd.dev.cosign.artifact.sig.v1+json";
@@ -278,4 +260,20 @@ async fn prefetch_with_referrers_keeps_signatures_and_sboms_served_with_the_orig
         .await
         .unwrap();
     assert_eq!(resp.status(), 200, "cosign's signature tag, with the origin gone");
+}
+
+/// `team/app:v1` with a signature and an SBOM, kept the way a client keeps
+/// them on a registry without the referrers API (distribution 2.8): an
+/// index under the `sha256-<hex>` tag. The image, and the two descriptors.
+async fn signed_image(origin: &Origin) -> (common::PushedImage, serde_json::Value, serde_json::Value) {
+    let image = ImageBuilder::oci().layers(&[4 * KIB]).push(origin, "team/app", "v1").await;
+    let subject = origin.fetch_manifest("team/app", &image.digest).await;
+    let signature = origin.push_referrer("team/app", &image.digest, subject.body.len(), SIGNATURE).await;
+    let sbom = origin.push_referrer("team/app", &image.digest, subject.body.len(), SBOM).await;
+    let fallback = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [signature, sbom],
+    }))
+    .unwrap();
+    origin.push_manifest("team/app", &image.digest.replace(':', "-"), OCI_INDEX, &fallback).await;
+    (image, signature, sbom)
 }
