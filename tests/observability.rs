@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use common::metrics::wait_for_commits;
-use common::{ImageBuilder, KIB, Larder, MIB, Origin, free_port, http, skopeo};
+use common::{ImageBuilder, KIB, Larder, MIB, Origin, Upstream, free_port, http, skopeo};
 use sha2::{Digest, Sha256};
 
 /// Concurrent pulls in the coalescing step.
@@ -45,8 +45,11 @@ async fn metrics_count_misses_then_hits_and_upstream_bytes_once() {
     let herd_image = ImageBuilder::oci().layers(&[96 * KIB, 160 * KIB]).push(&origin, "team/herd", "v1").await;
     let admin_port = free_port();
     let admin = format!("http://127.0.0.1:{admin_port}");
+    // Only what clients ask for is fetched (no fills ahead, which may have
+    // a blob committed before its client asks: a hit), so that the counts
+    // below are exact; tests/cold_fills.rs counts the fills ahead.
     let larder = Larder::builder()
-        .upstream(&origin)
+        .upstream(Upstream::from(&origin).line("fill_ahead = false"))
         .server_line(&format!("admin_listen = \"127.0.0.1:{admin_port}\""))
         .start()
         .await;

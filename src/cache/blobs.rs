@@ -172,10 +172,15 @@ impl Cache {
                 }
             };
             self.ensure_member(upstream, repo, &digest, Content::Blob, via).await?;
-            // A fill started ahead of the client: someone waits on it now.
-            if joined.priority.promote() {
+            // A fill started ahead of the client: someone waits on it now,
+            // and for that first client it is its miss (the bytes were not
+            // cached when it asked), not a request coalesced onto another's.
+            let result = if joined.priority.promote() {
                 metrics().fills_ahead_joined.inc();
-            }
+                CacheResult::Miss
+            } else {
+                CacheResult::Coalesced
+            };
             let mut rx = joined.progress;
             if joined.owner != owner && foreign_failures < FOREIGN_FILL_RETRIES {
                 if let Err(e) = fill::wait_for_headers(&mut rx).await {
@@ -186,7 +191,7 @@ impl Cache {
                     }
                 }
             }
-            return Ok((BlobSource::Filling(rx), CacheResult::Coalesced));
+            return Ok((BlobSource::Filling(rx), result));
         }
     }
 
