@@ -83,8 +83,11 @@ async fn get(larder: &Larder, path: &str) -> Answer {
 }
 
 /// An upstream table for a shape: served over HTTPS with the test CA.
+/// An upstream of these tests: trusting the fake registries' CA, and
+/// without fills ahead, since the tests count the requests each client
+/// request makes (fills ahead are counted in tests/cold_fills.rs).
 fn upstream(name: &str, url: &str, tls: &Tls) -> Upstream {
-    Upstream::new(name, url).line(&format!("ca_file = {:?}", tls.ca_file()))
+    Upstream::new(name, url).line(&format!("ca_file = {:?}", tls.ca_file())).line("fill_ahead = false")
 }
 
 fn larder() -> common::LarderBuilder {

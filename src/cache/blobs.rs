@@ -150,7 +150,9 @@ impl Cache {
                     if let Some((file, size)) = self.committed_blob(&digest).await? {
                         self.ensure_member(upstream, repo, &digest, Content::Blob, via).await?;
                         self.evictor.record_access(Kind::Blob, digest, unix_ms(SystemTime::now()));
-                        return Ok((BlobSource::Committed { file, size }, CacheResult::Hit));
+                        let result =
+                            if self.memory.claim_fetched_ahead(&digest) { CacheResult::Miss } else { CacheResult::Hit };
+                        return Ok((BlobSource::Committed { file, size }, result));
                     }
                     let priority = Priority::client();
                     let attach = self.fills.join_or_start(
@@ -217,6 +219,9 @@ impl Cache {
         tokio::spawn(crate::background::inherit(async move {
             match cache.fill(&upstream, &repo, digest, via, &priority, &tx).await {
                 Ok((file, size)) => {
+                    if priority.is_ahead() {
+                        cache.memory.insert_fetched_ahead(digest);
+                    }
                     cache.memory.insert_blob_size(digest, size);
                     cache.memory.insert_open_blob(digest, Arc::clone(&file), size);
                     tx.send_replace(Progress::Complete { file, size });

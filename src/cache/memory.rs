@@ -66,6 +66,10 @@ pub struct Memory {
     /// Blob sizes the manifests of a repository declared, by
     /// "upstream\0repo\0digest hex": the bound on a fill for that repository.
     declared_sizes: moka::sync::Cache<String, u64>,
+    /// Blobs a fill ahead committed before any client asked: the first
+    /// client request for one is still its miss (the pull caused the
+    /// download), not a hit.
+    fetched_ahead: moka::sync::Cache<Digest, ()>,
 }
 
 /// Memory for cached listing pages, apart from the budget above: pages are
@@ -77,6 +81,10 @@ const OPEN_BLOB_HANDLES: u64 = 256;
 /// Declared blob sizes remembered; a blob whose manifest was forgotten is
 /// bounded by `max_blob_size` instead.
 const DECLARED_SIZES: u64 = 100_000;
+/// Blobs fetched ahead and not yet asked for, remembered (a client that
+/// never asks leaves them to age out).
+const FETCHED_AHEAD: u64 = 10_000;
+const FETCHED_AHEAD_TTL: Duration = Duration::from_secs(3600);
 /// An open handle unused this long is closed; eviction and purge close
 /// theirs at once, so a deleted blob's disk space is not held.
 const OPEN_BLOB_IDLE: Duration = Duration::from_secs(60);
@@ -113,7 +121,21 @@ impl Memory {
                 .time_to_idle(OPEN_BLOB_IDLE)
                 .build(),
             declared_sizes: moka::sync::Cache::builder().max_capacity(DECLARED_SIZES).build(),
+            fetched_ahead: moka::sync::Cache::builder()
+                .max_capacity(FETCHED_AHEAD)
+                .time_to_live(FETCHED_AHEAD_TTL)
+                .build(),
         }
+    }
+
+    /// A fill ahead of any client committed `digest`.
+    pub fn insert_fetched_ahead(&self, digest: Digest) {
+        self.fetched_ahead.insert(digest, ());
+    }
+
+    /// Whether `digest` was fetched ahead and this is the first ask since.
+    pub fn claim_fetched_ahead(&self, digest: &Digest) -> bool {
+        self.fetched_ahead.remove(digest).is_some()
     }
 
     pub fn manifest(&self, digest: &Digest) -> Option<Arc<StoredManifest>> {
