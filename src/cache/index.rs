@@ -131,6 +131,46 @@ pub struct PurgedRows {
     pub content: Vec<Entry>,
 }
 
+/// Eviction victims gathered in access order until their sizes add up to
+/// `bytes` (the global order and each upstream's share the walk).
+struct Victims {
+    blobs: redb::ReadOnlyTable<&'static str, (u64, u64)>,
+    manifests: redb::ReadOnlyTable<&'static str, (u64, u64)>,
+    bytes: u64,
+    freed: u64,
+    out: Vec<Entry>,
+}
+
+impl Victims {
+    fn open(txn: &redb::ReadTransaction, bytes: u64) -> Result<Victims, redb::Error> {
+        let (blobs, manifests) = (txn.open_table(BLOBS)?, txn.open_table(MANIFEST_META)?);
+        Ok(Victims { blobs, manifests, bytes, freed: 0, out: Vec::new() })
+    }
+
+    fn enough(&self) -> bool {
+        self.freed >= self.bytes
+    }
+
+    /// One access row: a victim unless `keep` holds it or it is gone.
+    fn offer(
+        &mut self,
+        accessed_ms: u64,
+        code: u8,
+        hex: &str,
+        keep: &dyn Fn(Kind, &Digest) -> bool,
+    ) -> Result<(), redb::Error> {
+        let (Some(kind), Some(digest)) = (Kind::from_code(code), parse_hex(hex)) else { return Ok(()) };
+        if keep(kind, &digest) {
+            return Ok(());
+        }
+        let table = if kind == Kind::Blob { &self.blobs } else { &self.manifests };
+        let Some(size) = table.get(hex)?.map(|v| v.value().0) else { return Ok(()) };
+        self.freed += size;
+        self.out.push(Entry { kind, digest, size, accessed_ms });
+        Ok(())
+    }
+}
+
 fn parse_hex(hex: &str) -> Option<Digest> {
     format!("sha256:{hex}").parse().ok()
 }
@@ -523,25 +563,16 @@ impl Index {
     ) -> Result<Vec<Entry>, redb::Error> {
         let txn = self.db.begin_read()?;
         let access = txn.open_table(ACCESS)?;
-        let (blobs, manifests) = (txn.open_table(BLOBS)?, txn.open_table(MANIFEST_META)?);
-        let mut out = Vec::new();
-        let mut freed = 0;
+        let mut victims = Victims::open(&txn, bytes)?;
         for row in access.iter()? {
-            if freed >= bytes {
+            if victims.enough() {
                 break;
             }
             let (key, _) = row?;
             let (accessed_ms, code, hex) = key.value();
-            let (Some(kind), Some(digest)) = (Kind::from_code(code), parse_hex(hex)) else { continue };
-            if keep(kind, &digest) {
-                continue;
-            }
-            let table = if kind == Kind::Blob { &blobs } else { &manifests };
-            let Some(size) = table.get(hex)?.map(|v| v.value().0) else { continue };
-            freed += size;
-            out.push(Entry { kind, digest, size, accessed_ms });
+            victims.offer(accessed_ms, code, hex, keep)?;
         }
-        Ok(out)
+        Ok(victims.out)
     }
 
     /// Records access times, batched; rows that are gone are skipped.

@@ -24,8 +24,8 @@ use std::sync::Mutex;
 use redb::{Database, ReadableDatabase, ReadableTable};
 
 use super::{
-    BLOBS, CHARGED, Content, Entry, Index, Kind, MANIFEST_META, MEMBERS_BY_DIGEST, META, UPSTREAM_ACCESS, begin_write,
-    parse_hex,
+    BLOBS, CHARGED, Content, Entry, Index, Kind, MANIFEST_META, MEMBERS_BY_DIGEST, META, UPSTREAM_ACCESS, Victims,
+    begin_write,
 };
 use crate::oci::Digest;
 
@@ -154,11 +154,9 @@ impl Index {
     ) -> Result<Vec<Entry>, redb::Error> {
         let txn = self.db.begin_read()?;
         let access = txn.open_table(UPSTREAM_ACCESS)?;
-        let (blobs, manifests) = (txn.open_table(BLOBS)?, txn.open_table(MANIFEST_META)?);
-        let mut out = Vec::new();
-        let mut freed = 0;
+        let mut victims = Victims::open(&txn, bytes)?;
         for row in access.range((upstream, 0, 0, "")..)? {
-            if freed >= bytes {
+            if victims.enough() {
                 break;
             }
             let (key, _) = row?;
@@ -166,16 +164,9 @@ impl Index {
             if owner != upstream {
                 break;
             }
-            let (Some(kind), Some(digest)) = (Kind::from_code(code), parse_hex(hex)) else { continue };
-            if keep(kind, &digest) {
-                continue;
-            }
-            let table = if kind == Kind::Blob { &blobs } else { &manifests };
-            let Some(size) = table.get(hex)?.map(|v| v.value().0) else { continue };
-            freed += size;
-            out.push(Entry { kind, digest, size, accessed_ms });
+            victims.offer(accessed_ms, code, hex, keep)?;
         }
-        Ok(out)
+        Ok(victims.out)
     }
 
     /// Evicts `victims` for `upstream`'s quota, in one transaction: each one
