@@ -124,6 +124,46 @@ fn check_grants(
     )))
 }
 
+/// Parses the route and decides whether this client may have it, before
+/// any cache read or dial: the upstream's policy (in the parse), the
+/// grants, then, for an upstream with `client_credentials = "verify"`,
+/// the client's own credentials checked with that upstream. `GET /v2/`
+/// challenges a client without credentials when any upstream verifies, so
+/// that skopeo, podman and dockerd (which send credentials only where
+/// `/v2/` asked for them) send theirs.
+async fn authorize(
+    app: &App,
+    parts: &http::request::Parts,
+    user: Option<String>,
+    peer: std::net::IpAddr,
+) -> Result<Parsed, crate::error::Error> {
+    let parsed = routes::parse(&parts.method, &parts.uri, &app.upstreams)?;
+    match &parsed {
+        Parsed::Repo(route) => {
+            check_grants(app, &parts.extensions, user, route)?;
+            let probe = match &route.endpoint {
+                routes::Endpoint::Manifest(r) => crate::upstream::Probe::Manifest(r.clone()),
+                routes::Endpoint::Blob(d) => crate::upstream::Probe::Blob(*d),
+                routes::Endpoint::TagsList(_) => crate::upstream::Probe::Tags,
+                routes::Endpoint::Referrers(d, _) => crate::upstream::Probe::Referrers(*d),
+            };
+            route.upstream.verify_client(&parts.headers, &route.repo, probe, peer).await?;
+        }
+        Parsed::Base => {
+            let verifying = app.config.upstreams.iter().any(|u| u.client_credentials.verifies());
+            if verifying && !parts.headers.contains_key(http::header::AUTHORIZATION) {
+                return Err(crate::error::Error::CredentialsRequired {
+                    realm: "larder".to_owned(),
+                    message: "this mirror serves some registries only to clients those registries accept: send \
+                              your credentials for them (HTTP Basic)"
+                        .to_owned(),
+                });
+            }
+        }
+    }
+    Ok(parsed)
+}
+
 /// A request's id: 16 hex digits in its log span and its `X-Request-Id`,
 /// formatted where each needs it, with no `String` of its own.
 #[derive(Clone, Copy)]
@@ -157,13 +197,10 @@ async fn handle_request(
         Some(auth) => auth.check(&parts.headers, peer).await.map(Some),
         None => Ok(None),
     };
-    let parsed = user.and_then(|user| {
-        let parsed = routes::parse(&parts.method, &parts.uri, &app.upstreams)?;
-        if let Parsed::Repo(route) = &parsed {
-            check_grants(&app, &parts.extensions, user, route)?;
-        }
-        Ok(parsed)
-    });
+    let parsed = match user {
+        Ok(user) => authorize(&app, &parts, user, peer).await,
+        Err(e) => Err(e),
+    };
     let (route, outcome) = match parsed {
         Ok(Parsed::Base) => ("base", handlers::base(&parts.method).map(|r| (r, None))),
         Ok(Parsed::Repo(route)) => (route.endpoint.label(), handlers::route(&app, route, &parts).await),
