@@ -136,32 +136,43 @@ async fn authorize(
     parts: &http::request::Parts,
     user: Option<String>,
     peer: std::net::IpAddr,
-) -> Result<Parsed, crate::error::Error> {
-    let parsed = routes::parse(&parts.method, &parts.uri, &app.upstreams)?;
+) -> (&'static str, Result<Parsed, crate::error::Error>) {
+    let parsed = match routes::parse(&parts.method, &parts.uri, &app.upstreams) {
+        Ok(parsed) => parsed,
+        Err(e) => return ("invalid", Err(e)),
+    };
     match &parsed {
         Parsed::Repo(route) => {
-            check_grants(app, &parts.extensions, user, route)?;
+            let label = route.endpoint.label();
+            if let Err(e) = check_grants(app, &parts.extensions, user, route) {
+                return (label, Err(e));
+            }
             let probe = match &route.endpoint {
                 routes::Endpoint::Manifest(r) => crate::upstream::Probe::Manifest(r.clone()),
                 routes::Endpoint::Blob(d) => crate::upstream::Probe::Blob(*d),
                 routes::Endpoint::TagsList(_) => crate::upstream::Probe::Tags,
                 routes::Endpoint::Referrers(d, _) => crate::upstream::Probe::Referrers(*d),
             };
-            route.upstream.verify_client(&parts.headers, &route.repo, probe, peer).await?;
+            if let Err(e) = route.upstream.verify_client(&parts.headers, &route.repo, probe, peer).await {
+                return (label, Err(e));
+            }
         }
         Parsed::Base => {
             let verifying = app.config.upstreams.iter().any(|u| u.client_credentials.verifies());
             if verifying && !parts.headers.contains_key(http::header::AUTHORIZATION) {
-                return Err(crate::error::Error::CredentialsRequired {
-                    realm: "larder".to_owned(),
-                    message: "this mirror serves some registries only to clients those registries accept: send \
-                              your credentials for them (HTTP Basic)"
-                        .to_owned(),
-                });
+                return (
+                    "base",
+                    Err(crate::error::Error::CredentialsRequired {
+                        realm: "larder".to_owned(),
+                        message: "this mirror serves some registries only to clients those registries accept: \
+                                  send your credentials for them (HTTP Basic)"
+                            .to_owned(),
+                    }),
+                );
             }
         }
     }
-    Ok(parsed)
+    ("base", Ok(parsed))
 }
 
 /// A request's id: 16 hex digits in its log span and its `X-Request-Id`,
@@ -197,14 +208,14 @@ async fn handle_request(
         Some(auth) => auth.check(&parts.headers, peer).await.map(Some),
         None => Ok(None),
     };
-    let parsed = match user {
+    let (label, parsed) = match user {
         Ok(user) => authorize(&app, &parts, user, peer).await,
-        Err(e) => Err(e),
+        Err(e) => ("invalid", Err(e)),
     };
     let (route, outcome) = match parsed {
         Ok(Parsed::Base) => ("base", handlers::base(&parts.method).map(|r| (r, None))),
         Ok(Parsed::Repo(route)) => (route.endpoint.label(), handlers::route(&app, route, &parts).await),
-        Err(e) => ("invalid", Err(e)),
+        Err(e) => (label, Err(e)),
     };
     let (resp, cache, error) = match outcome {
         Ok((resp, cache)) => (resp, cache, None),
