@@ -37,6 +37,8 @@ command -v docker-registry >/dev/null || need+=(docker-registry)
 command -v skopeo >/dev/null || need+=(skopeo)
 command -v containerd >/dev/null || need+=(containerd)
 command -v dockerd >/dev/null || need+=(docker.io)
+# tests/private_images_clients.rs pulls with podman --creds.
+command -v podman >/dev/null || need+=(podman)
 command -v prometheus >/dev/null || need+=(prometheus)
 command -v promtool >/dev/null || need+=(prometheus)
 command -v chromium >/dev/null || need+=(chromium)

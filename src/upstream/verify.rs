@@ -252,7 +252,7 @@ impl Upstream {
                     self.name()
                 )));
             }
-            Presented::Malformed(why) => return Err(self.challenge(format!("{why}"))),
+            Presented::Malformed(why) => return Err(self.challenge(why.to_owned())),
         };
         let key = verifier.key(&credentials, repo);
         let verdict = match verifier.verdicts.get(&key) {

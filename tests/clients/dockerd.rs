@@ -94,6 +94,35 @@ impl Dockerd {
         run(c)
     }
 
+    /// A docker client config folder (`DOCKER_CONFIG`) holding what
+    /// `docker login` leaves after logging in to Docker Hub as `user`: the
+    /// `auth` entry under `https://index.docker.io/v1/`. (The login itself
+    /// needs Docker Hub: dockerd checks the credentials there, never with
+    /// a mirror.) `name` tells folders apart.
+    pub fn hub_login(&self, name: &str, user: &str, password: &str) -> PathBuf {
+        use base64::Engine;
+        let dir = self.dir.path().join(format!("client-{name}"));
+        std::fs::create_dir_all(&dir).expect("client config dir");
+        let auth = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+        let config = serde_json::json!({"auths": {"https://index.docker.io/v1/": {"auth": auth}}});
+        std::fs::write(dir.join("config.json"), config.to_string()).expect("write config.json");
+        dir
+    }
+
+    /// `docker pull <image>` by a client whose config is in `config`.
+    pub fn pull_as(&self, config: &Path, image: &str) -> Result<String, String> {
+        let mut c = self.docker();
+        c.env("DOCKER_CONFIG", config).args(["pull", image]);
+        run(c)
+    }
+
+    /// `docker rmi <image>` (whether or not it is there).
+    pub fn remove(&self, image: &str) {
+        let mut c = self.docker();
+        c.args(["rmi", "--force", image]);
+        let _ = run(c);
+    }
+
     /// The `RepoDigests` dockerd recorded for a pulled image.
     pub fn repo_digests(&self, image: &str) -> Vec<String> {
         let mut c = self.docker();
