@@ -310,3 +310,54 @@ async fn odd_authorization_headers_are_refused_without_a_check() {
     // A password with colons is the password (alice's has two).
     assert_eq!(fetch(reqwest::Method::GET, &url, Some(&alice())).await.0, 200);
 }
+
+/// In a cluster, the replica a client reaches checks the client; the
+/// digest's owner, which has no credentials of its own and no client's,
+/// is asked only for what it holds, and the replica fills with the
+/// client's credentials itself.
+#[tokio::test(flavor = "multi_thread")]
+async fn in_a_cluster_each_replica_checks_its_clients_and_fills_with_their_credentials() {
+    let origin = Origin::with_token_auth(admin()).await;
+    origin.token_server().add_user(&alice(), &["team-a/"]);
+    origin.token_server().add_user(&bob(), &["team-b/"]);
+    let a =
+        ImageBuilder::oci().layers(&[40 * KIB, 56 * KIB, 72 * KIB, 88 * KIB]).push(&origin, "team-a/app", "v1").await;
+    let upstream = Upstream::from(&origin).line("client_credentials = \"verify\"");
+    let cluster = common::Cluster::builder(upstream).replicas(3).each(|b| b.ready_on_tcp()).start().await;
+    // Some of the blobs are owned by another replica than the one alice asks.
+    let owners: Vec<usize> = a.blob_digests().iter().map(|d| cluster.owner_of(d)).collect();
+    assert!(owners.iter().any(|o| *o != 0), "some blob is owned elsewhere: {owners:?}");
+
+    for (i, replica) in cluster.replicas.iter().enumerate() {
+        let pulled = skopeo::Pull::new(&replica.image_ref(&a.reference())).credentials(&alice()).run().await;
+        let pulled = pulled.unwrap_or_else(|e| panic!("alice through replica {i}: {e}\n{}", replica.log()));
+        assert_eq!((pulled.manifest_digest.clone(), pulled.blob_digests()), (a.digest.clone(), a.blob_digests()));
+        let refused = skopeo::Pull::new(&replica.image_ref(&a.reference())).credentials(&bob()).run().await;
+        assert!(refused.is_err(), "bob through replica {i}");
+    }
+}
+
+/// With credentials of its own, larder fills with them and only checks
+/// its clients: the check carries the client's credentials, the fills
+/// larder's.
+#[tokio::test(flavor = "multi_thread")]
+async fn with_credentials_of_its_own_larder_fills_with_them_and_only_checks_clients() {
+    let origin = Origin::with_token_auth(admin()).await;
+    origin.token_server().add_user(&alice(), &["team-a/"]);
+    origin.token_server().add_user(&bob(), &["team-b/"]);
+    let a = ImageBuilder::oci().layers(&[40 * KIB]).push(&origin, "team-a/app", "v1").await;
+    let upstream = Upstream::from(&origin).credentials(&admin()).line("client_credentials = \"verify\"");
+    let larder = Larder::builder().upstream(upstream).ready_on_tcp().start().await;
+    let tokens = origin.token_server();
+
+    let mark = tokens.mark();
+    let pulled = skopeo::Pull::new(&larder.image_ref(&a.reference())).credentials(&alice()).run().await.expect("alice");
+    assert_eq!(pulled.manifest_digest, a.digest);
+    let users: Vec<Option<String>> = tokens.requests_since(mark).into_iter().map(|r| r.user).collect();
+    assert!(users.contains(&Some("alice".into())), "the check is alice's: {users:?}");
+    assert!(users.contains(&Some("admin".into())), "the fills are larder's: {users:?}");
+    assert!(users.iter().all(|u| matches!(u.as_deref(), Some("alice" | "admin"))), "{users:?}");
+    // larder's own access does not let bob in.
+    let refused = skopeo::Pull::new(&larder.image_ref(&a.reference())).credentials(&bob()).run().await;
+    assert!(refused.is_err());
+}

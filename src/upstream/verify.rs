@@ -230,6 +230,14 @@ impl Upstream {
         self.verifier.is_some()
     }
 
+    /// Whether this upstream's fills use verified clients' credentials
+    /// (it verifies clients and has no credentials of its own). Only the
+    /// replica a client reached holds them: such fills are never left to
+    /// a peer, which is asked only for what it already holds.
+    pub fn fills_with_client_credentials(&self) -> bool {
+        self.verifier.is_some() && self.config.credentials.is_none()
+    }
+
     /// With `client_credentials = "verify"`: `Ok` when the request's Basic
     /// credentials are ones this upstream lets pull `repo` (remembered, or
     /// checked now), else the error to answer. Checked before any cache
