@@ -201,6 +201,15 @@ async fn the_owner_pulls_and_no_one_else_gets_a_byte_of_it_cached_or_not() {
     assert_eq!(metric(&t.larder, &counted("granted")).await, 2.0, "alice's and bob's own repositories");
     assert_eq!(metric(&t.larder, &counted("rejected")).await, 1.0, "the wrong password");
     assert_eq!(metric(&t.larder, &counted("denied")).await, 1.0, "bob for team-a/app, once");
+    assert!(metric(&t.larder, "larder_client_verdicts_cached{upstream=\"origin.test\"}").await >= 3.0);
+
+    // The status page and /status say which upstreams verify their clients.
+    let admin = format!("http://{}", common::metrics::admin_address(&t.larder));
+    let status = http::client().get(format!("{admin}/status")).send().await.unwrap().bytes().await.unwrap();
+    let status: serde_json::Value = serde_json::from_slice(&status).unwrap();
+    assert_eq!(status["upstreams"][0]["verifies_clients"], true, "{status}");
+    let page = http::client().get(format!("{admin}/")).send().await.unwrap().text().await.unwrap();
+    assert!(page.contains("origin.test</b> <span class=muted>(default)</span> <span class=muted>(verifies clients)"));
 }
 
 #[tokio::test(flavor = "multi_thread")]
