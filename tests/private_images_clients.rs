@@ -92,6 +92,13 @@ async fn dockerd_sends_the_docker_hub_login_to_its_mirror_and_larder_checks_it()
         "insecure-registries": [recorder.addr().to_string(), larder.host_port()],
     }));
 
+    // `docker login` checks the credentials with Docker Hub itself (pinned
+    // to 127.0.0.1 here: nothing answers), never with a mirror.
+    let login = docker.login(&docker.dir().join("client-login"), &alice().user, &alice().password);
+    eprintln!("docker login: {login:?}");
+    assert!(login.is_err(), "Docker Hub cannot be reached from the test");
+    assert!(recorder.heads().is_empty(), "docker login asked no mirror: {:?}", recorder.heads());
+
     // alice logged in to Docker Hub: dockerd sends those credentials to
     // each mirror that challenges for them.
     let alice_config = docker.hub_login("alice", &alice().user, &alice().password);

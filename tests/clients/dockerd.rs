@@ -109,6 +109,26 @@ impl Dockerd {
         dir
     }
 
+    /// `docker login` (to Docker Hub) by a client whose config is in
+    /// `config`, the password on stdin: its output, or its error.
+    pub fn login(&self, config: &Path, user: &str, password: &str) -> Result<String, String> {
+        use std::io::Write;
+        let mut c = self.docker();
+        c.env("DOCKER_CONFIG", config).args(["login", "--username", user, "--password-stdin"]);
+        let mut child = c
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run docker login");
+        if let Some(mut stdin) = child.stdin.take() {
+            let _ = stdin.write_all(password.as_bytes());
+        }
+        let out = child.wait_with_output().expect("docker login");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        if out.status.success() { Ok(text) } else { Err(text) }
+    }
+
     /// `docker pull <image>` by a client whose config is in `config`.
     pub fn pull_as(&self, config: &Path, image: &str) -> Result<String, String> {
         let mut c = self.docker();
