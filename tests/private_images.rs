@@ -370,3 +370,41 @@ async fn with_credentials_of_its_own_larder_fills_with_them_and_only_checks_clie
     let refused = skopeo::Pull::new(&larder.image_ref(&a.reference())).credentials(&bob()).run().await;
     assert!(refused.is_err());
 }
+
+/// A flood of made-up credentials from one address: each pair costs at
+/// most one check, the address gets at most its share of the checks (the
+/// rest `429` at once), and a client verified before is answered
+/// throughout without waiting behind the flood.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_flood_of_made_up_credentials_is_bounded_and_spares_verified_clients() {
+    let t = tenants(&[]).await;
+    let url = format!("{}/v2/team-a/app/manifests/{}", t.larder.url(), t.a.digest);
+    assert_eq!(fetch(reqwest::Method::GET, &url, Some(&alice())).await.0, 200);
+    let tokens = t.origin.token_server();
+    let mark = tokens.mark();
+
+    let flood: Vec<_> = (0..300)
+        .map(|i| {
+            let url = url.clone();
+            tokio::spawn(async move {
+                fetch(reqwest::Method::GET, &url, Some(&Credentials::new(&format!("mallory{i}"), "guess"))).await.0
+            })
+        })
+        .collect();
+    let mut alice_served = 0;
+    while flood.iter().any(|f| !f.is_finished()) {
+        assert_eq!(fetch(reqwest::Method::GET, &url, Some(&alice())).await.0, 200, "alice during the flood");
+        alice_served += 1;
+    }
+    let mut statuses = std::collections::BTreeMap::new();
+    for f in flood {
+        *statuses.entry(f.await.unwrap()).or_insert(0) += 1;
+    }
+    eprintln!("flood: {statuses:?}; alice served {alice_served} times meanwhile");
+    assert!(statuses.keys().all(|s| *s == 401 || *s == 429), "{statuses:?}");
+    assert!(statuses.get(&429).copied().unwrap_or(0) > 0, "one address got no more than its share: {statuses:?}");
+    let checks = tokens.requests_since(mark).len();
+    assert_eq!(checks, statuses.get(&401).copied().unwrap_or(0), "one check per refused pair, none for a 429");
+    let cached = metric(&t.larder, "larder_client_verdicts_cached{upstream=\"origin.test\"}").await;
+    assert!(cached <= 1.0 + checks as f64, "{cached} verdicts for {checks} checks");
+}

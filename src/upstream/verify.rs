@@ -58,8 +58,10 @@ pub const MAX_CONCURRENT_CHECKS: usize = 8;
 /// further new pair of credentials from it is answered `429` at once.
 /// Concurrent requests with credentials already being checked join that
 /// check instead of taking a place (a node's hundred pods with one pull
-/// secret take one).
-pub const MAX_CHECKS_PER_PEER: usize = 4;
+/// secret take one). A node's containerd is one address for all its pods:
+/// sixteen covers a node starting pods of many tenants at once, and keeps
+/// one address from holding more than two rounds of [`MAX_CONCURRENT_CHECKS`].
+pub const MAX_CHECKS_PER_PEER: usize = 16;
 /// Longest a check waits for its turn; then the client gets `429` with
 /// `Retry-After: `[`RETRY_AFTER`].
 pub const CHECK_WAIT: Duration = Duration::from_secs(5);
