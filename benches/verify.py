@@ -90,6 +90,18 @@ def origin_requests(origin: Server) -> int:
     return sum(1 for line in text.splitlines() if re.search(r'"(GET|HEAD) /v2/', line))
 
 
+def settled_requests(origin: Server) -> int:
+    """The origin's request count once its log stopped growing for 0.5 s
+    (distribution writes a line after answering, a moment later)."""
+    last = origin_requests(origin)
+    while True:
+        time.sleep(0.5)
+        now = origin_requests(origin)
+        if now == last:
+            return now
+        last = now
+
+
 def push(origin: Server, seed: int) -> dict:
     auth = {"Authorization": basic(*PUSHER)}
     rng = random.Random(seed)
@@ -172,21 +184,23 @@ def warm(s: Server, image: dict, headers: dict) -> None:
 
 
 def report(runs: list, reps: int) -> str:
-    out = ["| request | conns | plain req/s | verify req/s | verify ÷ plain | plain CPU µs/req | verify CPU µs/req |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| request | conns | plain req/s | verify req/s | req/s verify ÷ plain | plain CPU µs/req | "
+           "verify CPU µs/req | CPU/req verify ÷ plain |",
+           "|---|---|---|---|---|---|---|---|"]
     for kind, conns in POINTS:
         pick = {s: [r for r in runs if (r["kind"], r["conns"], r["server"]) == (kind, conns, s) and r["ok"]]
                 for s in SERVERS}
-        ratios = []
+        ratios, cpu_ratios = [], []
         for rep in range(reps):
             by = {s: next((r for r in pick[s] if r["rep"] == rep), None) for s in SERVERS}
             if by["plain"] and by["verify"]:
                 ratios.append(by["verify"]["rps"] / by["plain"]["rps"])
+                cpu_ratios.append(by["verify"]["server_cpu_us_per_req"] / by["plain"]["server_cpu_us_per_req"])
         rps = {s: summary([r["rps"] for r in pick[s]]) for s in SERVERS}
         cpu = {s: summary([r["server_cpu_us_per_req"] for r in pick[s]]) for s in SERVERS}
         out.append(f"| {kind} | {conns} | {fmt_s(rps['plain'])} | {fmt_s(rps['verify'])} | "
                    f"{fmt_s(summary(ratios), '{:.3f}')} | {fmt_s(cpu['plain'], '{:.1f}')} | "
-                   f"{fmt_s(cpu['verify'], '{:.1f}')} |")
+                   f"{fmt_s(cpu['verify'], '{:.1f}')} | {fmt_s(summary(cpu_ratios), '{:.3f}')} |")
     failed = [r for r in runs if not r["ok"]]
     out.append("")
     out.append(f"{len(runs) - len(failed)} runs ok, {len(failed)} failed"
@@ -236,10 +250,9 @@ def main() -> int:
                 path, size = paths(image)[kind]
                 for name in rotate(SERVERS, rep):
                     s = servers[name]
-                    before, up0 = counters(s), origin_requests(origin)
+                    before, up0 = counters(s), settled_requests(origin)
                     r = run_wrk(str(load.find_tool("wrk")), lua, s, path, conns, args.duration, headers, size)
-                    time.sleep(0.3)  # distribution logs a request after answering it
-                    after, up1 = counters(s), origin_requests(origin)
+                    after, up1 = counters(s), settled_requests(origin)
                     moved = {k: after[k] - before[k] for k in after if after[k] != before[k]}
                     if up1 != up0 or moved:
                         r["ok"] = False
@@ -251,7 +264,7 @@ def main() -> int:
     finally:
         for p_ in list(procs.live):
             procs.stop(p_)
-    text = report(runs, args.reps)
+    text = report(runs, args.reps) + f"\nload average at the end: {load.loadavg()}"
     (out_dir / "results.json").write_text(json.dumps(runs, indent=1, default=str))
     (out_dir / "report.md").write_text(text + "\n")
     print(text)

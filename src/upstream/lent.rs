@@ -7,6 +7,7 @@
 //! requests naming that repository, and never to another repository,
 //! a redirect target, a peer or a hub.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::Credentials;
@@ -19,8 +20,9 @@ pub const MAX_LENT: u64 = 10_000;
 
 pub struct Lent {
     /// The credentials of the client verified or served last for each
-    /// repository, for as long as a verdict on them lasts.
-    by_repo: moka::sync::Cache<RepoName, Credentials>,
+    /// repository, for as long as a verdict on them lasts. Behind an `Arc`,
+    /// so that looking them up on every request copies no strings.
+    by_repo: moka::sync::Cache<RepoName, Arc<Credentials>>,
 }
 
 impl Lent {
@@ -34,14 +36,14 @@ impl Lent {
     /// for it may use them. Written only when they differ from those held,
     /// so that a client pulling blob after blob costs one lookup each.
     pub fn lend(&self, repo: &RepoName, credentials: &Credentials) {
-        if self.by_repo.get(repo).as_ref() != Some(credentials) {
-            self.by_repo.insert(repo.clone(), credentials.clone());
+        if self.by_repo.get(repo).as_deref() != Some(credentials) {
+            self.by_repo.insert(repo.clone(), Arc::new(credentials.clone()));
         }
     }
 
     /// The credentials lent for `repo`, if any.
     pub fn get(&self, repo: &RepoName) -> Option<Credentials> {
-        self.by_repo.get(repo)
+        self.by_repo.get(repo).map(|c| Credentials::clone(&c))
     }
 
     /// Upstream refused `used` for `repo` (revoked since they were
@@ -49,7 +51,7 @@ impl Lent {
     /// others since.
     pub fn refused(&self, repo: &RepoName, used: &Credentials) {
         self.by_repo.entry(repo.clone()).and_compute_with(|held| match held {
-            Some(e) if e.value() == used => moka::ops::compute::Op::Remove,
+            Some(e) if e.value().as_ref() == used => moka::ops::compute::Op::Remove,
             _ => moka::ops::compute::Op::Nop,
         });
     }
