@@ -33,36 +33,19 @@
 //! [`pins`] (what eviction passes over) and `warm` (revalidating the warm
 //! images' tags).
 
-mod ahead;
 mod blobs;
-mod disk;
-mod evict;
-pub mod export;
 pub mod fill;
-mod fill_chain;
-mod fill_copy;
-pub mod import;
-pub mod index;
 mod listings;
-mod maintenance;
 mod manifests;
 mod membership;
-mod memory;
-pub mod parts;
-pub mod pins;
-mod pread;
-pub mod prefetch;
-mod reconcile;
-mod reconcile_live;
-mod residency;
+mod seed;
 pub mod shared;
-pub mod source;
 pub mod stats;
+mod store;
 #[cfg(test)]
 mod test_cache;
 mod tiers;
-pub mod upload;
-pub mod warm;
+mod upkeep;
 
 use std::fs::File;
 use std::sync::Arc;
@@ -72,9 +55,13 @@ use bytes::Bytes;
 use tempfile::NamedTempFile;
 use tokio::sync::watch;
 
-pub use maintenance::{ClusterPurged, Purged};
-pub use memory::StoredManifest;
-pub use reconcile::Report;
+pub use seed::{export, import, prefetch, warm};
+pub use shared::upload;
+pub use store::index;
+pub use store::memory::StoredManifest;
+pub use upkeep::maintenance::{ClusterPurged, Purged};
+pub use upkeep::pins;
+pub use upkeep::reconcile::Report;
 
 use crate::blocking::blocking;
 use crate::cluster::PeerLink;
@@ -86,14 +73,14 @@ use crate::oci::{Digest, Reference, RepoName, Tag, tag_list};
 use crate::upstream::{
     FetchedManifest, Listing, Opened, Page, Priority, Span, Upstream, content_length, content_range,
 };
-use disk::Store;
-use evict::{Evictor, Limits};
+use fill::source::{Source, SourceBody, Unavailable};
 use fill::{Attach, Cause, Fills, Progress, Writer};
 use index::{Entry, Index, Kind};
 use membership::{Content, member_key};
-use memory::{Memory, TagEntry};
 use shared::SharedStore;
-use source::{Source, SourceBody, Unavailable};
+use store::disk::Store;
+use store::memory::{Memory, TagEntry};
+use upkeep::evict::{Evictor, Limits};
 use upload::Uploads;
 
 /// How a request was served; a label for metrics and logs.
@@ -286,7 +273,7 @@ impl Cache {
     /// itself: redb refuses a second process.
     pub fn verify(config: &CacheConfig, repair: bool) -> Result<Report, Error> {
         let (store, index) = open_locked(&config.dir)?;
-        reconcile::reconcile(&store, &index, true, repair, unix_ms(SystemTime::now()))
+        upkeep::reconcile::reconcile(&store, &index, true, repair, unix_ms(SystemTime::now()))
     }
 
     /// Bytes of blobs and manifests on disk.

@@ -7,10 +7,16 @@
 //! backlog. A client that disconnects drops only its reader; the fill goes
 //! on and commits, so the next pull is warm.
 //!
-//! A large blob may be fetched as parallel ranged parts (`super::parts`):
+//! A large blob may be fetched as parallel ranged parts (`parts`):
 //! then bytes beyond the contiguous prefix are written too, and a reader
 //! whose range starts there reads them as soon as they are (asking the
 //! fill for its part first when no connection fetches it yet).
+
+mod ahead;
+mod chain;
+mod copy;
+pub mod parts;
+pub mod source;
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -21,14 +27,14 @@ use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 use tokio::sync::watch;
 
-use super::parts::Extents;
 use crate::body::Body;
 use crate::error::Error;
 use crate::oci::Digest;
 use crate::sendfile::{self, FileSink};
 use crate::upstream::Priority;
+use parts::Extents;
 
-pub use super::fill_copy::{Bounds, Cause, Interrupted, WRITE_CHUNK, Writer, copy_body};
+pub use copy::{Bounds, Cause, Interrupted, WRITE_CHUNK, Writer, copy_body};
 
 /// Largest read a client's body stream makes from a blob file at once
 /// (tokio's default 4 KiB reads are several times slower).
@@ -236,7 +242,7 @@ pub fn read_body(
     progress: Option<watch::Receiver<Progress>>,
     start: u64,
     end: Option<u64>,
-    via: super::Via,
+    via: crate::cache::Via,
     sink: Option<FileSink>,
 ) -> Body {
     let source = if progress.is_some() { "fill" } else { "disk" };
@@ -248,9 +254,9 @@ pub fn read_body(
         offset: start,
         end,
         first_total: None,
-        client: via == super::Via::Client,
+        client: via == crate::cache::Via::Client,
         served,
-        buffers: super::pread::Buffers::default(),
+        buffers: crate::cache::store::pread::Buffers::default(),
         sink,
         wanted: None,
     };
@@ -274,7 +280,7 @@ struct Reader {
     /// A client's read (see [`read_body`]), not a peer's.
     client: bool,
     served: prometheus::IntCounter,
-    buffers: super::pread::Buffers,
+    buffers: crate::cache::store::pread::Buffers,
     sink: Option<FileSink>,
     /// The offset this reader last told a ranged fill it waits for.
     wanted: Option<u64>,
@@ -386,12 +392,12 @@ impl Reader {
                 // sendfile (which would otherwise wait for the disk).
                 let sendable = (limit - self.offset).min(sendfile::MAX_CHUNK as u64);
                 let bytes = match &self.sink {
-                    Some(sink) if super::residency::cached(&self.file, self.offset, sendable) => {
+                    Some(sink) if crate::cache::store::residency::cached(&self.file, self.offset, sendable) => {
                         sink.chunk(&self.file, self.offset, sendable as usize)
                     }
                     _ => {
                         let len = (limit - self.offset).min(READ_CHUNK as u64) as usize;
-                        super::pread::read_at(&self.file, self.offset, len, &mut self.buffers).await?
+                        crate::cache::store::pread::read_at(&self.file, self.offset, len, &mut self.buffers).await?
                     }
                 };
                 self.offset += bytes.len() as u64;

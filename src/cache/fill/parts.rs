@@ -24,7 +24,7 @@
 //! new ranged GET; [`PART_ATTEMPTS`] attempts in a row that bring nothing
 //! fail the fill. Memory per fill is bounded by the connections, not the
 //! blob: each part holds one chunk being read and one being written
-//! ([`super::fill_copy::WRITE_CHUNK`] each), the hash one read buffer.
+//! ([`super::copy::WRITE_CHUNK`] each), the hash one read buffer.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -39,8 +39,8 @@ use futures_util::stream::FuturesUnordered;
 use http_body_util::BodyExt;
 use tokio::sync::{Notify, watch};
 
-use super::fill::Progress;
-use super::fill_copy::{Bounds, Cause, Interrupted, Sink, Writer, copy_body};
+use super::Progress;
+use super::copy::{Bounds, Cause, Interrupted, Sink, Writer, copy_body};
 use crate::blocking::blocking;
 use crate::body::Body;
 use crate::error::{Error, UpstreamError};
