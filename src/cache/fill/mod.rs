@@ -16,6 +16,7 @@ mod ahead;
 mod chain;
 mod copy;
 pub mod parts;
+mod progress;
 pub mod source;
 
 use std::collections::HashMap;
@@ -32,41 +33,13 @@ use crate::error::Error;
 use crate::oci::Digest;
 use crate::sendfile::{self, FileSink};
 use crate::upstream::Priority;
-use parts::Extents;
 
 pub use copy::{Bounds, Cause, Interrupted, WRITE_CHUNK, Writer, copy_body};
+pub use progress::{Extents, Progress, UNVOUCHED};
 
 /// Largest read a client's body stream makes from a blob file at once
 /// (tokio's default 4 KiB reads are several times slower).
 pub const READ_CHUNK: usize = 256 << 10;
-
-/// How far a fill is, as its readers see it.
-#[derive(Clone, Debug)]
-pub enum Progress {
-    /// Waiting for upstream's response headers.
-    Connecting,
-    /// Bytes `0..written` of the temp file are final; `size` is the
-    /// source's `Content-Length` if it sent one. Bytes from `vouched_from`
-    /// on came from upstream itself; those before it came from the shared
-    /// tier or a peer, and a client's range gets them only once the digest
-    /// matched ([`UNVOUCHED`]: none came from upstream yet). With
-    /// `extents` (a ranged fill), bytes beyond `written` may be written
-    /// too, all from upstream.
-    Streaming { file: Arc<File>, size: Option<u64>, written: u64, vouched_from: u64, extents: Option<Arc<Extents>> },
-    /// Every byte is written and the digest matched; the commit (fsync,
-    /// rename, index row) is under way. Readers may send the last byte,
-    /// and one that has seen this reads on to its end whatever the commit
-    /// does (`Failed` after this only fails readers that had not looked).
-    Verified { file: Arc<File>, size: u64 },
-    /// Verified and committed.
-    Complete { file: Arc<File>, size: u64 },
-    /// Nothing was committed; readers abort their responses.
-    Failed(Error),
-}
-
-/// `vouched_from` of a fill whose bytes so far all came from the shared
-/// tier or a peer.
-pub const UNVOUCHED: u64 = u64::MAX;
 
 /// A fill in flight, and the repository it was started for: a failure
 /// that depends on the repository (upstream's 404 or 403 for it) is not
