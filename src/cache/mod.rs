@@ -20,18 +20,34 @@
 //! the facade for a manifest or a blob and get back
 //! something to serve plus how it was served (hit, miss, coalesced, stale).
 //!
-//! The facade's rooms: `manifests` (by digest and by tag), `blobs` (a
-//! committed file or a fill to attach to), `fill_chain` (the sources a
-//! fill walks), `ahead` (fills started when an image manifest is served),
-//! `membership`, `listings`, and `maintenance` (eviction, purges).
-//! Beneath them: [`memory`](StoredManifest) (moka), `disk` (the
-//! content-addressed files), [`index`] (redb), [`fill`] (fills in flight and
-//! their readers), `fill_copy` (a source's body into the temp file),
-//! [`parts`] (a large blob as parallel ranged GETs), `tiers` (how the shared
-//! tier and the owners are asked),
-//! [`shared`] and [`upload`] (the shared tier), [`prefetch`] and [`stats`],
-//! [`pins`] (what eviction passes over) and `warm` (revalidating the warm
-//! images' tags).
+//! The facade's rooms, in this folder: `manifests` (by digest and by
+//! tag), `blobs` (a committed file or a fill to attach to), `membership`
+//! (which repository may be served what), `listings` (`tags/list`,
+//! `referrers`), `tiers` (how the shared tier and the owners are asked)
+//! and [`stats`] (what the status page shows). Beneath them, one folder
+//! per path through the cache:
+//! - [`fill`]: a blob fetched once however many ask: fills in flight and
+//!   their readers (`fill/mod.rs`), what a fill publishes to them
+//!   (`progress`), a source's body into the temp file (`copy`), a large
+//!   blob as parallel ranged GETs ([`fill::parts`]), the sources a fill
+//!   walks (`chain`, [`fill::source`]) and fills started when an image
+//!   manifest is served (`ahead`).
+//! - `store`: what this replica holds: `memory` ([`StoredManifest`],
+//!   moka), `disk` (the content-addressed files), [`index`] (redb), and
+//!   how blob files are read (`pread`, `residency`).
+//! - `upkeep`: keeping it within bounds and true to its files:
+//!   `maintenance` (the background task, eviction's removals, purges),
+//!   `evict`, [`pins`] (what eviction passes over), `reconcile` and
+//!   `reconcile_live`.
+//! - `seed`: images put in or taken out before any client asks:
+//!   [`prefetch`], [`import`], [`export`] and [`warm`] (what the
+//!   keep-warm loop asks of the cache).
+//! - [`shared`]: the shared tier's S3 client and its durable [`upload`]
+//!   queue.
+//!
+//! The modules the rest of the crate uses are re-exported here under
+//! their own names (`cache::index`, `cache::prefetch`, ...), so callers
+//! need not know the folders.
 
 mod blobs;
 pub mod fill;
