@@ -20,7 +20,7 @@ use http::{Method, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 
-use super::source::{SourceBody, Unavailable};
+use super::fill::source::{SourceBody, Unavailable};
 use super::{Cache, Content, Via, digest_owner_key, tag_owner_key};
 use crate::cluster::PeerUrl;
 use crate::cluster::client::{Ask, PEER_LOOKUP_TIMEOUT, PEER_RESPONSE_MARGIN, PeerError, TAG_CONFIRMED_HEADER};

@@ -18,7 +18,7 @@ pub const MIN_MAX_SIZE: u64 = 1 << 20;
 /// `cache.max_blob_size` when not set: this share of `max_size`.
 pub const DEFAULT_MAX_BLOB_SIZE_DIVISOR: u64 = 4;
 /// `cache.parallel_fill_min` when not set: blobs this large or larger are
-/// fetched as parallel ranges (see `crate::cache::parts`).
+/// fetched as parallel ranges (see `crate::cache::fill::parts`).
 pub const DEFAULT_PARALLEL_FILL_MIN: u64 = 32 << 20;
 
 #[derive(Debug, Clone)]

@@ -5,7 +5,6 @@
 
 use std::path::PathBuf;
 
-use super::upstream::RawUpstream;
 use super::{ConfigError, Secret, Validator};
 
 /// Longest `credential_helper` name (the program is `docker-credential-<name>`).
@@ -30,13 +29,23 @@ pub enum CredentialSource {
     Helper(String),
 }
 
+/// The credential keys of an `[[upstream]]` table as written: all that
+/// this module reads of it.
+pub(super) struct RawCredentials {
+    pub(super) username: Option<String>,
+    pub(super) password: Option<String>,
+    pub(super) password_file: Option<String>,
+    pub(super) password_env: Option<String>,
+    pub(super) credential_helper: Option<String>,
+}
+
 impl Validator<'_> {
     /// The upstream's credential source: a username with exactly one
     /// password source, or a credential helper, or nothing.
     pub(super) fn credentials(
         &self,
         key: &dyn Fn(&str) -> String,
-        u: &RawUpstream,
+        u: &RawCredentials,
     ) -> Result<Option<CredentialSource>, ConfigError> {
         if let Some(name) = &u.credential_helper {
             let valid = !name.is_empty()

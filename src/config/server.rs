@@ -102,16 +102,23 @@ pub(super) struct RawAuth {
     realm: Option<String>,
     /// Read once the upstreams are known (`super::grants`).
     #[serde(default)]
-    grant: Vec<super::grants::RawGrant>,
+    grant: Vec<RawGrant>,
+}
+
+/// One `[[server.auth.grant]]` as written (validated in `super::grants`).
+#[cfg_attr(test, derive(schemars::JsonSchema))]
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawGrant {
+    pub(super) who: Vec<String>,
+    pub(super) upstreams: Option<Vec<String>>,
+    pub(super) repositories: Option<Vec<String>>,
 }
 
 impl Validator<'_> {
     /// `[server]`, and the raw grants of `[server.auth]`, which are read
     /// once the upstreams are known (`super::grants`).
-    pub(super) fn server(
-        &self,
-        raw: Option<RawServer>,
-    ) -> Result<(ServerConfig, Vec<super::grants::RawGrant>), ConfigError> {
+    pub(super) fn server(&self, raw: Option<RawServer>) -> Result<(ServerConfig, Vec<RawGrant>), ConfigError> {
         let rs = raw.unwrap_or_default();
         let server = ServerConfig {
             listen: self.addr("server.listen", rs.listen.as_deref().unwrap_or("0.0.0.0:5000"))?,

@@ -10,7 +10,7 @@ use regex::Regex;
 use serde::Deserialize;
 
 use super::cache::CacheConfig;
-use super::credentials::CredentialSource;
+use super::credentials::{CredentialSource, RawCredentials};
 use super::{Config, ConfigError, Validator, valid_host};
 use crate::policy::{RepoGlob, RepoPolicy};
 
@@ -120,11 +120,11 @@ pub(super) struct RawUpstream {
     #[serde(default)]
     aliases: Vec<String>,
     library_namespace: Option<bool>,
-    pub(super) username: Option<String>,
-    pub(super) password: Option<String>,
-    pub(super) password_file: Option<String>,
-    pub(super) password_env: Option<String>,
-    pub(super) credential_helper: Option<String>,
+    username: Option<String>,
+    password: Option<String>,
+    password_file: Option<String>,
+    password_env: Option<String>,
+    credential_helper: Option<String>,
     #[serde(default)]
     trusted_realms: Vec<String>,
     #[serde(default)]
@@ -324,7 +324,14 @@ impl Validator<'_> {
         let library_namespace = u
             .library_namespace
             .unwrap_or(is_docker_hub(&host) || is_docker_hub(&u.name) || u.aliases.iter().any(|a| is_docker_hub(a)));
-        let credentials = self.credentials(&key, &u)?;
+        let raw_credentials = RawCredentials {
+            username: u.username,
+            password: u.password,
+            password_file: u.password_file,
+            password_env: u.password_env,
+            credential_helper: u.credential_helper,
+        };
+        let credentials = self.credentials(&key, &raw_credentials)?;
         let primary_host = crate::site::host_of(&url);
         let fallback_urls = fallbacks
             .into_iter()

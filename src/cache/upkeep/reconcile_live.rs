@@ -20,11 +20,11 @@
 use std::io;
 use std::time::{Instant, SystemTime};
 
-use super::disk::Store;
-use super::index::Kind;
 use super::reconcile::{self, Report};
-use super::{Cache, unix_ms};
 use crate::blocking::blocking;
+use crate::cache::index::Kind;
+use crate::cache::store::disk::Store;
+use crate::cache::{Cache, unix_ms};
 use crate::error::Error;
 use crate::metrics::metrics;
 use crate::oci::Digest;

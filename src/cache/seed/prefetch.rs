@@ -12,9 +12,9 @@ use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use super::fill::Progress;
-use super::pins::platform_selected;
-use super::{BlobSource, Cache, CacheResult, StoredManifest};
+use crate::cache::fill::Progress;
+use crate::cache::pins::platform_selected;
+use crate::cache::{BlobSource, Cache, CacheResult, StoredManifest};
 use crate::error::Error;
 use crate::oci::referrers::ReferrersIndex;
 use crate::oci::{Digest, Reference, RepoName, Tag, inspect_manifest};
@@ -279,7 +279,7 @@ pub async fn prefetch_referrers(
         let mut next = Vec::new();
         for subject in &subjects {
             let listing = Listing::Referrers(*subject);
-            let (page, _) = cache.listing(upstream, repo, &listing, None, super::Via::Client).await?;
+            let (page, _) = cache.listing(upstream, repo, &listing, None, crate::cache::Via::Client).await?;
             let listed = ReferrersIndex::parse(&page.body).map_err(Error::Internal)?.digests();
             let mut references: Vec<Reference> = listed.into_iter().map(Reference::Digest).collect();
             for suffix in COSIGN_TAG_SUFFIXES {

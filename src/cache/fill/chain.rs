@@ -7,7 +7,8 @@ use std::fs::File;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use super::*;
+use super::parts;
+use crate::cache::*;
 
 /// Times a fill starts over in a new temp file because bytes from the
 /// shared tier or a peer failed the digest (or a size bound). Two: a
@@ -151,7 +152,7 @@ impl Cache {
     /// and starts over (at most [`MAX_START_OVERS`] times), in a new temp
     /// file, from the sources not yet tried (or upstream again): readers
     /// that sent nothing yet follow it there, the others are aborted.
-    pub(super) async fn fill(
+    pub(in crate::cache) async fn fill(
         &self,
         upstream: &Upstream,
         repo: &RepoName,

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use super::*;
+use crate::cache::*;
 pub use index::WarmRow;
 
 /// What upstream said about a warm reference.
@@ -76,12 +76,12 @@ impl Cache {
         *warm = keys;
     }
 
-    pub(super) fn is_warm_tag(&self, key: &str) -> bool {
+    pub(in crate::cache) fn is_warm_tag(&self, key: &str) -> bool {
         self.warm_tags.read().unwrap_or_else(|p| p.into_inner()).contains_key(key)
     }
 
     /// Whether `key` is a warm tag the warm loop last found gone upstream.
-    pub(super) fn warm_tag_gone(&self, key: &str) -> bool {
+    pub(in crate::cache) fn warm_tag_gone(&self, key: &str) -> bool {
         self.warm_tags.read().unwrap_or_else(|p| p.into_inner()).get(key).copied().unwrap_or(false)
     }
 

@@ -2,7 +2,7 @@
 //! (`larder verify`). A crash can leave a renamed blob without its index row
 //! (killed between rename and commit) or, after outside interference, a row
 //! without its file or a file with the wrong content. Temp files are swept
-//! by [`Store::prepare`](super::disk::Store::prepare).
+//! by [`Store::prepare`](crate::cache::store::disk::Store::prepare).
 //!
 //! The work goes one shard folder (`blobs/sha256/<xx>/`) at a time, against
 //! the index rows of the same prefix, so memory stays at one folder's worth
@@ -18,8 +18,8 @@ use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use super::disk::Store;
-use super::index::{Index, Kind};
+use crate::cache::index::{Index, Kind};
+use crate::cache::store::disk::Store;
 use crate::error::Error;
 use crate::oci::{Digest, Hasher};
 

@@ -61,6 +61,7 @@ pub const MAX_BACKOFF: Duration = Duration::from_millis(400);
 mod breaker;
 mod put;
 mod sweep;
+pub mod upload;
 
 use breaker::Breaker;
 pub use breaker::{BREAKER_MAX, BREAKER_MIN};
