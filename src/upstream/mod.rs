@@ -14,6 +14,7 @@ mod challenge;
 mod client;
 mod credentials;
 pub mod dial;
+mod embedded;
 pub mod health;
 mod helper;
 pub mod priority;
