@@ -119,6 +119,28 @@ impl Span {
     }
 }
 
+/// As an operator reads it in an error: `bytes 0-8388607` (the last byte
+/// included, as in a `Range` header), `bytes 100-` or `the whole blob`.
+impl std::fmt::Display for Span {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.start, self.end) {
+            (0, None) => write!(f, "the whole blob"),
+            (start, None) => write!(f, "bytes {start}-"),
+            (start, Some(end)) => write!(f, "bytes {start}-{}", end.saturating_sub(1)),
+        }
+    }
+}
+
+/// What a `206`'s [`content_range`] said, for an error: `bytes 100-199/4096`
+/// (`/*` for an unknown total), or that it had no valid one.
+pub fn described_range(range: Option<(u64, u64, Option<u64>)>) -> String {
+    match range {
+        Some((first, last, Some(total))) => format!("bytes {first}-{last}/{total}"),
+        Some((first, last, None)) => format!("bytes {first}-{last}/*"),
+        None => "a 206 without a valid Content-Range".to_owned(),
+    }
+}
+
 /// A manifest as upstream sent it, checked: its digest is the hash of the
 /// exact bytes, and it agrees with the reference and `Docker-Content-Digest`.
 #[derive(Clone, Debug)]
@@ -595,6 +617,16 @@ fn resolve_location(base: &Uri, location: &HeaderValue) -> Result<Uri, UpstreamE
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn spans_and_ranges_read_as_an_operator_writes_them() {
+        assert_eq!(Span { start: 0, end: Some(8 << 20) }.to_string(), "bytes 0-8388607");
+        assert_eq!(Span::from(100).to_string(), "bytes 100-");
+        assert_eq!(Span::WHOLE.to_string(), "the whole blob");
+        assert_eq!(described_range(Some((100, 199, Some(4096)))), "bytes 100-199/4096");
+        assert_eq!(described_range(Some((0, 9, None))), "bytes 0-9/*");
+        assert_eq!(described_range(None), "a 206 without a valid Content-Range");
+    }
 
     #[test]
     fn relative_and_absolute_locations() {
