@@ -390,7 +390,8 @@ fn verify(config: &Config, repair: bool) -> ExitCode {
 /// status 141 in a shell, without a word, rather than panicking in
 /// `println!`. Rust ignores SIGPIPE, which the server needs (a client or
 /// a credential helper that went away is an error to handle, not death);
-/// these commands write to sockets only with `MSG_NOSIGNAL` (std does),
+/// these commands write to sockets only with `MSG_NOSIGNAL` (std does)
+/// and run no credential helper (they never dial an upstream themselves),
 /// so only stdout and stderr can raise it.
 fn end_on_a_closed_pipe() {
     // SAFETY: called before any thread is started; `signal` only sets the
