@@ -178,7 +178,13 @@ async fn ipv6_forms_that_carry_the_metadata_address_are_never_dialled() {
     let mut addresses: Vec<String> = CARRIERS.iter().map(|(_, a, _)| format!("{a}/128")).collect();
     addresses.extend([format!("{REGISTRY_IP}/32"), format!("{PUBLIC_6TO4}/128")]);
     let mut hosts: Vec<(&str, &str)> = CARRIERS.iter().filter_map(|(_, a, name)| name.map(|n| (n, *a))).collect();
-    hosts.extend([(REGISTRY_NAME, REGISTRY_IP), ("cdn6.example.com", PUBLIC_6TO4)]);
+    hosts.extend([
+        (REGISTRY_NAME, REGISTRY_IP),
+        ("cdn6.example.com", PUBLIC_6TO4),
+        // One public address and one carrier: refused whole.
+        ("mixed.test", PUBLIC_6TO4),
+        ("mixed.test", CARRIERS[0].1),
+    ]);
     let Some(_ns) = isolation::isolated(
         "ipv6_forms_that_carry_the_metadata_address_are_never_dialled",
         &addresses.iter().map(String::as_str).collect::<Vec<_>>(),
@@ -224,6 +230,10 @@ async fn ipv6_forms_that_carry_the_metadata_address_are_never_dialled() {
             targets.push((format!("{form}, by the name {name}"), format!("http://{name}/{imds}")));
         }
     }
+    targets.push((
+        "a name with a public address and a 6to4 carrier".to_owned(),
+        format!("http://mixed.test:{}/{imds}", cdn.addr().port()),
+    ));
     let unparsable: Vec<String> = [
         "[2002:a9fe:a9fe::1%25lo]",
         "[2002:a9fe:a9fe::1%lo]",
@@ -279,6 +289,7 @@ async fn ipv6_forms_that_carry_the_metadata_address_are_never_dialled() {
         .collect();
     assert!(dialled.is_empty(), "metadata services dialled through the carriers: {dialled:#?}");
     assert_eq!(refused(&larder, "metadata").await, targets.len() as f64, "each carrier refused by the guard");
+    assert_eq!(cdn.connections(), 1, "nor was the public address of the mixed name dialled");
     assert!(larder.log().contains("(6to4, carrying 169.254.169.254)"), "the log names what the address carries");
     assert!(!larder.log().contains(STOLEN));
 }

@@ -641,6 +641,33 @@ mod tests {
     }
 
     #[test]
+    fn ipv6_hosts_with_zone_ids_or_odd_ipv4_tails_are_not_followed() {
+        // The dial guard sees only hosts a URL parser accepted: these never get that far.
+        let base: Uri = "https://r.example/v2/a/manifests/v1".parse().unwrap();
+        for location in [
+            "http://[2002:a9fe:a9fe::1%25lo]/",
+            "http://[2002:a9fe:a9fe::1%lo]/",
+            "http://[64:ff9b:1::0xa9.0xfe.0xa9.0xfe]/",
+            "http://[64:ff9b:1::0251.0376.0251.0376]/",
+            "http://[::ffff:0:169.254.169.0254]/",
+            "http://[::ffff:0:2852039166]/",
+            "http://2002:a9fe:a9fe::1/",
+        ] {
+            let got = resolve_location(&base, &HeaderValue::from_str(location).unwrap());
+            assert!(got.is_err(), "{location} became {got:?}");
+        }
+        // Written differently, the same address: the guard sees it as one.
+        for (location, host) in [
+            ("http://[::FFFF:169.254.169.254]/", "::ffff:a9fe:a9fe"),
+            ("http://[2002:A9FE:A9FE:0000::0001]/", "2002:a9fe:a9fe::1"),
+            ("http://[64:ff9b:1::169.254.169.254]/", "64:ff9b:1::a9fe:a9fe"),
+        ] {
+            let target = resolve_location(&base, &HeaderValue::from_str(location).unwrap()).unwrap();
+            assert_eq!(crate::site::host_of(&target), host, "{location}");
+        }
+    }
+
+    #[test]
     fn failures_map_by_status() {
         let mut h = HeaderMap::new();
         h.insert("retry-after", HeaderValue::from_static("7"));
