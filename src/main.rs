@@ -251,6 +251,9 @@ fn operator(command: Command, config_path: Option<&PathBuf>) -> ExitCode {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if !matches!(cli.command, None | Some(Command::Run)) {
+        end_on_a_closed_pipe();
+    }
     if let Some(
         command @ (Command::Prefetch { .. }
         | Command::Purge { .. }
@@ -379,6 +382,22 @@ fn verify(config: &Config, repair: bool) -> ExitCode {
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS
+    }
+}
+
+/// The operator commands end as Unix filters do when whoever reads their
+/// output stops (`larder check-config | head -1`): killed by SIGPIPE,
+/// status 141 in a shell, without a word, rather than panicking in
+/// `println!`. Rust ignores SIGPIPE, which the server needs (a client or
+/// a credential helper that went away is an error to handle, not death);
+/// these commands write to sockets only with `MSG_NOSIGNAL` (std does)
+/// and run no credential helper (they never dial an upstream themselves),
+/// so only stdout and stderr can raise it.
+fn end_on_a_closed_pipe() {
+    // SAFETY: called before any thread is started; `signal` only sets the
+    // disposition of SIGPIPE back to the default.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
 

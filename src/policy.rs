@@ -112,8 +112,8 @@ impl RepoPolicy {
             return Err(format!("deny rule {:?}", rule.as_str()));
         }
         if !self.allow.is_empty() && !self.allow.iter().any(|g| g.matches(repo)) {
-            let rules: Vec<&str> = self.allow.iter().map(RepoGlob::as_str).collect();
-            return Err(format!("no allow rule ({rules:?}) matches it"));
+            let rules: Vec<String> = self.allow.iter().map(|g| format!("\"{}\"", g.as_str())).collect();
+            return Err(format!("no allow rule (allow = [{}]) matches it", rules.join(", ")));
         }
         Ok(())
     }

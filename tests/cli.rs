@@ -221,3 +221,97 @@ fn text_logs_are_coloured_only_on_a_terminal() {
         serde_json::from_str::<serde_json::Value>(line.trim()).unwrap_or_else(|e| panic!("{line:?}: {e}"));
     }
 }
+
+/// Runs `command` with its stdout (and, with `both`, its stderr) on a
+/// pipe whose reader has already gone, as after `| head -1` has read its
+/// line; stdin is closed. Returns how it ended and what it wrote on stderr
+/// (when that is not the closed pipe).
+fn with_reader_gone(mut command: Command, both: bool) -> (std::process::ExitStatus, String) {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    use std::process::Stdio;
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 fills `fds` with two new descriptors, each then owned once.
+    let (reader, writer) = unsafe {
+        assert_eq!(libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC), 0, "pipe2: {}", std::io::Error::last_os_error());
+        (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1]))
+    };
+    drop(reader);
+    command.stdin(Stdio::null()).stdout(writer.try_clone().expect("dup the pipe"));
+    if both {
+        command.stderr(writer);
+    } else {
+        command.stderr(Stdio::piped());
+    }
+    let out = command.output().expect("run larder");
+    (out.status, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// Killed by SIGPIPE (status 141 in a shell), as `cat` or `grep` are, and
+/// without a word on stderr: no panic in `println!`.
+fn assert_ended_by_sigpipe(what: &str, (status, stderr): (std::process::ExitStatus, String)) {
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGPIPE), "{what}: {status}; stderr: {stderr}");
+    assert_eq!(stderr, "", "{what}: nothing on stderr");
+}
+
+/// `larder check-config | head -1` and the like: every command that
+/// prints ends as Unix filters do when its reader stops. Before, each
+/// panicked ("failed printing to stdout: Broken pipe") with status 101.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_command_ends_quietly_when_its_reader_has_gone() {
+    let origin = Origin::start().await;
+    ImageBuilder::oci().layers(&[64 * KIB]).push(&origin, "team/app", "v1").await;
+    let (builder, admin) = Admin::with_token(Larder::builder().upstream(&origin), TOKEN);
+    let mut larder = builder.start().await;
+    let config = larder.config_path().display().to_string();
+    let larder_command = |args: &[&str]| {
+        let mut command = Command::new(common::larder::binary());
+        command.args(args);
+        command
+    };
+    let operator = |args: &[&str]| {
+        let mut command = admin.command(args);
+        command.arg("--token-file").arg(admin.token_file());
+        command
+    };
+    let layout = tempfile::tempdir().unwrap();
+    let layout_dir = layout.path().join("app");
+    let layout_dir = layout_dir.display().to_string();
+
+    assert_ended_by_sigpipe(
+        "check-config",
+        with_reader_gone(larder_command(&["check-config", "--config", &config]), false),
+    );
+    assert_ended_by_sigpipe(
+        "check-config 2>&1",
+        with_reader_gone(larder_command(&["check-config", "--config", &config]), true),
+    );
+    assert_ended_by_sigpipe("prefetch", with_reader_gone(operator(&["prefetch", "team/app:v1"]), false));
+    assert_ended_by_sigpipe("status", with_reader_gone(operator(&["status"]), false));
+    assert_ended_by_sigpipe("status --json", with_reader_gone(operator(&["status", "--json"]), false));
+    let elsewhere = layout.path().join("cut").display().to_string();
+    assert_ended_by_sigpipe(
+        "export",
+        with_reader_gone(operator(&["export", "team/app:v1", "--output", &elsewhere]), false),
+    );
+    // A whole layout to import (an export that printed).
+    let out = admin.cli(&["export", "team/app:v1", "--output", &layout_dir]);
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    assert_ended_by_sigpipe(
+        "import",
+        with_reader_gone(
+            operator(&["import", &layout_dir, "--as", &format!("{ORIGIN_NAME}/team/copy"), "--config", &config]),
+            false,
+        ),
+    );
+    assert_ended_by_sigpipe("purge", with_reader_gone(operator(&["purge", ORIGIN_NAME, "team/app"]), false));
+    larder.stop();
+    // Offline: verify reads the stopped cache folder.
+    assert_ended_by_sigpipe("verify", with_reader_gone(larder_command(&["verify", "--config", &config]), false));
+
+    // clap's own output (help, version) already ignores a closed pipe.
+    for args in [["--help"], ["--version"]] {
+        let (status, stderr) = with_reader_gone(larder_command(&args), false);
+        assert!(status.success() && stderr.is_empty(), "{args:?}: {status}; {stderr}");
+    }
+}

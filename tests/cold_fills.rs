@@ -372,3 +372,71 @@ fn one_layer_v1(seed: u64) -> (bytes::Bytes, String, fake::FakeUpstreamBuilder) 
         .blob(blob.clone());
     (blob, d, up)
 }
+
+/// A raw HTTP/1.1 response with `headers` (name, value) and `body`.
+fn raw_response(status: &str, headers: &[(&str, String)], body: &[u8]) -> Vec<u8> {
+    let mut head = format!("HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n", body.len());
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    let mut out = head.into_bytes();
+    out.extend_from_slice(body);
+    out
+}
+
+/// A first part answered with other bytes than asked fails the fill, and
+/// the client's `502` says what was asked and what came, as an operator
+/// writes byte ranges, not in Rust's notation for larder's own types
+/// (before: `… bytes Some((100, 8388707, Some(33554432))) to a GET of
+/// Span { start: 0, end: Some(8388608) }`).
+#[tokio::test]
+async fn a_first_part_answered_with_other_bytes_is_a_502_naming_both_ranges() {
+    use fake::recorder::Recorder;
+    let size = 4 * PART;
+    // Two layers that are never sent: only their first parts are asked for.
+    let (shifted, unlabelled) = (format!("sha256:{}", "a1".repeat(32)), format!("sha256:{}", "b2".repeat(32)));
+    let config = fake::random_bytes(300, 41);
+    let manifest =
+        fake::image_manifest((&fake::digest(&config), config.len()), &[(&shifted, size), (&unlabelled, size)]);
+    let manifest_digest = fake::digest(&manifest);
+    let (layer_a, layer_b) = (shifted.clone(), unlabelled.clone());
+    let origin = Recorder::routed("127.0.0.1:0".parse().unwrap(), move |line| {
+        let path = line.split_whitespace().nth(1).unwrap_or_default();
+        if path == "/v2/team/app/manifests/v1" {
+            let headers =
+                [("Content-Type", fake::OCI_MANIFEST.to_owned()), ("Docker-Content-Digest", manifest_digest.clone())];
+            return raw_response("200 OK", &headers, &manifest);
+        }
+        if path == format!("/v2/team/app/blobs/{layer_a}") {
+            // The part asked for is bytes 0-8388607: this is 100 bytes further on.
+            let range = format!("bytes 100-{}/{size}", PART + 99);
+            return raw_response("206 Partial Content", &[("Content-Range", range)], b"");
+        }
+        if path == format!("/v2/team/app/blobs/{layer_b}") {
+            return raw_response("206 Partial Content", &[], b"");
+        }
+        raw_response("404 Not Found", &[("Content-Type", "application/json".to_owned())], br#"{"errors":[]}"#)
+    })
+    .await;
+    let larder = larder_over(&format!("http://{}", origin.addr()), &["fill_ahead = false"]).await;
+    get_manifest(&larder, "team/app", "v1").await;
+
+    for (layer, answered) in [
+        (&shifted, format!("bytes 100-{}/{size}", PART + 99)),
+        (&unlabelled, "a 206 without a valid Content-Range".to_owned()),
+    ] {
+        let resp = http::client().get(format!("{}/v2/team/app/blobs/{layer}", larder.url())).send().await.unwrap();
+        assert_eq!(resp.status(), 502);
+        let want = serde_json::json!({"errors": [{
+            "code": "UNAVAILABLE",
+            "message": format!(
+                "upstream sent an invalid response: upstream answered {answered} to a GET of bytes 0-{}",
+                PART - 1
+            ),
+            "detail": null,
+        }]});
+        let body: serde_json::Value = serde_json::from_str(&resp.text().await.unwrap()).unwrap();
+        assert_eq!(body, want);
+    }
+}

@@ -117,7 +117,8 @@ impl Cache {
                     (Some(total), 0, Some(last + 1))
                 }
                 (range, _) => {
-                    return Err(protocol(format!("upstream answered bytes {range:?} to a GET of {span:?}")));
+                    let answered = crate::upstream::described_range(range);
+                    return Err(protocol(format!("upstream answered {answered} to a GET of {span}")));
                 }
             }
         } else {
@@ -202,11 +203,10 @@ impl Cache {
                 continue;
             }
             let contradicts = |size: Option<u64>| matches!((size, total), (Some(a), Some(b)) if a != b);
-            if !source.vouched() && (contradicts(expected) || contradicts(known)) {
-                let why = format!(
-                    "declares {total:?} bytes where the manifest or an earlier source says {:?}",
-                    expected.or(known)
-                );
+            // The manifest's size, or an earlier source's, that this one's disagrees with.
+            let contradicted = total.and_then(|t| [expected, known].into_iter().flatten().find(|size| *size != t));
+            if let (false, Some(declared), Some(said)) = (source.vouched(), total, contradicted) {
+                let why = format!("declares {declared} bytes where the manifest or an earlier source says {said}");
                 self.refuse_source(&source, digest, &why);
                 last_error = Some(UpstreamError::Protocol(format!("{} {why}", source.name())).into());
                 continue;

@@ -342,7 +342,8 @@ impl PartsJob<'_> {
         match content_range(response.headers()) {
             Some((first, last, Some(total))) if first == start && last < end && total == self.size => {}
             other => {
-                let e = format!("upstream answered bytes {other:?} to a GET of bytes {start}-{}", end - 1);
+                let (answered, asked) = (crate::upstream::described_range(other), Span { start, end: Some(end) });
+                let e = format!("upstream answered {answered} to a GET of {asked} of a {}-byte blob", self.size);
                 return Err(Outcome::Failed(UpstreamError::Protocol(e).into()));
             }
         }

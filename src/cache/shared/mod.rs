@@ -272,7 +272,9 @@ impl SharedStore {
         }
         let result = match tokio::time::timeout(self.lookup_timeout, request).await {
             Ok(result) => found(result),
-            Err(_) => Err(SharedError::Store(format!("no answer within {:?}", self.lookup_timeout))),
+            Err(_) => {
+                Err(SharedError::Store(format!("no answer within {}", humantime::format_duration(self.lookup_timeout))))
+            }
         };
         match &result {
             Ok(_) => self.breaker.answered(),
