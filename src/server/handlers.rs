@@ -43,7 +43,10 @@ pub async fn manifest(
     method: &Method,
     headers: &HeaderMap,
 ) -> Result<(Response<Body>, CacheResult), Error> {
-    let (m, result) = app.cache.manifest_via(&route.upstream, &route.repo, reference, route.via).await?;
+    // Headers within `server.manifest_deadline` of the request, whatever
+    // upstream does (containerd 2.3 gives up on a response at 30 s).
+    let deadline = tokio::time::Instant::now() + app.config.server.manifest_deadline;
+    let (m, result) = app.cache.manifest_by(&route.upstream, &route.repo, reference, route.via, deadline).await?;
     // A client that only speaks Docker v2 must never get an OCI index it
     // cannot read (distribution answers MANIFEST_UNKNOWN there too). By
     // digest, the client asked for exactly these bytes.
