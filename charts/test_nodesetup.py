@@ -1758,6 +1758,43 @@ def check_referrers() -> None:
         )
 
 
+def check_docs_containerd_config() -> None:
+    """The containerd 2.1-2.3 config docs/kubernetes.md shows: TOML, its
+    keys where containerd reads them, and accepted by the node setup."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "kubernetes.md").read_text()
+    header = "# /etc/containerd/config.toml\n"
+    start = text.find("<!-- checked-by: charts/test_nodesetup.py -->\n```text\n" + header)
+    if not check("[docs] docs/kubernetes.md shows a containerd config checked here", start >= 0):
+        return
+    body = text[start:].split("```text\n", 1)[1].split("```", 1)[0]
+    config = tomllib.loads(body)
+    plugins = config.get("plugins", {})
+    check(
+        "[docs] the config: version 3, config_path under io.containerd.cri.v1.images, the transfer service's settings",
+        config.get("version") == 3
+        and plugins.get("io.containerd.cri.v1.images", {}).get("registry") == {"config_path": "/etc/containerd/certs.d"}
+        and plugins.get("io.containerd.transfer.v1.local")
+        == {"max_concurrent_downloads": 3, "concurrent_layer_fetch_buffer": 8 << 20},
+        config,
+    )
+    r = render("docs containerd config", node_values())
+    if not r:
+        return
+    node = Node()
+    try:
+        node.write("/etc/containerd/config.toml", body)
+        run = setup_run(r, node)
+        check(
+            "[docs] the node setup accepts it and writes every upstream's hosts.toml",
+            run.rc == 0
+            and sorted(k for k in node.files("/etc/containerd/certs.d") if k.endswith("hosts.toml"))
+            == sorted(f"{n}/hosts.toml" for n in NAMES),
+            run,
+        )
+    finally:
+        node.cleanup()
+
+
 def check_real_containerd() -> None:
     """containerd 1.6 pulls through larder via the script's hosts files."""
     for tool in ("containerd", "ctr", "docker-registry", "skopeo"):
@@ -1956,6 +1993,7 @@ def main() -> int:
         check_listen_address,
         check_node_pools,
         check_referrers,
+        check_docs_containerd_config,
         check_cleanup_wait,
         check_real_containerd,
     ):
