@@ -423,7 +423,8 @@ async fn containerd_2_1_parallel_layer_fetch_gets_each_8_mib_range_exactly() {
                     Some(resp) => resp,
                     None => fake::client::open_with(addr, &path, &[("Range", &format!("bytes={offset}-"))]).await,
                 };
-                let head = (resp.status(), resp.header("content-range").map(str::to_owned), resp.head().content_length());
+                let head =
+                    (resp.status(), resp.header("content-range").map(str::to_owned), resp.head().content_length());
                 let bytes = resp.read_exact(CHUNK.min(size - offset)).await;
                 drop(resp); // hung up on before the end, as io.LimitReader and Close do
                 got.push((i, head, bytes));
