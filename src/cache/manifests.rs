@@ -247,14 +247,11 @@ impl Cache {
             }
         };
         let answer = self.revalidations.run(key.clone(), head).await.0;
-        match answer.map(|found| found.map(|(digest, warnings)| (digest, Some(warnings)))) {
+        match answer {
+            // Unchanged: the answer's warnings are the manifest's now.
             Ok(Some((digest, warnings))) if digest == entry.digest => {
                 self.set_tag(key, digest).await?;
-                let cached = match warnings {
-                    Some(warnings) => self.rewarn(cached, warnings).await?,
-                    None => cached,
-                };
-                Ok((cached, CacheResult::Hit))
+                Ok((self.rewarn(cached, warnings).await?, CacheResult::Hit))
             }
             // Moved. A GET counts against Docker Hub's pull limit (the HEAD
             // did not): with the limit used up, what is cached is served.
