@@ -998,8 +998,9 @@ def check_extras() -> None:
     config_mount = next(m for m in init["volumeMounts"] if m["name"] == "containerd-config")
     check("[extras] containerd's config mounted read-only", config_mount.get("readOnly") is True, config_mount)
     check(
-        "[extras] node setup init container has no capabilities, its failure reason is the termination message",
-        init["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        "[extras] node setup init container has only SYS_CHROOT (nodeSetup.referrers: auto runs the node's "
+        "containerd --version), its failure reason is the termination message",
+        init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_CHROOT"]}
         and init["securityContext"]["allowPrivilegeEscalation"] is False
         and init.get("terminationMessagePolicy") == "FallbackToLogsOnError",
     )

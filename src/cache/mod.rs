@@ -143,8 +143,9 @@ pub struct Cache {
     evictor: Evictor,
     /// One upstream manifest GET per (upstream, repo, reference).
     manifest_fetches: SingleFlight<String, Arc<StoredManifest>>,
-    /// One upstream HEAD per tag being revalidated.
-    revalidations: SingleFlight<String, Option<Digest>>,
+    /// One upstream HEAD per tag being revalidated: where the tag points,
+    /// and the registry warnings of the answer.
+    revalidations: SingleFlight<String, Option<(Digest, crate::oci::Warnings)>>,
     /// One upstream `tags/list` or `referrers` request per page however many ask.
     listing_fetches: SingleFlight<String, Option<Page>>,
     /// The shared tier and its upload queue (`[shared]`).

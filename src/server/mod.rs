@@ -83,14 +83,20 @@ pub async fn serve(
 /// records metrics and logs one line.
 /// Every log line of a request carries its id (also sent back as
 /// `X-Request-Id`), so one pull can be followed through the logs.
+/// Every response to a request with `?ns=` carries it back in
+/// `OCI-Namespace`, errors included.
 /// `peer` is the client's address (the connection's source).
 pub async fn handle(app: Arc<App>, req: Request<Incoming>, peer: std::net::IpAddr) -> Response<Body> {
     let id = RequestId(rand::random());
     let span = tracing::info_span!("request", id = %id);
     let hex = id.hex();
+    let namespace = routes::namespace_echo(req.uri());
     let mut resp = handle_request(app, req, &hex, peer).instrument(span).await;
     if let Ok(value) = http::HeaderValue::from_bytes(&hex) {
         resp.headers_mut().insert("x-request-id", value);
+    }
+    if let Some(ns) = namespace {
+        resp.headers_mut().insert(crate::oci::headers::OCI_NAMESPACE, ns);
     }
     resp
 }

@@ -149,6 +149,22 @@ fn ns(query: Option<&str>) -> Option<String> {
     form_urlencoded::parse(query?.as_bytes()).find(|(k, _)| k == "ns").map(|(_, v)| v.into_owned())
 }
 
+/// Longest `ns` value echoed in `OCI-Namespace`: a host name (253) with a
+/// port. A longer one names no upstream (404) and is not echoed.
+pub const MAX_NS_ECHO: usize = 260;
+
+/// The `OCI-Namespace` value for a request: its `ns` parameter as the
+/// client sent it (the first one, the one routing uses), whether or not
+/// it names an upstream. `None` without `ns`, or for one that is too long
+/// or not a valid header value.
+pub fn namespace_echo(uri: &Uri) -> Option<http::HeaderValue> {
+    let ns = ns(uri.query())?;
+    if ns.len() > MAX_NS_ECHO {
+        return None;
+    }
+    http::HeaderValue::from_str(&ns).ok()
+}
+
 /// The `n` and `last` parameters of a `tags/list` query, re-encoded.
 fn pagination(query: Option<&str>) -> Option<String> {
     keep_params(query, &["n", "last"])
@@ -199,6 +215,20 @@ mod tests {
     }
 
     const D: &str = "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+
+    #[test]
+    fn the_namespace_echo_is_the_ns_the_client_sent() {
+        let echo = |uri: &str| namespace_echo(&uri.parse().unwrap());
+        assert_eq!(echo("/v2/a/manifests/v1?ns=index.docker.io").unwrap(), "index.docker.io");
+        assert_eq!(echo("/v2/a/manifests/v1?n=1&ns=ghcr.io&ns=quay.io").unwrap(), "ghcr.io");
+        assert_eq!(echo("/v2/a/manifests/v1?ns=localhost%3A5000").unwrap(), "localhost:5000");
+        assert_eq!(echo("/v2/a/manifests/v1?ns=evil.example").unwrap(), "evil.example", "unknown ones too");
+        assert!(echo("/v2/a/manifests/v1").is_none());
+        assert!(echo("/v2/a/manifests/v1?n=1").is_none());
+        assert!(echo("/v2/a/manifests/v1?ns=a%0Ab").is_none(), "not a header value");
+        assert!(echo(&format!("/v2/a/manifests/v1?ns={}", "a".repeat(MAX_NS_ECHO + 1))).is_none());
+        assert!(echo(&format!("/v2/a/manifests/v1?ns={}", "a".repeat(MAX_NS_ECHO))).is_some());
+    }
 
     #[test]
     fn default_upstream_with_library_namespace() {

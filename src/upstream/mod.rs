@@ -42,7 +42,7 @@ pub use upstreams::Upstreams;
 use crate::config::UpstreamConfig;
 use crate::error::{Error, UpstreamError};
 use crate::metrics::metrics;
-use crate::oci::{Digest, MAX_MANIFEST_SIZE, ManifestRefs, MediaType, Reference, RepoName};
+use crate::oci::{Digest, MAX_MANIFEST_SIZE, ManifestRefs, MediaType, Reference, RepoName, Warnings};
 use auth::{Auth, Hop, Presented};
 use client::{HttpClient, Named};
 use ratelimit::RateLimit;
@@ -149,6 +149,9 @@ pub struct FetchedManifest {
     pub media_type: MediaType,
     pub digest: Digest,
     pub refs: ManifestRefs,
+    /// The registry warnings sent with it (relayed to clients); `None`
+    /// from a source that keeps none (the shared tier, an import).
+    pub warnings: Option<Warnings>,
 }
 
 /// What a listing endpoint lists.
@@ -428,6 +431,7 @@ impl Upstream {
         }
         let declared = header_str(resp.headers(), CONTENT_TYPE.as_str()).and_then(MediaType::parse);
         let header_digest = header_str(resp.headers(), "docker-content-digest").and_then(|d| d.parse::<Digest>().ok());
+        let warnings = Some(Warnings::from_headers(resp.headers()));
         if let Some(len) = content_length(resp.headers()) {
             if len > MAX_MANIFEST_SIZE as u64 {
                 return Err(UpstreamError::Protocol(format!("manifest of {len} bytes exceeds {MAX_MANIFEST_SIZE}")));
@@ -448,12 +452,22 @@ impl Upstream {
             }
         }
         let (media_type, refs) = crate::oci::inspect_manifest(&bytes, declared).map_err(UpstreamError::Protocol)?;
-        Ok(Some(FetchedManifest { bytes, media_type, digest, refs }))
+        Ok(Some(FetchedManifest { bytes, media_type, digest, refs, warnings }))
     }
 
     /// HEAD a manifest: the digest a tag points at now, or confirmation that
     /// a digest exists in `repo`. `Ok(None)`: upstream does not have it.
     pub async fn head_manifest(&self, repo: &RepoName, reference: &Reference) -> Result<Option<Digest>, UpstreamError> {
+        Ok(self.head_manifest_warned(repo, reference).await?.map(|(digest, _)| digest))
+    }
+
+    /// [`Upstream::head_manifest`], with the registry warnings of the
+    /// answer (a tag's revalidation keeps its manifest's warnings current).
+    pub async fn head_manifest_warned(
+        &self,
+        repo: &RepoName,
+        reference: &Reference,
+    ) -> Result<Option<(Digest, Warnings)>, UpstreamError> {
         let path = format!("/v2/{repo}/manifests/{reference}");
         let opened = self.open(Method::HEAD, &path, repo, Some(MediaType::upstream_accept()), (None, None)).await?;
         let resp = opened.response;
@@ -461,7 +475,7 @@ impl Upstream {
             StatusCode::NOT_FOUND => Ok(None),
             StatusCode::OK => header_str(resp.headers(), "docker-content-digest")
                 .and_then(|d| d.parse().ok())
-                .map(Some)
+                .map(|digest| Some((digest, Warnings::from_headers(resp.headers()))))
                 .ok_or_else(|| UpstreamError::Protocol("HEAD manifest without Docker-Content-Digest".into())),
             status => Err(failure(status, resp.headers())),
         }

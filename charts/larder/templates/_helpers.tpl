@@ -181,11 +181,12 @@ Node folders of the node setup, by nodeSetup.distribution, as YAML
 */}}
 {{- define "larder.nodeSetup.paths" -}}
 {{- $ns := .Values.nodeSetup }}
+{{- $usrBins := list "/usr/local/sbin" "/usr/local/bin" "/usr/sbin" "/usr/bin" }}
 {{- $presets := dict
-  "containerd" (dict "hostsDir" "/etc/containerd/certs.d" "config" "/etc/containerd/config.toml")
-  "k3s" (dict "hostsDir" "/var/lib/rancher/k3s/agent/etc/containerd/certs.d" "config" "/var/lib/rancher/k3s/agent/etc/containerd/config.toml")
-  "rke2" (dict "hostsDir" "/var/lib/rancher/rke2/agent/etc/containerd/certs.d" "config" "/var/lib/rancher/rke2/agent/etc/containerd/config.toml")
-  "talos" (dict "hostsDir" "/etc/cri/conf.d/hosts" "config" "/etc/cri/containerd.toml")
+  "containerd" (dict "hostsDir" "/etc/containerd/certs.d" "config" "/etc/containerd/config.toml" "binDirs" $usrBins)
+  "k3s" (dict "hostsDir" "/var/lib/rancher/k3s/agent/etc/containerd/certs.d" "config" "/var/lib/rancher/k3s/agent/etc/containerd/config.toml" "binDirs" (list "/var/lib/rancher/k3s/data/current/bin"))
+  "rke2" (dict "hostsDir" "/var/lib/rancher/rke2/agent/etc/containerd/certs.d" "config" "/var/lib/rancher/rke2/agent/etc/containerd/config.toml" "binDirs" (list "/var/lib/rancher/rke2/bin"))
+  "talos" (dict "hostsDir" "/etc/cri/conf.d/hosts" "config" "/etc/cri/containerd.toml" "binDirs" $usrBins)
 }}
 {{- $p := get $presets (toString $ns.distribution) }}
 {{- if not $p }}
@@ -195,6 +196,22 @@ Node folders of the node setup, by nodeSetup.distribution, as YAML
 hostsDir: {{ default $p.hostsDir $ns.certsDir | trimSuffix "/" | quote }}
 config: {{ $config | quote }}
 configDir: {{ default (dir $config) $ns.containerdConfigDir | trimSuffix "/" | quote }}
+binDirs: {{ default $p.binDirs $ns.containerdBinDirs | toJson }}
+{{- end }}
+
+{{/*
+The node folders the node setup mounts (read-only) to run the node's
+`containerd --version` chrooted: /usr, and each bin folder outside it.
+*/}}
+{{- define "larder.nodeSetup.binMounts" -}}
+{{- $paths := include "larder.nodeSetup.paths" . | fromYaml }}
+{{- $mounts := list "/usr" }}
+{{- range $paths.binDirs }}
+{{- if not (or (eq . "/usr") (hasPrefix "/usr/" .)) }}
+{{- $mounts = append $mounts . }}
+{{- end }}
+{{- end }}
+{{- $mounts | uniq | toJson }}
 {{- end }}
 
 {{/*

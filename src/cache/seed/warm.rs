@@ -32,13 +32,13 @@ impl Cache {
         repo: &RepoName,
         reference: &Reference,
     ) -> Result<Seen, Error> {
-        let digest = match reference {
-            Reference::Digest(digest) => *digest,
+        let (digest, warnings) = match reference {
+            Reference::Digest(digest) => (*digest, None),
             Reference::Tag(tag) => {
                 let key = tag_key(upstream.name(), repo, tag);
                 let head = {
                     let (upstream, repo, reference) = (Arc::clone(upstream), repo.clone(), reference.clone());
-                    move || async move { upstream.head_manifest(&repo, &reference).await.map_err(Error::Upstream) }
+                    move || async move { upstream.head_manifest_warned(&repo, &reference).await.map_err(Error::Upstream) }
                 };
                 let answer = self.revalidations.run(key.clone(), head).await.0;
                 let gone = matches!(answer, Ok(None));
@@ -46,13 +46,18 @@ impl Cache {
                     *known = gone;
                 }
                 match answer? {
-                    Some(digest) => digest,
+                    Some((digest, warnings)) => (digest, Some(warnings)),
                     None => return Ok(Seen::Gone),
                 }
             }
         };
         match self.manifest_via(upstream, repo, &Reference::Digest(digest), Via::Client).await {
-            Ok(_) => {}
+            // The tag's answer speaks for the manifest it points to now.
+            Ok((m, _)) => {
+                if let Some(warnings) = warnings {
+                    self.rewarn(m, warnings).await?;
+                }
+            }
             Err(Error::ManifestUnknown) => return Ok(Seen::Gone),
             Err(e) => return Err(e),
         }
