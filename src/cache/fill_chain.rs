@@ -115,8 +115,10 @@ impl Cache {
                 (Some((first, last, Some(total))), Some(end)) if first == offset && last < end => {
                     (Some(total), 0, Some(last + 1))
                 }
-                (range, _) => {
-                    return Err(protocol(format!("upstream answered bytes {range:?} to a GET of {span:?}")));
+                _ => {
+                    let range = response.headers().get(http::header::CONTENT_RANGE).and_then(|v| v.to_str().ok());
+                    let range = range.unwrap_or("none");
+                    return Err(protocol(format!("upstream answered Content-Range {range:?} to a GET of {span}")));
                 }
             }
         } else {
@@ -202,9 +204,11 @@ impl Cache {
             }
             let contradicts = |size: Option<u64>| matches!((size, total), (Some(a), Some(b)) if a != b);
             if !source.vouched() && (contradicts(expected) || contradicts(known)) {
+                // Both sizes are known here (`contradicts`).
                 let why = format!(
-                    "declares {total:?} bytes where the manifest or an earlier source says {:?}",
-                    expected.or(known)
+                    "declares {} bytes where the manifest or an earlier source says {}",
+                    total.unwrap_or_default(),
+                    expected.or(known).unwrap_or_default()
                 );
                 self.refuse_source(&source, digest, &why);
                 last_error = Some(UpstreamError::Protocol(format!("{} {why}", source.name())).into());
@@ -213,7 +217,7 @@ impl Cache {
             if contradicts(known) {
                 // Upstream contradicts the sources before it: they were wrong.
                 let p = partial.take().expect("an earlier source declared a size");
-                tracing::warn!(%digest, before = ?known, upstream = ?total, "upstream's size differs from what earlier sources sent; starting over");
+                tracing::warn!(%digest, before = known.unwrap_or_default(), upstream = total.unwrap_or_default(), "upstream's size differs from what earlier sources sent; starting over");
                 if p.used.contains(&Source::Shared) {
                     self.condemn_shared_blob(digest, "its size differs from upstream's");
                 }
@@ -295,7 +299,8 @@ impl Cache {
                     if used.iter().all(Source::vouched) || start_overs >= MAX_START_OVERS {
                         return Err(e);
                     }
-                    tracing::warn!(%digest, sources = ?used, "bytes from the shared tier or a peer failed the digest; starting over");
+                    let used_names: Vec<&str> = used.iter().map(Source::name).collect();
+                    tracing::warn!(%digest, sources = %used_names.join(","), "bytes from the shared tier or a peer failed the digest; starting over");
                     start_overs += 1;
                     if sources.is_empty() {
                         sources.push_back(Source::Upstream);

@@ -417,8 +417,10 @@ impl PartsJob<'_> {
         }
         match content_range(response.headers()) {
             Some((first, last, Some(total))) if first == start && last < end && total == self.size => {}
-            other => {
-                let e = format!("upstream answered bytes {other:?} to a GET of bytes {start}-{}", end - 1);
+            _ => {
+                let range = response.headers().get(http::header::CONTENT_RANGE).and_then(|v| v.to_str().ok());
+                let range = range.unwrap_or("none");
+                let e = format!("upstream answered Content-Range {range:?} to a GET of bytes={start}-{}", end - 1);
                 return Err(Outcome::Failed(UpstreamError::Protocol(e).into()));
             }
         }

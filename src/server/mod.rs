@@ -116,7 +116,13 @@ fn check_grants(
         return Ok(());
     }
     metrics().grant_denied.with_label_values(&[route.upstream.name()]).inc();
-    tracing::info!(?client, upstream = route.upstream.name(), repo = %route.repo, "no grant for this client");
+    tracing::info!(
+        user = client.user_text(),
+        certificate = %client.certificate_text(),
+        upstream = route.upstream.name(),
+        repo = %route.repo,
+        "no grant for this client"
+    );
     Err(crate::error::Error::Denied(format!(
         "no grant gives this client repository {:?} of upstream {:?}",
         route.repo.as_str(),

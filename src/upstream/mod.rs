@@ -99,6 +99,16 @@ pub struct Span {
     pub end: Option<u64>,
 }
 
+/// As a `Range` header writes it: `bytes=0-99`, `bytes=100-`.
+impl std::fmt::Display for Span {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.end {
+            Some(end) => write!(f, "bytes={}-{}", self.start, end.saturating_sub(1)),
+            None => write!(f, "bytes={}-", self.start),
+        }
+    }
+}
+
 impl Span {
     /// The whole blob: a GET without `Range`.
     pub const WHOLE: Span = Span { start: 0, end: None };

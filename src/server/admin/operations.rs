@@ -225,6 +225,15 @@ pub async fn purge(app: &App, params: &Params) -> Result<Response<Body>, Error> 
     let repo = params.get("repo").map(|r| r.parse::<RepoName>().map_err(Error::NameInvalid)).transpose()?;
     // Here, then on every other replica of a cluster (listed in `replicas`).
     let purged = app.cache.purge_everywhere(upstream.name(), repo.as_ref()).await?;
-    tracing::info!(upstream = upstream.name(), repo = ?repo, ?purged, "purged");
+    tracing::info!(
+        upstream = upstream.name(),
+        repo = repo.as_ref().map_or("every repository", |r| r.as_str()),
+        tags = purged.here.tags,
+        members = purged.here.members,
+        blobs = purged.here.blobs,
+        manifests = purged.here.manifests,
+        bytes = purged.here.bytes,
+        "purged"
+    );
     Ok(json(StatusCode::OK, &serde_json::json!(purged)))
 }
