@@ -33,8 +33,16 @@ struct Cli {
 enum Command {
     /// Run the proxy (the default).
     Run,
-    /// Validate a config file and exit.
-    CheckConfig,
+    /// Validate a config file and exit: warnings, then what the config
+    /// means (sizes in bytes, the admin listener's rules).
+    CheckConfig {
+        /// Check everything but what holds secrets or exists only where
+        /// larder runs (password, token and key files, certificates,
+        /// unset environment variables), and list what was skipped: for a
+        /// config repository's CI.
+        #[arg(long)]
+        without_secrets: bool,
+    },
     /// Re-hash every cached blob and compare with the index; run it while
     /// larder is stopped. Exit status 1 if bad entries remain.
     Verify {
@@ -261,6 +269,9 @@ fn main() -> ExitCode {
     {
         return operator(command, cli.config.as_ref());
     }
+    if let Some(Command::CheckConfig { without_secrets }) = cli.command {
+        return ExitCode::from(larder::cli::check_config::run(cli.config.as_deref(), without_secrets));
+    }
     let config = match load(cli.config.as_ref()) {
         Ok(c) => c,
         Err(e) => {
@@ -268,29 +279,6 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let Some(Command::CheckConfig) = cli.command {
-        let source = cli.config.as_ref().map_or("embedded default config".to_owned(), |p| p.display().to_string());
-        for warning in config.warnings() {
-            eprintln!("larder: {source}: warning: {warning}");
-        }
-        // The warm file's bad lines are skipped at run time, not fatal:
-        // shown here as warnings.
-        if let Some(path) = &config.cache.warm_file {
-            let (_, report) = larder::warm::list::read_file(path, &config.upstreams, &config.warm);
-            for bad in &report.bad_lines {
-                eprintln!("larder: {}: warning: line {}: {} (skipped)", report.path, bad.line, bad.message);
-            }
-            if let Some(error) = &report.error {
-                eprintln!("larder: {}: warning: {error}", report.path);
-            }
-        }
-        let n = config.upstreams.len();
-        println!("{source}: ok ({n} {})", if n == 1 { "upstream" } else { "upstreams" });
-        for line in larder::server::admin::explain(&config) {
-            println!("{line}");
-        }
-        return ExitCode::SUCCESS;
-    }
     if let Some(Command::Verify { repair }) = cli.command {
         return verify(&config, repair);
     }

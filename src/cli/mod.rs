@@ -7,6 +7,7 @@
 //! is `http://127.0.0.1:9090` with the token generated in the default
 //! config's cache folder (`./larder-data/admin-token`) if there is one.
 
+pub mod check_config;
 pub mod client;
 pub mod prefetch;
 pub mod seed;
