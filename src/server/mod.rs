@@ -25,6 +25,7 @@ use tokio_rustls::TlsAcceptor;
 use tracing::Instrument;
 
 use crate::body::Body;
+use crate::error::Error;
 use crate::metrics::metrics;
 use crate::policy::ClientIdentity;
 use crate::shutdown::Shutdown;
@@ -173,6 +174,11 @@ async fn handle_request(
     let (route, outcome) = match parsed {
         Ok(Parsed::Base) => ("base", handlers::base(&parts.method).map(|r| (r, None))),
         Ok(Parsed::Repo(route)) => (route.endpoint.label(), handlers::route(&app, route, &parts).await),
+        // Refused for who asks (policy, grants, password): the route is
+        // valid, and its status says it was denied.
+        Err(e @ (Error::Denied(_) | Error::Unauthorized { .. } | Error::TooManyRequests { .. })) => {
+            (routes::label_of_path(parts.uri.path()), Err(e))
+        }
         Err(e) => ("invalid", Err(e)),
     };
     let (resp, cache, error) = match outcome {
