@@ -37,9 +37,11 @@ pub enum Error {
     Upstream(#[from] UpstreamError),
     #[error("authentication required")]
     Unauthorized { realm: String },
-    /// An admin operation without the right `Authorization: Bearer` token.
-    #[error("this admin operation needs `Authorization: Bearer <token>` with the token in [admin] token_file")]
-    AdminUnauthorized,
+    /// An admin operation without the right `Authorization: Bearer`
+    /// token: the text says which token the listener expects (the
+    /// configured file, or the one larder generated, and where).
+    #[error("{0}")]
+    AdminUnauthorized(String),
     /// An admin operation on a non-loopback admin listener without `[admin] token_file`.
     #[error("admin operations are disabled: set [admin] token_file, or bind server.admin_listen to a loopback address")]
     AdminDisabled,
@@ -159,7 +161,7 @@ impl Error {
             Error::Unauthorized { realm } => {
                 (S::UNAUTHORIZED, "UNAUTHORIZED", Some((header::WWW_AUTHENTICATE, format!("Basic realm=\"{realm}\""))))
             }
-            Error::AdminUnauthorized => (
+            Error::AdminUnauthorized(_) => (
                 S::UNAUTHORIZED,
                 "UNAUTHORIZED",
                 Some((header::WWW_AUTHENTICATE, "Bearer realm=\"larder-admin\"".to_owned())),

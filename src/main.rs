@@ -211,6 +211,7 @@ fn operator(command: Command, config_path: Option<&PathBuf>) -> ExitCode {
         token: std::env::var(larder::cli::TOKEN_ENV).ok().filter(|t| !t.is_empty()),
         ca_file: admin.ca_file.clone(),
         tls_name: admin.tls_name.clone(),
+        config_path: config_path.cloned(),
     };
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,

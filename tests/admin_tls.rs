@@ -135,10 +135,11 @@ async fn with_server_tls_the_admin_listener_speaks_tls_and_the_cli_reaches_it() 
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("cannot reach the admin listener"), "{}", stderr(&out));
     assert!(stderr(&out).to_lowercase().contains("certificate"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("\n  its certificate is not trusted: pass --ca-file"), "{}", stderr(&out));
     // Plain http:// against it: the error suggests https.
     let out = cli(&["status", "--admin", &admin.url()]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(stderr(&out).contains("speaks TLS"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("\n  if the admin listener speaks TLS"), "{}", stderr(&out));
 
     // With --config: https, larder's own certificate trusted as it is, the token from [admin] token_file.
     let config = path(larder.config_path());

@@ -221,3 +221,151 @@ fn text_logs_are_coloured_only_on_a_terminal() {
         serde_json::from_str::<serde_json::Value>(line.trim()).unwrap_or_else(|e| panic!("{line:?}: {e}"));
     }
 }
+
+/// `larder ARGS` run from an empty folder (so no `./larder-data` token is
+/// found by chance), with none of the `LARDER_ADMIN*` variables.
+fn larder_in(dir: &std::path::Path, args: &[&str]) -> Command {
+    let mut command = Command::new(common::larder::binary());
+    command
+        .args(args)
+        .current_dir(dir)
+        .env_remove("LARDER_ADMIN")
+        .env_remove("LARDER_ADMIN_TOKEN")
+        .env_remove("LARDER_ADMIN_TOKEN_FILE");
+    command
+}
+
+/// The operating guide, where the messages of a refused call are shown.
+fn operating_guide() -> String {
+    std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/operating.md"))
+        .expect("read docs/operating.md")
+}
+
+/// Issue 36, item 1: a 401 says which token the listener expects (the one
+/// larder generated and where, or the configured file), and the command
+/// says that it sent none and where it looked, or where the token it sent
+/// came from. docs/operating.md shows the first case.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_token_refusal_says_which_token_is_expected_and_where_the_command_looked() {
+    let origin = Origin::start().await;
+    let (builder, admin) = Admin::open(Larder::builder().upstream(&origin));
+    let larder = builder.start().await;
+    let empty = tempfile::tempdir().expect("temp dir");
+    let generated = larder.cache_dir().join("admin-token");
+    // Issue 36, item 6: addresses logged as an operator writes them.
+    let log = larder.log();
+    let listening = log.lines().find(|l| l.contains("larder listening")).expect("the start-up line");
+    assert!(listening.contains(&format!(" admin=127.0.0.1:{} ", admin.port)), "{listening}");
+    assert!(listening.contains(" peers=none "), "{listening}");
+    assert!(!listening.contains("Some(") && !listening.contains("None"), "{listening}");
+
+    let out = larder_in(empty.path(), &["purge", ORIGIN_NAME, "--admin", &admin.url()]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let text = stderr(&out);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            format!(
+                "larder purge: 401 UNAUTHORIZED: this admin operation needs `Authorization: Bearer <token>` with the \
+                 token larder generated at start in {} (there is no [admin] token_file; `larder <command> --config \
+                 <larder's config>` reads it, or pass --token-file); no token was sent",
+                generated.display()
+            ),
+            "  this command found no token to send: --token-file (and LARDER_ADMIN_TOKEN_FILE) not given, \
+             LARDER_ADMIN_TOKEN not set, no --config given, no token larder generated at \
+             ./larder-data/admin-token (the embedded default's cache folder); pass --config with larder's config \
+             file (its [admin] token_file, or the token larder generated in its cache folder), or --token-file"
+                .to_owned(),
+        ]
+    );
+    let guide = operating_guide();
+    let shown = text.replace(&larder.cache_dir().display().to_string(), "/var/lib/larder");
+    assert!(guide.contains(shown.trim_end()), "docs/operating.md shows:\n{shown}");
+
+    let wrong = larder_in(empty.path(), &["purge", ORIGIN_NAME, "--admin", &admin.url()])
+        .env("LARDER_ADMIN_TOKEN", "wrong-token-0123456789")
+        .output()
+        .unwrap();
+    assert_eq!(wrong.status.code(), Some(1));
+    let text = stderr(&wrong);
+    assert!(
+        text.starts_with(&format!(
+            "larder purge: 401 UNAUTHORIZED: the bearer token sent is not the token larder generated at start in {} ",
+            generated.display()
+        )),
+        "{text}"
+    );
+    assert!(text.ends_with("\n  the token sent came from LARDER_ADMIN_TOKEN\n"), "{text}");
+    drop(larder);
+
+    // A configured token file is named as such.
+    let (builder, admin) = Admin::with_token(Larder::builder().upstream(&origin), TOKEN);
+    let _larder = builder.start().await;
+    let out = larder_in(empty.path(), &["purge", ORIGIN_NAME, "--admin", &admin.url()]).output().unwrap();
+    assert!(
+        stderr(&out).starts_with(&format!(
+            "larder purge: 401 UNAUTHORIZED: this admin operation needs `Authorization: Bearer <token>` with the \
+             token in [admin] token_file ({}); no token was sent\n",
+            admin.token_file().display()
+        )),
+        "{}",
+        stderr(&out)
+    );
+    let elsewhere = empty.path().join("other-token");
+    std::fs::write(&elsewhere, "another-token-0123456789\n").unwrap();
+    let out = larder_in(empty.path(), &["purge", ORIGIN_NAME, "--admin", &admin.url(), "--token-file"])
+        .arg(&elsewhere)
+        .output()
+        .unwrap();
+    assert!(
+        stderr(&out).ends_with(&format!(
+            "\n  the token sent came from {} (--token-file, or LARDER_ADMIN_TOKEN_FILE)\n",
+            elsewhere.display()
+        )),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// Issue 36, item 2: a listener that cannot be reached is explained by the
+/// likely causes (larder not running, another address, and where the
+/// address came from), and TLS is not suggested for a refused connection.
+#[test]
+fn an_unreachable_admin_listener_is_explained_by_its_likely_causes() {
+    let empty = tempfile::tempdir().expect("temp dir");
+    let nobody = free_port();
+    let url = format!("http://127.0.0.1:{nobody}");
+    let out = larder_in(empty.path(), &["status", "--admin", &url]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let text = stderr(&out);
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines[0].starts_with(&format!("larder status: cannot reach the admin listener at {url}: ")), "{text}");
+    assert!(lines[0].contains("Connection refused"), "{text}");
+    assert_eq!(
+        &lines[1..],
+        [
+            "  nothing listens there: is larder running, with its admin listener (server.admin_listen) on this address?",
+            "  the address came from --admin (or LARDER_ADMIN)",
+        ],
+        "{text}"
+    );
+
+    let config = empty.path().join("larder.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nadmin_listen = \"127.0.0.1:{nobody}\"\n[cache]\ndir = \"cache\"\n\
+             [[upstream]]\nname = \"q.io\"\nurl = \"https://q.io\"\n"
+        ),
+    )
+    .unwrap();
+    let out = larder_in(empty.path(), &["purge", "q.io", "--config", "larder.toml"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let text = stderr(&out);
+    assert!(text.ends_with("\n  the address came from server.admin_listen of larder.toml\n"), "{text}");
+    assert!(!text.contains("TLS"), "a refused connection is not a TLS problem: {text}");
+    let guide = operating_guide();
+    let example = text.lines().skip(1).collect::<Vec<_>>().join("\n");
+    assert!(guide.contains(&example), "docs/operating.md shows:\n{example}");
+}
