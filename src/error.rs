@@ -21,6 +21,11 @@ pub enum Error {
     NameUnknown,
     #[error("manifest unknown")]
     ManifestUnknown,
+    /// An image an operator asked for (a prefetch, an export, a warm
+    /// image) that upstream lacks, or a platform its index lacks: the text
+    /// names the image, and for a platform the ones the index has.
+    #[error("{0}")]
+    ImageUnknown(String),
     #[error("blob unknown")]
     BlobUnknown(Digest),
     #[error("invalid digest: {0}")]
@@ -132,7 +137,9 @@ impl Error {
         match self {
             Error::NameInvalid(_) => (S::BAD_REQUEST, "NAME_INVALID", None),
             Error::UnknownUpstream(_) | Error::NameUnknown => (S::NOT_FOUND, "NAME_UNKNOWN", None),
-            Error::ManifestUnknown | Error::NotAcceptable => (S::NOT_FOUND, "MANIFEST_UNKNOWN", None),
+            Error::ManifestUnknown | Error::NotAcceptable | Error::ImageUnknown(_) => {
+                (S::NOT_FOUND, "MANIFEST_UNKNOWN", None)
+            }
             Error::BlobUnknown(_) => (S::NOT_FOUND, "BLOB_UNKNOWN", None),
             Error::DigestInvalid(_) => (S::BAD_REQUEST, "DIGEST_INVALID", None),
             Error::LayoutInvalid(_) => (S::BAD_REQUEST, "MANIFEST_INVALID", None),

@@ -369,3 +369,52 @@ fn an_unreachable_admin_listener_is_explained_by_its_likely_causes() {
     let example = text.lines().skip(1).collect::<Vec<_>>().join("\n");
     assert!(guide.contains(&example), "docs/operating.md shows:\n{example}");
 }
+
+/// Issue 36, item 4: a platform the index lacks is refused, naming the
+/// platforms it has (a prefetch and an export used to warm nothing and
+/// exit 0), and an image upstream lacks is named in the 404.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_platform_the_index_lacks_and_an_unknown_image_are_refused_by_name() {
+    let origin = Origin::start().await;
+    ImageBuilder::oci().multi_arch().layers(&[64 * KIB]).push(&origin, "team/multi", "v1").await;
+    let (builder, admin) = Admin::with_token(Larder::builder().upstream(&origin), TOKEN);
+    let _larder = builder.start().await;
+
+    for platform in ["linux/s390x", "linux/amd46"] {
+        let out = admin.cli(&["prefetch", "team/multi:v1", "--platform", platform]);
+        assert_eq!(out.status.code(), Some(1), "{}{}", stdout(&out), stderr(&out));
+        assert_eq!(
+            stderr(&out),
+            format!(
+                "larder prefetch: 404 MANIFEST_UNKNOWN: team/multi:v1 has no platform {platform}: its index has \
+                 linux/amd64, linux/arm64\n"
+            )
+        );
+        assert!(!stdout(&out).contains("prefetched"), "{}", stdout(&out));
+    }
+    let output = tempfile::tempdir().expect("temp dir");
+    let out = admin.cli(&[
+        "export",
+        "team/multi:v1",
+        "--platform",
+        "linux/s390x",
+        "--output",
+        &output.path().display().to_string(),
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}{}", stdout(&out), stderr(&out));
+    assert!(stderr(&out).starts_with("larder export: 404 MANIFEST_UNKNOWN: team/multi:v1 has no platform linux/s390x: its index has linux/amd64, linux/arm64"), "{}", stderr(&out));
+    assert!(!output.path().join("index.json").exists(), "nothing exported");
+    // A platform the index has still works.
+    let out = admin.cli(&["prefetch", "team/multi:v1", "--platform", "linux/arm64"]);
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+
+    let out = admin.cli(&["prefetch", "team/missing:v1"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        stderr(&out),
+        format!("larder prefetch: 404 MANIFEST_UNKNOWN: manifest unknown: upstream \"{ORIGIN_NAME}\" has no team/missing:v1\n")
+    );
+    let out = admin.cli(&["prefetch", &format!("{ORIGIN_NAME}/team/missing@sha256:{}", "0".repeat(64))]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains(&format!("has no team/missing@sha256:{}", "0".repeat(64))), "{}", stderr(&out));
+}

@@ -82,6 +82,26 @@ pub fn route_image(upstreams: &Upstreams, image: &str) -> Result<(Route, Referen
     }
 }
 
+/// A manifest upstream lacks, named for the operator who asked: which
+/// upstream and repository the image was routed to, and as what it was
+/// asked when that differs (`postgres:16` is `library/postgres:16` of the
+/// default upstream).
+pub fn named_unknown(e: Error, asked: &str, route: &Route, reference: &Reference) -> Error {
+    if !matches!(e, Error::ManifestUnknown | Error::NameUnknown) {
+        return e;
+    }
+    let routed = match reference {
+        Reference::Tag(tag) => format!("{}:{tag}", route.repo),
+        Reference::Digest(digest) => format!("{}@{digest}", route.repo),
+    };
+    let name = route.upstream.name();
+    let mut message = format!("manifest unknown: upstream {name:?} has no {routed}");
+    if asked != routed && asked != format!("{name}/{routed}") {
+        message.push_str(&format!(" ({asked} is routed there)"));
+    }
+    Error::ImageUnknown(message)
+}
+
 /// Aborts the prefetch task when the response (or the handler) is dropped.
 struct AbortOnDrop(tokio::task::JoinHandle<Result<Prefetched, Error>>);
 
@@ -104,7 +124,9 @@ pub async fn prefetch(app: &Arc<App>, params: &Params, stream: bool) -> Result<R
             use crate::cache::prefetch::{fetch, plan, prefetch_referrers};
             let cache = &app.cache;
             let (upstream, repo) = (&route.upstream, &route.repo);
-            let plan = plan(cache, upstream, repo, &reference, platform.as_deref()).await?;
+            let plan = plan(cache, upstream, repo, &reference, platform.as_deref())
+                .await
+                .map_err(|e| named_unknown(e, &image, &route, &reference))?;
             let mut report = fetch(cache, upstream, repo, &plan, &image, &tx).await?;
             if referrers {
                 prefetch_referrers(cache, upstream, repo, &plan, &mut report).await?;
