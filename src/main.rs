@@ -19,7 +19,8 @@ use tracing_subscriber::util::SubscriberInitExt;
 #[derive(Parser)]
 #[command(version, about = "A pull-through caching proxy for OCI/Docker registries")]
 struct Cli {
-    /// Config file (TOML). Without it, larder runs its embedded default.
+    /// Config file (TOML). Without it, the embedded default config is used
+    /// (cache folder ./larder-data, admin listener 0.0.0.0:9090).
     #[arg(long, global = true)]
     config: Option<PathBuf>,
     /// Log format; overrides the config's `log.format`.
@@ -281,7 +282,7 @@ fn main() -> ExitCode {
         }
     };
     if let Some(Command::Verify { repair }) = cli.command {
-        return verify(&config, repair);
+        return ExitCode::from(larder::cli::verify::run(&config, repair, std::io::stdout().is_terminal()));
     }
     let _logs = match init_logs(&config.log, cli.log_format) {
         Ok(flush) => flush,
@@ -336,39 +337,6 @@ fn main() -> ExitCode {
             }
         }
     })
-}
-
-fn verify(config: &Config, repair: bool) -> ExitCode {
-    let report = match larder::cache::Cache::verify(&config.cache, repair) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("larder verify: {}: {e}", config.cache.dir.display());
-            return ExitCode::FAILURE;
-        }
-    };
-    for problem in &report.problems {
-        println!("bad: {problem}");
-    }
-    println!(
-        "{}: {} ok, {} bad ({} index rows, {} files), {} unindexed files {}",
-        config.cache.dir.display(),
-        report.ok,
-        report.bad(),
-        report.bad_rows,
-        report.bad_files,
-        report.adopted,
-        if repair { "indexed" } else { "found" },
-    );
-    if repair {
-        if report.bad() > 0 {
-            println!("repaired: bad entries removed");
-        }
-        ExitCode::SUCCESS
-    } else if report.bad() > 0 {
-        ExitCode::FAILURE
-    } else {
-        ExitCode::SUCCESS
-    }
 }
 
 /// Waits for SIGTERM (Kubernetes, systemd) or SIGINT (Ctrl-C).

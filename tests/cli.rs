@@ -418,3 +418,80 @@ async fn a_platform_the_index_lacks_and_an_unknown_image_are_refused_by_name() {
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains(&format!("has no team/missing@sha256:{}", "0".repeat(64))), "{}", stderr(&out));
 }
+
+/// Issue 36, items 9 and 10: `larder verify` shows its progress (a bar on a
+/// terminal, a line per phase otherwise) and says what is bad, naming the
+/// blob, instead of `1 bad (1 index rows, 0 files)`.
+#[tokio::test(flavor = "multi_thread")]
+async fn verify_shows_progress_and_names_what_is_bad() {
+    let origin = Origin::start().await;
+    let image = ImageBuilder::oci().layers(&[MIB, 256 * KIB]).push(&origin, "team/app", "v1").await;
+    let (builder, admin) = Admin::with_token(Larder::builder().upstream(&origin), TOKEN);
+    let mut larder = builder.start().await;
+    let out = admin.cli(&["prefetch", "team/app:v1"]);
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    larder.send_sigterm();
+    assert!(larder.wait_exit(std::time::Duration::from_secs(40)).await.is_some_and(|s| s.success()));
+    let blobs = image.blob_digests().len();
+    let total: u64 = image.blobs().iter().map(|b| b.size).sum();
+    let config = larder.config_path().display().to_string();
+    let verify = |args: &[&str]| larder_in(larder.config_path().parent().unwrap(), args).output().unwrap();
+
+    // Not a terminal: a line per phase, then the summary.
+    let out = verify(&["verify", "--config", &config]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    let dir = larder.cache_dir().display().to_string();
+    let human = common::admin::human_bytes(total);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[0], format!("verify: reading the index of {dir}"), "{text}");
+    assert_eq!(lines[1], format!("verify: hashing {blobs} blobs ({human})"), "{text}");
+    assert!(lines[2].starts_with(&format!("verify: hashing {blobs} blobs ({human}) done: {human} in ")), "{text}");
+    assert_eq!(
+        lines[3],
+        format!("{dir}: {blobs} blobs ok ({human}), 0 bad; 0 unindexed files found (correct blobs without an index row)")
+    );
+
+    // On a terminal: a bar with bytes, rate and ETA.
+    let (ok, screen) = on_a_terminal(&format!("{} verify --config {}", shell_quote(common::larder::binary()), shell_quote(&config)));
+    assert!(ok, "{screen}");
+    assert!(screen.contains('\x1b') && screen.contains("ETA"), "a progress bar on a terminal:\n{screen:?}");
+    assert!(screen.contains(&format!("{blobs} blobs ok")), "{screen:?}");
+
+    // One blob's bytes changed on disk: named, with what is wrong.
+    let largest = image.blobs().into_iter().max_by_key(|b| b.size).expect("a blob");
+    let layer = largest.digest.clone();
+    let path = larder.blob_file(&layer);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[0] ^= 0xff;
+    std::fs::write(&path, &bytes).unwrap();
+    let out = verify(&["verify", "--config", &config]);
+    assert_eq!(out.status.code(), Some(1), "{}", stdout(&out));
+    let text = stdout(&out);
+    let bad = text.lines().find(|l| l.starts_with("bad: ")).unwrap_or_else(|| panic!("{text}"));
+    assert!(bad.starts_with(&format!("bad: {layer}: content hashes to sha256:")), "{text}");
+    let summary = text.lines().find(|l| l.starts_with(&format!("{dir}: "))).unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        summary.starts_with(&format!(
+            "{dir}: {} blobs ok ({}), 1 bad (1 indexed blob whose file is missing or wrong: {layer}: content hashes to sha256:",
+            blobs - 1,
+            common::admin::human_bytes(total - largest.size)
+        )),
+        "{summary}"
+    );
+    assert!(text.ends_with("run `larder verify --repair` (with larder stopped) to remove them: pulls fetch them again\n"), "{text}");
+    let out = verify(&["verify", "--repair", "--config", &config]);
+    assert!(out.status.success(), "{}", stdout(&out));
+    assert!(stdout(&out).contains("repaired: the bad entries were removed"), "{}", stdout(&out));
+}
+
+/// Issue 36, item 10: `verify --help` says which cache folder it checks
+/// without `--config`, not that larder "runs" its embedded default.
+#[test]
+fn verify_help_says_which_cache_folder_it_checks_without_a_config() {
+    let out = Command::new(common::larder::binary()).args(["verify", "--help"]).output().unwrap();
+    let help = stdout(&out);
+    assert!(out.status.success(), "{help}");
+    assert!(help.contains("Without it, the embedded default config is used (cache folder ./larder-data"), "{help}");
+    assert!(!help.contains("runs its embedded default"), "{help}");
+}

@@ -74,7 +74,7 @@ use tokio::sync::watch;
 
 pub use maintenance::{ClusterPurged, Purged};
 pub use memory::StoredManifest;
-pub use reconcile::Report;
+pub use reconcile::{Report, Watch as VerifyWatch};
 
 use crate::blocking::blocking;
 use crate::cluster::PeerLink;
@@ -284,9 +284,10 @@ impl Cache {
     /// Re-hashes every blob against its name and the index (`larder verify`),
     /// removing bad entries when `repair` is set. Needs the cache folder to
     /// itself: redb refuses a second process.
-    pub fn verify(config: &CacheConfig, repair: bool) -> Result<Report, Error> {
+    /// `watch` is told the totals and each blob hashed (progress).
+    pub fn verify(config: &CacheConfig, repair: bool, watch: &mut dyn reconcile::Watch) -> Result<Report, Error> {
         let (store, index) = open_locked(&config.dir)?;
-        reconcile::reconcile(&store, &index, true, repair, unix_ms(SystemTime::now()))
+        reconcile::reconcile(&store, &index, true, repair, unix_ms(SystemTime::now()), watch)
     }
 
     /// Bytes of blobs and manifests on disk.

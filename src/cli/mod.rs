@@ -10,8 +10,10 @@
 pub mod check_config;
 pub mod client;
 pub mod prefetch;
+pub mod progress;
 pub mod seed;
 pub mod status;
+pub mod verify;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
