@@ -91,6 +91,9 @@ async fn prefetch_status_and_purge_from_the_command_line() {
     let percent: f64 = ratio.split('%').next().and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("{ratio}"));
     assert!(percent > 0.0, "warm blobs count as hits: {ratio}");
     assert!(text.contains("fills        0 in flight"), "{text}");
+    // The repository figures say how old their index scan is.
+    let scan = text.lines().find(|l| l.starts_with("repositories from an index scan of ")).expect("the scan's age");
+    assert!(scan.ends_with(" s ago (one scan at most every 10 s)"), "{scan}");
     assert!(text.contains("origin.test (default) http://127.0.0.1:"), "{text}");
     let largest = text.split("largest repositories").nth(1).expect("largest section");
     let first = largest.lines().nth(1).expect("a repository line");
@@ -109,6 +112,11 @@ async fn prefetch_status_and_purge_from_the_command_line() {
     let mark = origin.log_mark().await;
     skopeo::pull(&larder.image_ref("team/app:v1"), false).await.expect("pull after purge");
     assert_eq!(origin.requests_since(&mark).await.blob_gets(), blobs);
+
+    // A repository never cached (a typo): said so, not a line of zeros.
+    let out = admin.cli(&["purge", ORIGIN_NAME, "team/ap"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out), "nothing cached for origin.test/team/ap: nothing purged here\n");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -494,4 +502,26 @@ fn verify_help_says_which_cache_folder_it_checks_without_a_config() {
     assert!(out.status.success(), "{help}");
     assert!(help.contains("Without it, the embedded default config is used (cache folder ./larder-data"), "{help}");
     assert!(!help.contains("runs its embedded default"), "{help}");
+}
+
+/// Issue 36, item 10: a mutating admin endpoint asked with GET (or a
+/// read-only one with POST) is `405` with `Allow`, not `404`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_wrong_method_on_an_admin_endpoint_is_405_with_the_methods_it_takes() {
+    let origin = Origin::start().await;
+    let (builder, admin) = Admin::with_token(Larder::builder().upstream(&origin), TOKEN);
+    let _larder = builder.start().await;
+    let client = common::http::client();
+    for path in ["/prefetch", "/purge", "/export", "/import"] {
+        let resp = client.get(format!("{}{path}", admin.url())).send().await.unwrap();
+        assert_eq!(resp.status(), 405, "GET {path}");
+        assert_eq!(resp.headers()["allow"], "POST", "GET {path}");
+    }
+    let resp = client.post(format!("{}/metrics", admin.url())).bearer_auth(TOKEN).send().await.unwrap();
+    assert_eq!(resp.status(), 405, "POST /metrics");
+    assert_eq!(resp.headers()["allow"], "GET, HEAD");
+    let resp = client.put(format!("{}/purge", admin.url())).bearer_auth(TOKEN).send().await.unwrap();
+    assert_eq!((resp.status().as_u16(), resp.headers()["allow"].to_str().unwrap()), (405, "POST"));
+    let resp = client.get(format!("{}/nothing-here", admin.url())).send().await.unwrap();
+    assert_eq!(resp.status(), 404, "an endpoint that does not exist");
 }

@@ -195,14 +195,20 @@ pub async fn purge(client: &AdminClient, upstream: &str, repo: Option<&str>) -> 
         Some(repo) => format!("{upstream}/{repo}"),
         None => upstream.to_owned(),
     };
-    println!(
-        "purged {what}: {} tags, {} membership rows, {} blobs, {} manifests, {} freed",
-        n("tags"),
-        n("members"),
-        n("blobs"),
-        n("manifests"),
-        bytes(n("bytes"))
-    );
+    if ["tags", "members", "blobs", "manifests", "bytes"].iter().all(|k| n(k) == 0) {
+        // Rather than a line of zeros: a name never pulled (or purged
+        // already), perhaps a typo.
+        println!("nothing cached for {what}: nothing purged here");
+    } else {
+        println!(
+            "purged {what}: {} tags, {} membership rows, {} blobs, {} manifests, {} freed",
+            n("tags"),
+            n("members"),
+            n("blobs"),
+            n("manifests"),
+            bytes(n("bytes"))
+        );
+    }
     // In a cluster, every other replica was asked to purge the same.
     let replicas = purged["replicas"].as_array().cloned().unwrap_or_default();
     let mut missed = Vec::new();
