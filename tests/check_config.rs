@@ -109,9 +109,15 @@ fn sizes_mean_one_thing_and_check_config_shows_them_in_bytes() {
         ("tag_ttl = \"7 days\"", "`cache.tag_ttl`: \"7 days\": write \"7d\" ("),
         ("tag_ttl = \"5 minutes\"", "`cache.tag_ttl`: \"5 minutes\": write \"5m\" ("),
         ("stale_if_error = \"1.5h\"", "`cache.stale_if_error`: \"1.5h\": write \"90m\" ("),
-        ("low_watermark = 0.97", "`cache.low_watermark`: must be above 0 and below cache.high_watermark (0.95), not 0.97"),
+        (
+            "low_watermark = 0.97",
+            "`cache.low_watermark`: must be above 0 and below cache.high_watermark (0.95), not 0.97",
+        ),
         ("high_watermark = 1.2", "`cache.high_watermark`: must be above 0 and at most 1, not 1.2"),
-        ("max_size = \"512KiB\"", "`cache.max_size`: 512 KiB (524288 bytes) is less than the minimum, 1 MiB (1048576 bytes)"),
+        (
+            "max_size = \"512KiB\"",
+            "`cache.max_size`: 512 KiB (524288 bytes) is less than the minimum, 1 MiB (1048576 bytes)",
+        ),
     ] {
         let e = refused(cache);
         assert!(e.contains(says), "{cache}: {e}");
@@ -134,8 +140,11 @@ fn sizes_mean_one_thing_and_check_config_shows_them_in_bytes() {
 #[test]
 fn a_grant_user_without_a_password_and_passwords_in_the_clear_are_warned_about() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("htpasswd"), "team-a:$2y$05$6ZlIhc8Bm2mXfBSkCdNYqOX7B1jKc9nBVIIyFU8n7aQ.DOyICtyRW\n")
-        .unwrap();
+    std::fs::write(
+        dir.path().join("htpasswd"),
+        "team-a:$2y$05$6ZlIhc8Bm2mXfBSkCdNYqOX7B1jKc9nBVIIyFU8n7aQ.DOyICtyRW\n",
+    )
+    .unwrap();
     let text = "[server]\nlisten = \"0.0.0.0:5000\"\n[server.auth]\nhtpasswd = \"htpasswd\"\n\
                 [[server.auth.grant]]\nwho = [\"team-a\", \"team-b\"]\n\
                 [[upstream]]\nname = \"ghcr.io\"\nurl = \"https://ghcr.io\"\n";
@@ -205,7 +214,11 @@ fn every_shipped_config_checks_without_its_secrets_and_says_what_it_skipped() {
         assert!(stdout.contains(&format!("not checked: `{key}`: ")), "{name}: {key} is listed as skipped:\n{stdout}");
         needed.push(name);
     }
-    println!("{} configs; {} need their secrets to pass without --without-secrets: {needed:?}", configs.len(), needed.len());
+    println!(
+        "{} configs; {} need their secrets to pass without --without-secrets: {needed:?}",
+        configs.len(),
+        needed.len()
+    );
     assert_eq!(configs.len(), 16);
     assert!(needed.iter().any(|n| n == "cluster.toml"), "{needed:?}");
 }

@@ -420,7 +420,9 @@ async fn a_platform_the_index_lacks_and_an_unknown_image_are_refused_by_name() {
     assert_eq!(out.status.code(), Some(1));
     assert_eq!(
         stderr(&out),
-        format!("larder prefetch: 404 MANIFEST_UNKNOWN: manifest unknown: upstream \"{ORIGIN_NAME}\" has no team/missing:v1\n")
+        format!(
+            "larder prefetch: 404 MANIFEST_UNKNOWN: manifest unknown: upstream \"{ORIGIN_NAME}\" has no team/missing:v1\n"
+        )
     );
     let out = admin.cli(&["prefetch", &format!("{ORIGIN_NAME}/team/missing@sha256:{}", "0".repeat(64))]);
     assert_eq!(out.status.code(), Some(1));
@@ -457,11 +459,14 @@ async fn verify_shows_progress_and_names_what_is_bad() {
     assert!(lines[2].starts_with(&format!("verify: hashing {blobs} blobs ({human}) done: {human} in ")), "{text}");
     assert_eq!(
         lines[3],
-        format!("{dir}: {blobs} blobs ok ({human}), 0 bad; 0 unindexed files found (correct blobs without an index row)")
+        format!(
+            "{dir}: {blobs} blobs ok ({human}), 0 bad; 0 unindexed files found (correct blobs without an index row)"
+        )
     );
 
     // On a terminal: a bar with bytes, rate and ETA.
-    let (ok, screen) = on_a_terminal(&format!("{} verify --config {}", shell_quote(common::larder::binary()), shell_quote(&config)));
+    let (ok, screen) =
+        on_a_terminal(&format!("{} verify --config {}", shell_quote(common::larder::binary()), shell_quote(&config)));
     assert!(ok, "{screen}");
     assert!(screen.contains('\x1b') && screen.contains("ETA"), "a progress bar on a terminal:\n{screen:?}");
     assert!(screen.contains(&format!("{blobs} blobs ok")), "{screen:?}");
@@ -487,7 +492,10 @@ async fn verify_shows_progress_and_names_what_is_bad() {
         )),
         "{summary}"
     );
-    assert!(text.ends_with("run `larder verify --repair` (with larder stopped) to remove them: pulls fetch them again\n"), "{text}");
+    assert!(
+        text.ends_with("run `larder verify --repair` (with larder stopped) to remove them: pulls fetch them again\n"),
+        "{text}"
+    );
     let out = verify(&["verify", "--repair", "--config", &config]);
     assert!(out.status.success(), "{}", stdout(&out));
     assert!(stdout(&out).contains("repaired: the bad entries were removed"), "{}", stdout(&out));

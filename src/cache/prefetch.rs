@@ -166,9 +166,9 @@ fn check_platforms(
     have: &[Option<String>],
     wants: &[String],
 ) -> Result<(), Error> {
-    let Some(missing) = wants.iter().find(|want| {
-        !have.iter().any(|h| platform_selected(h.as_deref(), std::slice::from_ref(*want)))
-    }) else {
+    let Some(missing) =
+        wants.iter().find(|want| !have.iter().any(|h| platform_selected(h.as_deref(), std::slice::from_ref(*want))))
+    else {
         return Ok(());
     };
     // Attestation manifests (`unknown/unknown`) are no platform to ask for.

@@ -152,19 +152,23 @@ impl Found {
     /// config says the listener speaks it, or a connection was made but no
     /// HTTP answer came (what a TLS listener does to plain HTTP).
     fn unreachable_hint(&self, base: &str, failure: Failure) -> String {
-        let mut causes = vec![match failure {
-            Failure::Refused => {
-                "nothing listens there: is larder running, with its admin listener (server.admin_listen) on this \
+        let mut causes = vec![
+            match failure {
+                Failure::Refused => {
+                    "nothing listens there: is larder running, with its admin listener (server.admin_listen) on this \
                  address?"
-            }
-            Failure::Certificate => {
-                "its certificate is not trusted: pass --ca-file with its CA (or --config: larder's own admin \
+                }
+                Failure::Certificate => {
+                    "its certificate is not trusted: pass --ca-file with its CA (or --config: larder's own admin \
                  certificate is trusted as it is), and --tls-name if it names another host"
+                }
+                Failure::Connect => "is larder running there, and is the address right?",
+                Failure::NoHttp => {
+                    "something accepted the connection there, but did not answer as larder's admin listener does"
+                }
             }
-            Failure::Connect => "is larder running there, and is the address right?",
-            Failure::NoHttp => "something accepted the connection there, but did not answer as larder's admin listener does",
-        }
-        .to_owned()];
+            .to_owned(),
+        ];
         let connected = failure == Failure::NoHttp;
         match &self.url_from {
             Some(from) => causes.push(format!("the address came from {from}")),
@@ -265,7 +269,12 @@ impl AdminClient {
             None => https,
         };
         let https = https.enable_http1().wrap_connector(http);
-        Ok(AdminClient { base, token, found: Found::default(), inner: Client::builder(TokioExecutor::new()).build(https) })
+        Ok(AdminClient {
+            base,
+            token,
+            found: Found::default(),
+            inner: Client::builder(TokioExecutor::new()).build(https),
+        })
     }
 
     /// Where the URL and the token were found, for the messages of a failed call.

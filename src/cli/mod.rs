@@ -114,10 +114,9 @@ impl Target {
         let mut found = Found {
             url_from: match (&self.admin, config.and_then(|c| c.server.admin_listen)) {
                 (Some(_), _) => Some("--admin (or LARDER_ADMIN)".to_owned()),
-                (None, Some(_)) => Some(format!(
-                    "server.admin_listen of {}",
-                    config_name.as_deref().unwrap_or("larder's config")
-                )),
+                (None, Some(_)) => {
+                    Some(format!("server.admin_listen of {}", config_name.as_deref().unwrap_or("larder's config")))
+                }
                 (None, None) => None,
             },
             tls_in_config: admin_tls.is_some(),

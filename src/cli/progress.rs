@@ -14,8 +14,7 @@ use crate::server::admin::status_page::bytes;
 
 /// The bar: spinner, elapsed time, bar, bytes of total, the message (what
 /// is being worked on), rate and ETA.
-pub const BAR_TEMPLATE: &str =
-    "{spinner:.green} [{elapsed_precise}] [{bar:32.cyan/blue}] {bytes}/{total_bytes} {msg} {binary_bytes_per_sec} ETA {eta}";
+pub const BAR_TEMPLATE: &str = "{spinner:.green} [{elapsed_precise}] [{bar:32.cyan/blue}] {bytes}/{total_bytes} {msg} {binary_bytes_per_sec} ETA {eta}";
 
 /// Longest time between two plain lines while a phase runs.
 pub const PLAIN_INTERVAL: Duration = Duration::from_secs(10);

@@ -78,10 +78,18 @@ pub fn summary(report: &Report, repair: bool) -> String {
         ));
     }
     if report.bad_files > 0 {
-        kinds.push(plural(report.bad_files, "file that is not the blob its name says", "files that are not the blob their names say"));
+        kinds.push(plural(
+            report.bad_files,
+            "file that is not the blob its name says",
+            "files that are not the blob their names say",
+        ));
     }
     if report.unreadable > 0 {
-        kinds.push(plural(report.unreadable, "blob whose file cannot be read (row kept)", "blobs whose files cannot be read (rows kept)"));
+        kinds.push(plural(
+            report.unreadable,
+            "blob whose file cannot be read (row kept)",
+            "blobs whose files cannot be read (rows kept)",
+        ));
     }
     let bad = match (report.bad(), report.problems.as_slice()) {
         (0, _) => "0 bad".to_owned(),
@@ -115,7 +123,8 @@ mod tests {
             "11 blobs ok (2.0 KiB), 1 bad (1 indexed blob whose file is missing or wrong: sha256:ab: content hashes \
              to sha256:cd); 0 unindexed files found (correct blobs without an index row)"
         );
-        let two = Report { ok: 1, bad_rows: 1, bad_files: 1, problems: vec!["a".into(), "b".into()], ..Report::default() };
+        let two =
+            Report { ok: 1, bad_rows: 1, bad_files: 1, problems: vec!["a".into(), "b".into()], ..Report::default() };
         assert_eq!(
             summary(&two, true),
             "1 blob ok (0 B), 2 bad (1 indexed blob whose file is missing or wrong, 1 file that is not the blob its \

@@ -62,7 +62,8 @@ impl Validator<'_> {
             (Some(p), None, None) => Some(Err(Secret::new(p.clone()))),
             (None, Some(f), None) => {
                 let path = self.path(f);
-                let text = self.secret_text(&key("password_file"), &path)?.unwrap_or_else(|| super::SKIPPED_SECRET.into());
+                let text =
+                    self.secret_text(&key("password_file"), &path)?.unwrap_or_else(|| super::SKIPPED_SECRET.into());
                 let password = text.trim_end_matches(['\r', '\n']);
                 if password.is_empty() {
                     return Err(self.err(key("password_file"), format!("{} is empty", path.display())));

@@ -256,8 +256,8 @@ impl Validator<'_> {
         if self.skip(key, || format!("{} was not read", path.display())) {
             return Ok(None);
         }
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| self.err(key, format!("cannot read {}: {e}", path.display())))?;
+        let text =
+            std::fs::read_to_string(path).map_err(|e| self.err(key, format!("cannot read {}: {e}", path.display())))?;
         Ok(Some(text))
     }
 
@@ -266,7 +266,9 @@ impl Validator<'_> {
     fn env_var(&self, key: &str, name: &str, placeholder: &str) -> Option<String> {
         match (self.env)(name) {
             Some(v) => Some(v),
-            None if self.skip(key, || format!("${name} is not set here; checked with {placeholder:?} in its place")) => {
+            None if self
+                .skip(key, || format!("${name} is not set here; checked with {placeholder:?} in its place")) =>
+            {
                 Some(placeholder.to_owned())
             }
             None => None,
@@ -637,8 +639,13 @@ mod tests {
             assert!(e.contains(&format!("`{key}`")), "{e}");
         }
         let e = parse(&format!("[cache]\nmax_size = \"1KiB\"\n{MINIMAL}")).unwrap_err().to_string();
-        assert!(e.ends_with("`cache.max_size`: 1 KiB (1024 bytes) is less than the minimum, 1 MiB (1048576 bytes)"), "{e}");
-        let e = parse(&format!("[cache]\nmax_size = \"1GiB\"\nmax_blob_size = \"2GiB\"\n{MINIMAL}")).unwrap_err().to_string();
+        assert!(
+            e.ends_with("`cache.max_size`: 1 KiB (1024 bytes) is less than the minimum, 1 MiB (1048576 bytes)"),
+            "{e}"
+        );
+        let e = parse(&format!("[cache]\nmax_size = \"1GiB\"\nmax_blob_size = \"2GiB\"\n{MINIMAL}"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("at most cache.max_size, 1 GiB (1073741824 bytes), not 2 GiB (2147483648 bytes)"), "{e}");
         let e = parse("[[upstream]]\nname = \"x.io\"\nurl = \"ftp://x.io\"\n").unwrap_err().to_string();
         assert!(e.contains("`upstream[0].url`"), "{e}");

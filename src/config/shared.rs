@@ -93,7 +93,9 @@ impl Validator<'_> {
             (None, None) => (self.env)("AWS_REGION")
                 .or_else(|| (self.env)("AWS_DEFAULT_REGION"))
                 .or_else(|| self.env_var("shared.region", "AWS_REGION", "us-east-1"))
-                .ok_or_else(|| self.err("shared.region", "set the bucket's region (or AWS_REGION in the environment)"))?,
+                .ok_or_else(|| {
+                    self.err("shared.region", "set the bucket's region (or AWS_REGION in the environment)")
+                })?,
             (None, Some(_)) => {
                 return Err(self.err(
                     "shared.region",

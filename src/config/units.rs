@@ -194,12 +194,15 @@ impl fmt::Display for Size {
             return write!(f, "{n} bytes");
         }
         // The unit that holds it whole in the fewest of them.
-        let whole =
-            SIZE_UNITS.iter().filter(|(name, factor)| *name != "B" && n % factor == 0).min_by_key(|(_, factor)| n / factor);
+        let whole = SIZE_UNITS
+            .iter()
+            .filter(|(name, factor)| *name != "B" && n % factor == 0)
+            .min_by_key(|(_, factor)| n / factor);
         match whole {
             Some((name, factor)) => write!(f, "{} {name} ({n} bytes)", n / factor),
             None => {
-                let (name, factor) = SIZE_UNITS[..4].iter().find(|(_, factor)| n >= *factor).copied().unwrap_or(("KiB", 1024));
+                let (name, factor) =
+                    SIZE_UNITS[..4].iter().find(|(_, factor)| n >= *factor).copied().unwrap_or(("KiB", 1024));
                 write!(f, "{:.1} {name} ({n} bytes)", n as f64 / factor as f64)
             }
         }

@@ -324,8 +324,12 @@ mod tests {
 
     #[test]
     fn a_bad_line_is_quoted_whole() {
-        let file = parse_warm_file("this is not an image
-", &upstreams(), &[]);
+        let file = parse_warm_file(
+            "this is not an image
+",
+            &upstreams(),
+            &[],
+        );
         assert_eq!(
             file.bad_lines,
             [(
@@ -336,6 +340,10 @@ mod tests {
             )]
         );
         let file = parse_warm_file("quay.io/org/app:1 pin=false\n", &upstreams(), &[]);
-        assert!(file.bad_lines[0].1.starts_with("\"quay.io/org/app:1 pin=false\": \"quay.io/org/app:1\""), "{:?}", file.bad_lines);
+        assert!(
+            file.bad_lines[0].1.starts_with("\"quay.io/org/app:1 pin=false\": \"quay.io/org/app:1\""),
+            "{:?}",
+            file.bad_lines
+        );
     }
 }

@@ -80,7 +80,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("htpasswd"), "# users\nteam-a:$2y$05$abcdefghijklmnopqrstuu\n").unwrap();
         let auth = "[server]\nlisten = \"127.0.0.1:5000\"\n[server.auth]\nhtpasswd = \"htpasswd\"\n";
-        let grants = "[[server.auth.grant]]\nwho = [\"team-a\"]\n[[server.auth.grant]]\nwho = [\"team-a\", \"team-b\"]\n";
+        let grants =
+            "[[server.auth.grant]]\nwho = [\"team-a\"]\n[[server.auth.grant]]\nwho = [\"team-a\", \"team-b\"]\n";
         let warnings = warnings_of(dir.path(), &format!("{auth}{grants}"));
         assert_eq!(warnings.len(), 1, "{warnings:?}");
         assert!(
@@ -94,11 +95,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("htpasswd"), "team-a:$2y$05$abcdefghijklmnopqrstuu\n").unwrap();
         let on = |listen: &str| {
-            warnings_of(dir.path(), &format!("[server]\nlisten = \"{listen}\"\n[server.auth]\nhtpasswd = \"htpasswd\"\n"))
+            warnings_of(
+                dir.path(),
+                &format!("[server]\nlisten = \"{listen}\"\n[server.auth]\nhtpasswd = \"htpasswd\"\n"),
+            )
         };
         let warned = on("0.0.0.0:5000");
         assert_eq!(warned.len(), 1, "{warned:?}");
-        assert!(warned[0].starts_with("`server.auth.htpasswd`: clients send their passwords in the clear"), "{warned:?}");
+        assert!(
+            warned[0].starts_with("`server.auth.htpasswd`: clients send their passwords in the clear"),
+            "{warned:?}"
+        );
         assert!(on("127.0.0.1:5000").is_empty(), "loopback: a TLS proxy in front");
     }
 }

@@ -352,7 +352,11 @@ impl Warm {
     async fn check(&self, key: &str) {
         let found = {
             let state = self.lock();
-            state.entries.iter().find(|e| e.image.key() == key).map(|e| (e.image.clone(), e.row, e.gone_since_ms, e.from_file))
+            state
+                .entries
+                .iter()
+                .find(|e| e.image.key() == key)
+                .map(|e| (e.image.clone(), e.row, e.gone_since_ms, e.from_file))
         };
         let Some((image, row, gone_since_ms, from_file)) = found else { return };
         let Some(upstream) = self.upstreams.get(&image.upstream).cloned() else { return };

@@ -75,7 +75,8 @@ pub struct WarmReport {
 /// Sets `larder_warm_images{state}` from the images' states.
 pub fn count(images: &[WarmStatus]) {
     let m = crate::metrics::metrics();
-    for state in [WarmState::Ready, WarmState::Fetching, WarmState::MissingUpstream, WarmState::NotFound, WarmState::Failed]
+    for state in
+        [WarmState::Ready, WarmState::Fetching, WarmState::MissingUpstream, WarmState::NotFound, WarmState::Failed]
     {
         let n = images.iter().filter(|i| i.state == state).count();
         m.warm_images.with_label_values(&[state.as_str()]).set(i64::try_from(n).unwrap_or(i64::MAX));

@@ -158,10 +158,9 @@ impl AdminAuth {
                     "this admin operation needs `Authorization: Bearer <token>` with {}; no token was sent",
                     self.expected_token()
                 )),
-                Refusal::Wrong => Error::AdminUnauthorized(format!(
-                    "the bearer token sent is not {}",
-                    self.expected_token()
-                )),
+                Refusal::Wrong => {
+                    Error::AdminUnauthorized(format!("the bearer token sent is not {}", self.expected_token()))
+                }
                 Refusal::Disabled => Error::AdminDisabled,
                 Refusal::Revoked => Error::AdminForbidden(
                     "no admin token is accepted: the admin token file is missing, empty or invalid (see larder's \
