@@ -2094,7 +2094,8 @@ def check_warm() -> None:
     conf = r.toml()
     check(f"[{L}] cache.warm_file", conf["cache"].get("warm_file") == "/run/larder/warm/warm.txt", conf["cache"])
     check(f"[{L}] cache.warm_interval", conf["cache"].get("warm_interval") == "1m", conf["cache"])
-    check(f"[{L}] upstream max_size", conf["upstream"][0].get("max_size") == "20Gi", conf["upstream"][0])
+    # A Kubernetes quantity in values is written in larder's own units.
+    check(f"[{L}] upstream max_size 20Gi as 20GiB", conf["upstream"][0].get("max_size") == "20GiB", conf["upstream"][0])
     check_mirror_pod(r, node=False)
     if LARDER is None:
         check(f"[{L}] larder check-config", False, "no larder binary")
@@ -2126,6 +2127,28 @@ def check_warm() -> None:
         check("[warm off] no cache.warm_file", "warm_file" not in r.toml()["cache"], r.toml()["cache"])
         pod = workload(r)["spec"]["template"]
         check("[warm off] no warm volume", all(v["name"] != "warm" for v in pod["spec"]["volumes"]))
+
+
+def check_sizes() -> None:
+    """Sizes in values may be Kubernetes quantities; larder.toml gets
+    larder's units (larder refuses a lone G, which Kubernetes reads as
+    10^9, and Gi): each rendered size is accepted by check-config."""
+    L = "sizes"
+    for given, written in (
+        ("50Gi", "50GiB"),
+        ("50G", "50GB"),
+        ("40GiB", "40GiB"),
+        ("1.5Gi", "1610612736B"),
+        ("512Mi", "512MiB"),
+        ("2Ti", "2TiB"),
+    ):
+        r = render(L, {"config": {"cache": {"maxSize": given, "memory": "128Mi"}}, "persistence": {"size": "4Ti"}})
+        if not r:
+            return
+        cache = r.toml()["cache"]
+        check(f"[{L}] maxSize {given} as {written}", cache["max_size"] == written, cache)
+        check(f"[{L}] memory 128Mi as 128MiB", cache["memory"] == "128MiB", cache)
+        check_config(f"{L} {given}", r.toml_text())
 
 
 def check_pdb_and_bind() -> None:
@@ -2667,6 +2690,7 @@ def main() -> int:
         check_persistence,
         check_pdb_and_bind,
         check_warm,
+        check_sizes,
         check_dual_stack,
         check_node_setup_values,
         check_grace,

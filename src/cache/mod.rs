@@ -77,7 +77,7 @@ pub use store::index;
 pub use store::memory::StoredManifest;
 pub use upkeep::maintenance::{ClusterPurged, Purged};
 pub use upkeep::pins;
-pub use upkeep::reconcile::Report;
+pub use upkeep::reconcile::{Report, Watch as VerifyWatch};
 
 use crate::blocking::blocking;
 use crate::cluster::PeerLink;
@@ -288,9 +288,14 @@ impl Cache {
     /// Re-hashes every blob against its name and the index (`larder verify`),
     /// removing bad entries when `repair` is set. Needs the cache folder to
     /// itself: redb refuses a second process.
-    pub fn verify(config: &CacheConfig, repair: bool) -> Result<Report, Error> {
+    /// `watch` is told the totals and each blob hashed (progress).
+    pub fn verify(
+        config: &CacheConfig,
+        repair: bool,
+        watch: &mut dyn upkeep::reconcile::Watch,
+    ) -> Result<Report, Error> {
         let (store, index) = open_locked(&config.dir)?;
-        upkeep::reconcile::reconcile(&store, &index, true, repair, unix_ms(SystemTime::now()))
+        upkeep::reconcile::reconcile(&store, &index, true, repair, unix_ms(SystemTime::now()), watch)
     }
 
     /// Bytes of blobs and manifests on disk.

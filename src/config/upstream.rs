@@ -197,11 +197,9 @@ impl UpstreamConfig {
 }
 
 impl Config {
-    /// What is valid but worth an operator's second look, one line each,
-    /// naming the key: `check-config` prints these, and larder logs them
-    /// at start. Today: where an upstream's credentials go across sites,
-    /// or where a fallback on another site pulls without them.
-    pub fn warnings(&self) -> Vec<String> {
+    /// Where an upstream's credentials go across sites, or where a
+    /// fallback on another site pulls without them (see [`Config::warnings`]).
+    pub(super) fn fallback_warnings(&self) -> Vec<String> {
         let mut warnings = Vec::new();
         for (i, u) in self.upstreams.iter().enumerate() {
             if u.credentials.is_none() {
@@ -382,8 +380,9 @@ impl Validator<'_> {
             None => None,
             Some(v) => Some(self.size(&key("max_size"), Some(v), 0)?),
         };
-        if max_size.is_some_and(|m| m < super::MIN_MAX_SIZE) {
-            return Err(self.err(key("max_size"), "must be at least 1MiB"));
+        if let Some(m) = max_size.filter(|m| *m < super::MIN_MAX_SIZE) {
+            let (m, min) = (super::units::Size(m), super::units::Size(super::MIN_MAX_SIZE));
+            return Err(self.err(key("max_size"), format!("{m} is less than the minimum, {min}")));
         }
         let fill_connections = NonZeroUsize::new(u.fill_connections.unwrap_or(DEFAULT_FILL_CONNECTIONS))
             .filter(|n| n.get() <= MAX_FILL_CONNECTIONS)
@@ -392,7 +391,7 @@ impl Validator<'_> {
             })?;
         let ca_file = u.ca_file.as_deref().map(|f| self.path(f));
         if let Some(ca) = &ca_file {
-            if !ca.is_file() {
+            if !self.skip(&key("ca_file"), || format!("{} was not opened", ca.display())) && !ca.is_file() {
                 return Err(self.err(key("ca_file"), format!("{} is not a readable file", ca.display())));
             }
         }

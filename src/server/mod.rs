@@ -25,6 +25,7 @@ use tokio_rustls::TlsAcceptor;
 use tracing::Instrument;
 
 use crate::body::Body;
+use crate::error::Error;
 use crate::metrics::metrics;
 use crate::policy::ClientIdentity;
 use crate::shutdown::Shutdown;
@@ -122,7 +123,13 @@ fn check_grants(
         return Ok(());
     }
     metrics().grant_denied.with_label_values(&[route.upstream.name()]).inc();
-    tracing::info!(?client, upstream = route.upstream.name(), repo = %route.repo, "no grant for this client");
+    tracing::info!(
+        user = client.user_text(),
+        certificate = %client.certificate_text(),
+        upstream = route.upstream.name(),
+        repo = %route.repo,
+        "no grant for this client"
+    );
     Err(crate::error::Error::Denied(format!(
         "no grant gives this client repository {:?} of upstream {:?}",
         route.repo.as_str(),
@@ -173,6 +180,11 @@ async fn handle_request(
     let (route, outcome) = match parsed {
         Ok(Parsed::Base) => ("base", handlers::base(&parts.method).map(|r| (r, None))),
         Ok(Parsed::Repo(route)) => (route.endpoint.label(), handlers::route(&app, route, &parts).await),
+        // Refused for who asks (policy, grants, password): the route is
+        // valid, and its status says it was denied.
+        Err(e @ (Error::Denied(_) | Error::Unauthorized { .. } | Error::TooManyRequests { .. })) => {
+            (routes::label_of_path(parts.uri.path()), Err(e))
+        }
         Err(e) => ("invalid", Err(e)),
     };
     let (resp, cache, error) = match outcome {

@@ -109,6 +109,29 @@ pub fn parse(method: &Method, uri: &Uri, upstreams: &Upstreams) -> Result<Parsed
     Ok(Parsed::Repo(Route { upstream: Arc::clone(upstream), repo, endpoint, via: Via::Client }))
 }
 
+/// The route label of a request refused before its route was made (a
+/// repository policy or grant denial, a missing or wrong password, too
+/// many password checks waiting): the endpoint its path names, so that a
+/// denied pull is counted under its route with its 401/403/429 status.
+/// `invalid` for a path that names no endpoint.
+pub fn label_of_path(path: &str) -> &'static str {
+    let Some(rest) = path.strip_prefix("/v2") else { return "invalid" };
+    let rest = rest.trim_start_matches('/');
+    if rest.is_empty() {
+        "base"
+    } else if rest.ends_with("/tags/list") {
+        "tags"
+    } else if rest.contains("/manifests/") {
+        "manifest"
+    } else if rest.contains("/blobs/") {
+        "blob"
+    } else if rest.contains("/referrers/") {
+        "referrers"
+    } else {
+        "invalid"
+    }
+}
+
 /// A digest-shaped reference must be a valid digest (400 otherwise); any
 /// other string that is not a valid tag is a manifest that cannot exist
 /// (404, as the OCI conformance suite expects).
@@ -187,6 +210,22 @@ fn keep_params(query: Option<&str>, keep: &[&str]) -> Option<String> {
 mod tests {
     use super::*;
     use crate::config::Config;
+
+    #[test]
+    fn a_refused_request_is_labelled_with_the_route_its_path_names() {
+        for (path, label) in [
+            ("/v2/", "base"),
+            ("/v2", "base"),
+            ("/v2/team/app/manifests/v1", "manifest"),
+            ("/v2/team/app/blobs/sha256:abc", "blob"),
+            ("/v2/team/app/tags/list", "tags"),
+            ("/v2/team/app/referrers/sha256:abc", "referrers"),
+            ("/v2/team/app/other", "invalid"),
+            ("/metrics", "invalid"),
+        ] {
+            assert_eq!(label_of_path(path), label, "{path}");
+        }
+    }
 
     fn upstreams() -> Upstreams {
         let config = Config::parse(

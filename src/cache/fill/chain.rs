@@ -214,7 +214,7 @@ impl Cache {
             if contradicts(known) {
                 // Upstream contradicts the sources before it: they were wrong.
                 let p = partial.take().expect("an earlier source declared a size");
-                tracing::warn!(%digest, before = ?known, upstream = ?total, "upstream's size differs from what earlier sources sent; starting over");
+                tracing::warn!(%digest, before = known.unwrap_or_default(), upstream = total.unwrap_or_default(), "upstream's size differs from what earlier sources sent; starting over");
                 if p.used.contains(&Source::Shared) {
                     self.condemn_shared_blob(digest, "its size differs from upstream's");
                 }
@@ -296,7 +296,8 @@ impl Cache {
                     if used.iter().all(Source::vouched) || start_overs >= MAX_START_OVERS {
                         return Err(e);
                     }
-                    tracing::warn!(%digest, sources = ?used, "bytes from the shared tier or a peer failed the digest; starting over");
+                    let used_names: Vec<&str> = used.iter().map(Source::name).collect();
+                    tracing::warn!(%digest, sources = %used_names.join(","), "bytes from the shared tier or a peer failed the digest; starting over");
                     start_overs += 1;
                     if sources.is_empty() {
                         sources.push_back(Source::Upstream);
