@@ -998,8 +998,9 @@ def check_extras() -> None:
     config_mount = next(m for m in init["volumeMounts"] if m["name"] == "containerd-config")
     check("[extras] containerd's config mounted read-only", config_mount.get("readOnly") is True, config_mount)
     check(
-        "[extras] node setup init container has no capabilities, its failure reason is the termination message",
-        init["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        "[extras] node setup init container has only SYS_CHROOT (nodeSetup.referrers: auto runs the node's "
+        "containerd --version), its failure reason is the termination message",
+        init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_CHROOT"]}
         and init["securityContext"]["allowPrivilegeEscalation"] is False
         and init.get("terminationMessagePolicy") == "FallbackToLogsOnError",
     )
@@ -1940,8 +1941,26 @@ def check_cluster_network_policy() -> None:
         "app.kubernetes.io/component": "mirror",
     }
     other_release = dict(replica, **{"app.kubernetes.io/instance": "other"})
+    node_setup = dict(replica, **{"app.kubernetes.io/component": "node-setup"})
     client = {"app": "ci-runner"}
+    web = {"app": "web"}
     prometheus = {"app.kubernetes.io/name": "prometheus"}
+    warning = "WARNING: whoever reaches the peer port with the cluster secret reads every repository"
+    closed = "A NetworkPolicy admits only this release's replicas to the peer port."
+
+    L = "cluster without a NetworkPolicy"
+    r = render(L, {"replicaCount": 3, "cluster": {"enabled": True}})
+    if r:
+        check(f"[{L}] no NetworkPolicy", r.of_kind("NetworkPolicy") == [])
+        check(f"[{L}] so any pod reaches the peer port", admitted(r, "peer", client))
+        check(
+            f"[{L}] NOTES warn that the secret reads every repository, grants or not, and name the fix",
+            warning in r.notes
+            and "whatever config.auth.grants say" in r.notes
+            and "cluster.networkPolicy.enabled=true" in r.notes
+            and closed not in r.notes,
+            r.notes,
+        )
 
     L = "cluster NetworkPolicy"
     r = render(L, {"replicaCount": 3, "cluster": {"enabled": True, "networkPolicy": {"enabled": True}}})
@@ -1953,8 +1972,14 @@ def check_cluster_network_policy() -> None:
         check(f"[{L}] a replica reaches the peer port", admitted(r, "peer", replica))
         check(f"[{L}] another release's larder does not", not admitted(r, "peer", other_release))
         check(f"[{L}] nor does a client pod", not admitted(r, "peer", client))
+        check(f"[{L}] nor this release's node setup pods", not admitted(r, "peer", node_setup))
+        check(
+            f"[{L}] nor a pod in another namespace with a replica's labels",
+            not admitted(r, "peer", replica, namespace="elsewhere"),
+        )
         check(f"[{L}] the registry port stays open", admitted(r, "registry", client))
         check(f"[{L}] the admin port stays open", admitted(r, "admin", client, namespace="elsewhere"))
+        check(f"[{L}] NOTES say the peer port is closed, no warning", closed in r.notes and warning not in r.notes)
 
     L = "cluster + networkPolicy"
     r = render(
@@ -1979,6 +2004,38 @@ def check_cluster_network_policy() -> None:
     if r:
         check(f"[{L}] the release's policy admits the replicas to the peer port", admitted(r, "peer", replica))
         check(f"[{L}] and nobody else", not admitted(r, "peer", other_release) and not admitted(r, "peer", client))
+        check(f"[{L}] not even this release's node setup pods", not admitted(r, "peer", node_setup))
+        check(f"[{L}] NOTES say the peer port is closed, no warning", closed in r.notes and warning not in r.notes)
+
+    # Every port restricted: the registry port to the CI runners and one
+    # namespace, the admin port to Prometheus, the peer port to the replicas.
+    L = "cluster, every port restricted"
+    restricted = {
+        "enabled": True,
+        "registryFrom": [
+            {"podSelector": {"matchLabels": client}},
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "builds"}}},
+        ],
+        "metricsPodSelector": {"matchLabels": prometheus},
+    }
+    r = render(L, {"replicaCount": 3, "cluster": {"enabled": True}, "networkPolicy": restricted})
+    if r:
+        check(f"[{L}] the CI runners reach the registry port", admitted(r, "registry", client))
+        check(f"[{L}] so does any pod in the builds namespace", admitted(r, "registry", web, namespace="builds"))
+        check(f"[{L}] another pod does not", not admitted(r, "registry", web))
+        check(f"[{L}] Prometheus reaches the admin port", admitted(r, "admin", prometheus, namespace="monitoring"))
+        check(
+            f"[{L}] another pod in the monitoring namespace does not",
+            not admitted(r, "admin", web, namespace="monitoring"),
+        )
+        check(f"[{L}] nor do the CI runners", not admitted(r, "admin", client))
+        check(f"[{L}] the replicas reach the peer port", admitted(r, "peer", replica))
+        check(
+            f"[{L}] the CI runners, the builds namespace and Prometheus do not",
+            not admitted(r, "peer", client)
+            and not admitted(r, "peer", web, namespace="builds")
+            and not admitted(r, "peer", prometheus, namespace="monitoring"),
+        )
 
 
 def check_hub() -> None:
@@ -2085,7 +2142,8 @@ def check_warm() -> None:
     conf = r.toml()
     check(f"[{L}] cache.warm_file", conf["cache"].get("warm_file") == "/run/larder/warm/warm.txt", conf["cache"])
     check(f"[{L}] cache.warm_interval", conf["cache"].get("warm_interval") == "1m", conf["cache"])
-    check(f"[{L}] upstream max_size", conf["upstream"][0].get("max_size") == "20Gi", conf["upstream"][0])
+    # A Kubernetes quantity in values is written in larder's own units.
+    check(f"[{L}] upstream max_size 20Gi as 20GiB", conf["upstream"][0].get("max_size") == "20GiB", conf["upstream"][0])
     check_mirror_pod(r, node=False)
     if LARDER is None:
         check(f"[{L}] larder check-config", False, "no larder binary")
@@ -2117,6 +2175,28 @@ def check_warm() -> None:
         check("[warm off] no cache.warm_file", "warm_file" not in r.toml()["cache"], r.toml()["cache"])
         pod = workload(r)["spec"]["template"]
         check("[warm off] no warm volume", all(v["name"] != "warm" for v in pod["spec"]["volumes"]))
+
+
+def check_sizes() -> None:
+    """Sizes in values may be Kubernetes quantities; larder.toml gets
+    larder's units (larder refuses a lone G, which Kubernetes reads as
+    10^9, and Gi): each rendered size is accepted by check-config."""
+    L = "sizes"
+    for given, written in (
+        ("50Gi", "50GiB"),
+        ("50G", "50GB"),
+        ("40GiB", "40GiB"),
+        ("1.5Gi", "1610612736B"),
+        ("512Mi", "512MiB"),
+        ("2Ti", "2TiB"),
+    ):
+        r = render(L, {"config": {"cache": {"maxSize": given, "memory": "128Mi"}}, "persistence": {"size": "4Ti"}})
+        if not r:
+            return
+        cache = r.toml()["cache"]
+        check(f"[{L}] maxSize {given} as {written}", cache["max_size"] == written, cache)
+        check(f"[{L}] memory 128Mi as 128MiB", cache["memory"] == "128MiB", cache)
+        check_config(f"{L} {given}", r.toml_text())
 
 
 def check_pdb_and_bind() -> None:
@@ -2226,6 +2306,11 @@ def check_refused() -> None:
             "default",
         ),
         ("no upstreams", {"upstreams": []}, "upstreams"),
+        (
+            "a misspelt registryFrom peer",
+            {"networkPolicy": {"enabled": True, "registryFrom": [{"podselector": {"matchLabels": {"a": "b"}}}]}},
+            "registryFrom",
+        ),
         ("credentials without username", {"upstreams": [dict(hub, credentials={"existingSecret": "s"})]}, "username"),
         ("TOML spelling of a key", {"upstreams": [dict(hub, tag_ttl="1m")]}, "tag_ttl"),
         (
@@ -2432,6 +2517,18 @@ def check_lint() -> None:
             },
         ),
         ("node via hub", {"mode": "node", "hub": {"url": "http://larder.larder.svc:5000"}}),
+        (
+            "cluster, every port restricted",
+            {
+                "replicaCount": 3,
+                "cluster": {"enabled": True},
+                "networkPolicy": {
+                    "enabled": True,
+                    "registryFrom": [{"podSelector": {"matchLabels": {"app": "ci-runner"}}}],
+                    "metricsPodSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+                },
+            },
+        ),
     ):
         report = helm_python.lint(str(CHART), values, strict=True, kube_version=f"v{KUBE_VERSION}.0")
         bad = [m for m in report.get("messages", []) if m.get("severity", 0) >= 2]
@@ -2642,6 +2739,7 @@ def main() -> int:
         check_persistence,
         check_pdb_and_bind,
         check_warm,
+        check_sizes,
         check_dual_stack,
         check_node_setup_values,
         check_grace,

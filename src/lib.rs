@@ -22,7 +22,7 @@
 //! - [`server`]: the registry, admin and peer listeners;
 //! - [`app`] (start-up order) and [`cli`] (the operator commands).
 
-// One `unsafe` block, in `cache::residency` (a syscall neither rustix nor
+// One `unsafe` block, in `cache::store::residency` (a syscall neither rustix nor
 // libc wraps); everything else is safe code.
 #![deny(unsafe_code)]
 

@@ -158,7 +158,7 @@ pub struct Metrics {
     /// verdicts remembered, as of the last check.
     pub client_verdicts_cached: IntGaugeVec,
     /// `warm_images{state}`: warm images by state,
-    /// `ready|fetching|missing_upstream|failed`.
+    /// `ready|fetching|missing_upstream|not_found|failed`.
     pub warm_images: IntGaugeVec,
 }
 
@@ -367,7 +367,7 @@ fn build() -> Result<Metrics, prometheus::Error> {
         )?,
         warm_images: gauge_vec(
             "warm_images",
-            "Warm images by state: ready, fetching, missing_upstream (gone upstream, served from the cache) or failed",
+            "Warm images by state: ready, fetching, missing_upstream (gone upstream, served from the cache), not_found (never found upstream) or failed",
             &["state"],
         )?,
         client_verifications: counter_vec(
@@ -424,7 +424,7 @@ pub fn init_known_series() {
 }
 
 /// The values of `warm_images{state}`.
-pub const WARM_STATES: [&str; 4] = ["ready", "fetching", "missing_upstream", "failed"];
+pub const WARM_STATES: [&str; 5] = ["ready", "fetching", "missing_upstream", "not_found", "failed"];
 
 /// The log writer, whose count of lines it had to drop is read when
 /// metrics are rendered (see `main`'s `init_logs`).

@@ -23,7 +23,7 @@
 //! with no file behind it, a file that ends early) fails the connection,
 //! so a client can get a short body, never a wrong one. The body checks
 //! that the range is in the page cache before it asks for a placeholder
-//! (`cache::residency`): sendfile runs on the async thread and must not
+//! (`cache::store::residency`): sendfile runs on the async thread and must not
 //! wait for the disk.
 
 use std::collections::VecDeque;

@@ -114,6 +114,14 @@ async fn upstream_down_is_503() {
         let r = client::get(larder.addr(), &path).await;
         assert_eq!(r.status(), 503, "{path} with upstream refusing connections");
         r.error_code();
+        // What failed, in words: not hyper-util's `client error (Connect)`.
+        let message = r.json()["errors"][0]["message"].as_str().unwrap_or_default().to_owned();
+        assert!(
+            message.starts_with("cannot connect to upstream: tcp connect error: ")
+                && message.contains("Connection refused")
+                && !message.contains("client error ("),
+            "{path}: {message}"
+        );
     }
     assert_eq!(up.total_requests(), 0);
 

@@ -57,6 +57,8 @@ command -v curl >/dev/null || need+=(curl)
 # tests/chaos.rs):
 # `unshare` and `mount` (util-linux, mount), `ip` (iproute2).
 command -v unshare >/dev/null || need+=(util-linux)
+# charts/test_nodesetup.py drops SYS_CHROOT with setpriv (util-linux).
+command -v setpriv >/dev/null || need+=(util-linux)
 command -v mount >/dev/null || need+=(mount)
 command -v ip >/dev/null || need+=(iproute2)
 # The cluster chaos test (tests/chaos.rs) partitions its namespaces with nft.

@@ -69,6 +69,7 @@ async fn redirects_and_realms_to_metadata_loopback_or_private_addresses_are_neve
             (CDN_NAME, CDN_IP),
             ("metadata.test", "169.254.169.254"),
             ("auth.example.com", "169.254.169.254"),
+            ("mapped.test", "::ffff:169.254.169.254"),
         ],
     ) else {
         return;
@@ -96,6 +97,7 @@ async fn redirects_and_realms_to_metadata_loopback_or_private_addresses_are_neve
             "/v2/ssrf/ipv6/tags/list" => format!("http://[fd00:ec2::254]/{imds}"),
             "/v2/ssrf/name/tags/list" => format!("http://metadata.test/{imds}"),
             "/v2/ssrf/mapped/tags/list" => format!("http://[::ffff:169.254.169.254]/{imds}"),
+            "/v2/ssrf/mapped-name/tags/list" => format!("http://mapped.test/{imds}"),
             "/v2/ssrf/loopback/tags/list" => format!("http://127.0.0.1:{loopback_port}/purge"),
             "/v2/ssrf/private/tags/list" => format!("http://{PRIVATE_IP}:{private_port}/"),
             "/v2/ssrf/ipv4/manifests/v1" => format!("http://169.254.169.254/{imds}"),
@@ -132,6 +134,7 @@ async fn redirects_and_realms_to_metadata_loopback_or_private_addresses_are_neve
         ("/v2/ssrf/ipv6/tags/list", "the IPv6 metadata address"),
         ("/v2/ssrf/name/tags/list", "a name that resolves to the metadata address"),
         ("/v2/ssrf/mapped/tags/list", "the metadata address mapped into IPv6"),
+        ("/v2/ssrf/mapped-name/tags/list", "a name that resolves to the mapped metadata address"),
         ("/v2/ssrf/ipv4/manifests/v1", "the metadata address, for a manifest"),
         (&format!("/v2/ssrf/ipv4/blobs/{blob_digest}"), "the metadata address, for a blob"),
         ("/v2/realm/app/manifests/v1", "a token realm whose name resolves to the metadata address"),
@@ -147,9 +150,147 @@ async fn redirects_and_realms_to_metadata_loopback_or_private_addresses_are_neve
     assert_eq!(metadata6.connections(), 0, "the IPv6 metadata service was dialled");
     assert_eq!(loopback.connections(), 0, "a loopback service was dialled");
     assert_eq!(private.connections(), 0, "a private address was dialled");
-    assert_eq!(refused(&larder, "metadata").await, 7.0);
+    assert_eq!(refused(&larder, "metadata").await, 8.0);
     assert_eq!(refused(&larder, "loopback").await, 1.0);
     assert_eq!(refused(&larder, "private").await, 1.0);
+    assert!(!larder.log().contains(STOLEN));
+}
+
+/// IPv6 addresses that carry 169.254.169.254 (docs/security.md; issue 32
+/// item 8), each on the namespace's loopback with a metadata service
+/// listening on it, and the name that resolves to it where there is one.
+const CARRIERS: [(&str, &str, Option<&str>); 9] = [
+    ("6to4", "2002:a9fe:a9fe::1", Some("sixto4.test")),
+    ("NAT64 local-use, /96 layout", "64:ff9b:1::a9fe:a9fe", Some("nat64-local.test")),
+    ("NAT64 local-use, /48 layout", "64:ff9b:1:a9fe:a9:fe00::", None),
+    ("NAT64 well-known", "64:ff9b::a9fe:a9fe", Some("nat64.test")),
+    ("IPv4-translated", "::ffff:0:a9fe:a9fe", Some("translated.test")),
+    ("IPv4-compatible", "::a9fe:a9fe", Some("compatible.test")),
+    ("Teredo, as the client", "2001:0:cb00:7107::5601:5601", Some("teredo.test")),
+    ("Teredo, as the server", "2001:0:a9fe:a9fe:8000:ffff:34ff:8ef8", None),
+    ("ISATAP", "2001:db8::5efe:a9fe:a9fe", Some("isatap.test")),
+];
+/// 6to4 of 203.0.113.8 (public-looking): where a redirect may go.
+const PUBLIC_6TO4: &str = "2002:cb00:7108::1";
+
+#[tokio::test]
+async fn ipv6_forms_that_carry_the_metadata_address_are_never_dialled() {
+    let mut addresses: Vec<String> = CARRIERS.iter().map(|(_, a, _)| format!("{a}/128")).collect();
+    addresses.extend([format!("{REGISTRY_IP}/32"), format!("{PUBLIC_6TO4}/128")]);
+    let mut hosts: Vec<(&str, &str)> = CARRIERS.iter().filter_map(|(_, a, name)| name.map(|n| (n, *a))).collect();
+    hosts.extend([
+        (REGISTRY_NAME, REGISTRY_IP),
+        ("cdn6.example.com", PUBLIC_6TO4),
+        // One public address and one carrier: refused whole.
+        ("mixed.test", PUBLIC_6TO4),
+        ("mixed.test", CARRIERS[0].1),
+    ]);
+    let Some(_ns) = isolation::isolated(
+        "ipv6_forms_that_carry_the_metadata_address_are_never_dialled",
+        &addresses.iter().map(String::as_str).collect::<Vec<_>>(),
+        &hosts,
+    ) else {
+        return;
+    };
+    // A metadata service on every carrier, where a dial would land.
+    let mut services = Vec::new();
+    for (form, address, _) in CARRIERS {
+        let at = SocketAddr::new(address.parse().unwrap(), 80);
+        services.push((form, Recorder::routed(at, |_| metadata_answer()).await));
+    }
+    let cdn = Recorder::routed(SocketAddr::new(PUBLIC_6TO4.parse().unwrap(), 0), |_| {
+        http_response("200 OK", "application/json", br#"{"name":"test/app","tags":["v1"]}"#)
+    })
+    .await;
+
+    // Every way to write each carrier in a Location: the address as it is,
+    // in capitals, written out in full, with its last 32 bits dotted, by
+    // name. Then ways the URL parser refuses before anything is dialled:
+    // a zone id (encoded or not) and IPv4 tails in hex, octal, with
+    // leading zeros or as one number.
+    let imds = "latest/meta-data/iam/security-credentials/node-role";
+    let mut targets: Vec<(String, String)> = Vec::new();
+    for (form, address, name) in CARRIERS {
+        let ip: std::net::Ipv6Addr = address.parse().unwrap();
+        let o = ip.octets();
+        let (a, b, c, d) = (o[12], o[13], o[14], o[15]);
+        let s = ip.segments();
+        let full = s.iter().map(|x| format!("{x:04x}")).collect::<Vec<_>>().join(":");
+        let dotted =
+            format!("{}:{a}.{b}.{c}.{d}", s[..6].iter().map(|x| format!("{x:x}")).collect::<Vec<_>>().join(":"));
+        for written in [
+            format!("[{address}]"),
+            format!("[{}]", address.to_uppercase()),
+            format!("[{full}]"),
+            format!("[{dotted}]"),
+        ] {
+            targets.push((format!("{form}, written {written}"), format!("http://{written}/{imds}")));
+        }
+        if let Some(name) = name {
+            targets.push((format!("{form}, by the name {name}"), format!("http://{name}/{imds}")));
+        }
+    }
+    targets.push((
+        "a name with a public address and a 6to4 carrier".to_owned(),
+        format!("http://mixed.test:{}/{imds}", cdn.addr().port()),
+    ));
+    let unparsable: Vec<String> = [
+        "[2002:a9fe:a9fe::1%25lo]",
+        "[2002:a9fe:a9fe::1%lo]",
+        "[64:ff9b:1::0xa9.0xfe.0xa9.0xfe]",
+        "[64:ff9b:1::0251.0376.0251.0376]",
+        "[::ffff:0:169.254.169.0254]",
+        "[::ffff:0:2852039166]",
+    ]
+    .iter()
+    .map(|written| format!("http://{written}/{imds}"))
+    .collect();
+    let cdn_port = cdn.addr().port();
+    let routes: Vec<(String, String)> = targets
+        .iter()
+        .map(|(_, to)| to)
+        .chain(&unparsable)
+        .enumerate()
+        .map(|(i, to)| (format!("/v2/ssrf/carrier{i}/tags/list"), to.clone()))
+        .chain([("/v2/test/app/tags/list".to_owned(), format!("http://cdn6.example.com:{cdn_port}/lists/test-app"))])
+        .collect();
+    let registry = Recorder::routed(SocketAddr::new(REGISTRY_IP.parse().unwrap(), 0), move |line| {
+        let path = path_of(line);
+        match routes.iter().find(|(p, _)| *p == path) {
+            Some((_, to)) => redirect_to(to),
+            None => http_response("404 Not Found", "application/json", br#"{"errors":[]}"#),
+        }
+    })
+    .await;
+    let url = format!("http://{REGISTRY_NAME}:{}", registry.addr().port());
+    let larder = Larder::builder()
+        .upstream(Upstream::new("fake.test", &url).default(true))
+        .server_line(ADMIN_LISTEN)
+        .start()
+        .await;
+
+    // A 6to4 address of a public address is followed: the guard judges
+    // what a form carries, not the form.
+    let (status, body) = get(&larder, "/v2/test/app/tags/list").await;
+    assert_eq!((status, body.as_str()), (200, r#"{"name":"test/app","tags":["v1"]}"#));
+    assert_eq!(cdn.connections(), 1);
+
+    let whats = targets.iter().map(|(what, _)| what.as_str()).chain(unparsable.iter().map(String::as_str));
+    for (i, what) in whats.enumerate() {
+        let (status, body) = get(&larder, &format!("/v2/ssrf/carrier{i}/tags/list")).await;
+        assert_eq!(status, 502, "{what}: {body}");
+        assert!(body.contains("UNAVAILABLE") && !body.contains(STOLEN), "{what}: {body}");
+    }
+
+    let dialled: Vec<String> = services
+        .iter()
+        .filter(|(_, service)| service.connections() > 0)
+        .map(|(form, service)| format!("{form}: {} connections", service.connections()))
+        .collect();
+    assert!(dialled.is_empty(), "metadata services dialled through the carriers: {dialled:#?}");
+    assert_eq!(refused(&larder, "metadata").await, targets.len() as f64, "each carrier refused by the guard");
+    assert_eq!(cdn.connections(), 1, "nor was the public address of the mixed name dialled");
+    assert!(larder.log().contains("(6to4, carrying 169.254.169.254)"), "the log names what the address carries");
     assert!(!larder.log().contains(STOLEN));
 }
 

@@ -6,6 +6,12 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use super::*;
+use crate::oci::Warnings;
+
+/// Longest a manifest fetch may run, however its upstream trickles: the
+/// fetch goes on after its clients' deadlines (it fills the cache for
+/// the next request) but never holds an upstream slot longer than this.
+pub const MANIFEST_FETCH_LIMIT: Duration = Duration::from_secs(120);
 
 impl Cache {
     /// A manifest for a client.
@@ -21,6 +27,62 @@ impl Cache {
     /// A manifest: memory → disk → (a tag's or digest's owner among the
     /// peers) → shared tier (by digest) → upstream.
     pub async fn manifest_via(
+        self: &Arc<Self>,
+        upstream: &Arc<Upstream>,
+        repo: &RepoName,
+        reference: &Reference,
+        via: Via,
+    ) -> Result<(Arc<StoredManifest>, CacheResult), Error> {
+        self.manifest_lookup(upstream, repo, reference, via).await
+    }
+
+    /// [`Cache::manifest_via`] answered by `deadline` (a client's request,
+    /// `server.manifest_deadline` after it arrived), whatever upstream, a
+    /// hub or an owner does: a tag whose revalidation cannot finish by then
+    /// is served stale when `stale_if_error` allows, anything else is a
+    /// `504`. Fetches and revalidations run on in the background and fill
+    /// the cache for the next request.
+    pub async fn manifest_by(
+        self: &Arc<Self>,
+        upstream: &Arc<Upstream>,
+        repo: &RepoName,
+        reference: &Reference,
+        via: Via,
+        deadline: tokio::time::Instant,
+    ) -> Result<(Arc<StoredManifest>, CacheResult), Error> {
+        let lookup = self.manifest_lookup(upstream, repo, reference, via);
+        if let Ok(answer) = tokio::time::timeout_at(deadline, lookup).await {
+            return answer;
+        }
+        if let Reference::Tag(tag) = reference {
+            if let Some(stale) = self.stale_tag(upstream, repo, tag).await? {
+                // As a failed revalidation would: the next requests are
+                // served stale at once for a while, not after a deadline each.
+                upstream.revalidation_backoff().record(true, upstream.config.tag_ttl(&self.config));
+                tracing::warn!(upstream = upstream.name(), %repo, %tag, "revalidation did not finish by the manifest deadline: serving stale");
+                return Ok((stale, CacheResult::Stale));
+            }
+        }
+        tracing::warn!(upstream = upstream.name(), %repo, %reference, "no manifest by the manifest deadline");
+        Err(Error::Upstream(UpstreamError::Timeout("manifest deadline")))
+    }
+
+    /// The cached manifest of a tag past its TTL but within `stale_if_error`.
+    async fn stale_tag(
+        &self,
+        upstream: &Upstream,
+        repo: &RepoName,
+        tag: &Tag,
+    ) -> Result<Option<Arc<StoredManifest>>, Error> {
+        let Some(entry) = self.tag_entry(&tag_key(upstream.name(), repo, tag)).await? else { return Ok(None) };
+        let age = SystemTime::now().duration_since(entry.confirmed).unwrap_or_default();
+        if age >= upstream.config.tag_ttl(&self.config) + self.config.stale_if_error {
+            return Ok(None);
+        }
+        self.stored_manifest(&entry.digest).await
+    }
+
+    async fn manifest_lookup(
         self: &Arc<Self>,
         upstream: &Arc<Upstream>,
         repo: &RepoName,
@@ -50,12 +112,35 @@ impl Cache {
             return Ok(Some(m));
         }
         let (index, d) = (Arc::clone(&self.index), *digest);
-        let row = blocking(move || Ok(index.manifest(&d)?)).await?;
-        Ok(row.map(|(media_type, bytes)| {
-            let m = Arc::new(StoredManifest::new(Bytes::from(bytes), media_type, d));
+        let row = blocking(move || {
+            let Some(row) = index.manifest(&d)? else { return Ok(None) };
+            Ok(Some((row, index.manifest_warnings(&d)?)))
+        })
+        .await?;
+        Ok(row.map(|((media_type, bytes), warnings)| {
+            let m = StoredManifest::new(Bytes::from(bytes), media_type, d).with_warnings(Warnings::decode(&warnings));
+            let m = Arc::new(m);
             self.memory.insert_manifest(Arc::clone(&m));
             m
         }))
+    }
+
+    /// Upstream answered about a stored manifest again, with `warnings`:
+    /// they replace the ones kept with it (memory and index). Returns the
+    /// manifest as it is now served.
+    pub(super) async fn rewarn(
+        &self,
+        m: Arc<StoredManifest>,
+        warnings: Warnings,
+    ) -> Result<Arc<StoredManifest>, Error> {
+        if m.warnings == warnings {
+            return Ok(m);
+        }
+        let (index, digest, encoded) = (Arc::clone(&self.index), m.digest, warnings.encode());
+        blocking(move || Ok(index.set_manifest_warnings(&digest, &encoded)?)).await?;
+        let m = Arc::new(m.rewarned(warnings));
+        self.memory.insert_manifest(Arc::clone(&m));
+        Ok(m)
     }
 
     pub(super) async fn tag_entry(&self, key: &str) -> Result<Option<TagEntry>, Error> {
@@ -151,16 +236,22 @@ impl Cache {
         if may_serve_stale && (upstream.revalidation_backoff().active() || self.warm_tag_gone(&key)) {
             return Ok((cached, CacheResult::Stale));
         }
+        // The pause after a failure is recorded where the HEAD runs, so that
+        // it counts even when every client waiting on it reached its deadline.
         let head = {
             let (upstream, repo, reference) = (Arc::clone(upstream), repo.clone(), Reference::Tag(tag.clone()));
-            move || async move { upstream.head_manifest(&repo, &reference).await.map_err(Error::Upstream) }
+            move || async move {
+                let answer = upstream.head_manifest_warned(&repo, &reference).await;
+                upstream.revalidation_backoff().record(answer.is_err(), ttl);
+                answer.map_err(Error::Upstream)
+            }
         };
         let answer = self.revalidations.run(key.clone(), head).await.0;
-        upstream.revalidation_backoff().record(matches!(answer, Err(Error::Upstream(_))), ttl);
         match answer {
-            Ok(Some(digest)) if digest == entry.digest => {
+            // Unchanged: the answer's warnings are the manifest's now.
+            Ok(Some((digest, warnings))) if digest == entry.digest => {
                 self.set_tag(key, digest).await?;
-                Ok((cached, CacheResult::Hit))
+                Ok((self.rewarn(cached, warnings).await?, CacheResult::Hit))
             }
             // Moved. A GET counts against Docker Hub's pull limit (the HEAD
             // did not): with the limit used up, what is cached is served.
@@ -168,7 +259,7 @@ impl Cache {
                 tracing::warn!(upstream = upstream.name(), %repo, %tag, "tag moved, but the pull limit is used up: serving stale");
                 Ok((cached, CacheResult::Stale))
             }
-            Ok(Some(digest)) => match self.fetch_manifest(upstream, repo, &Reference::Digest(digest), via).await {
+            Ok(Some((digest, _))) => match self.fetch_manifest(upstream, repo, &Reference::Digest(digest), via).await {
                 Ok((m, result)) => {
                     self.set_tag(key, digest).await?;
                     Ok((m, result))
@@ -213,33 +304,45 @@ impl Cache {
             let (cache, upstream, repo, reference) =
                 (Arc::clone(self), Arc::clone(upstream), repo.clone(), reference.clone());
             move || async move {
-                let tag = match &reference {
-                    Reference::Tag(t) => Some(tag_key(upstream.name(), &repo, t)),
-                    Reference::Digest(_) => None,
-                };
-                // A fetch that ended between the caller's miss and this
-                // one's start (a herd's straggler) left the tag fresh: no
-                // second upstream GET for it.
-                if let Some(fresh) = cache.fresh_tag(&upstream, tag.as_deref()).await? {
-                    return Ok(fresh);
-                }
-                if let Some(answer) = cache.manifest_from_owner(&upstream, &repo, &reference, via).await {
-                    let (fetched, confirmed) = answer?;
-                    return cache.store_manifest(fetched, upstream.name(), &repo, tag, confirmed).await;
-                }
-                if let Reference::Digest(digest) = &reference {
-                    if let Some(fetched) = cache.shared_manifest(digest).await {
-                        cache.ensure_member(&upstream, &repo, digest, Content::Manifest, via).await?;
-                        return cache.store_manifest(fetched, upstream.name(), &repo, None, SystemTime::now()).await;
-                    }
-                }
-                let fetched = upstream.get_manifest(&repo, &reference).await?.ok_or(Error::ManifestUnknown)?;
-                cache.share_manifest(&fetched).await;
-                cache.store_manifest(fetched, upstream.name(), &repo, tag, SystemTime::now()).await
+                tokio::time::timeout(MANIFEST_FETCH_LIMIT, cache.fetch_manifest_now(&upstream, &repo, &reference, via))
+                    .await
+                    .unwrap_or(Err(Error::Upstream(UpstreamError::Timeout("manifest fetch"))))
             }
         };
         let (result, joined) = self.manifest_fetches.run(key, fetch).await;
         Ok((result?, CacheResult::of(joined)))
+    }
+
+    /// The work of one [`Cache::fetch_manifest`].
+    async fn fetch_manifest_now(
+        self: &Arc<Self>,
+        upstream: &Arc<Upstream>,
+        repo: &RepoName,
+        reference: &Reference,
+        via: Via,
+    ) -> Result<Arc<StoredManifest>, Error> {
+        let tag = match reference {
+            Reference::Tag(t) => Some(tag_key(upstream.name(), repo, t)),
+            Reference::Digest(_) => None,
+        };
+        // A fetch that ended between the caller's miss and this one's start
+        // (a herd's straggler) left the tag fresh: no second upstream GET.
+        if let Some(fresh) = self.fresh_tag(upstream, tag.as_deref()).await? {
+            return Ok(fresh);
+        }
+        if let Some(answer) = self.manifest_from_owner(upstream, repo, reference, via).await {
+            let (fetched, confirmed) = answer?;
+            return self.store_manifest(fetched, upstream.name(), repo, tag, confirmed).await;
+        }
+        if let Reference::Digest(digest) = reference {
+            if let Some(fetched) = self.shared_manifest(digest).await {
+                self.ensure_member(upstream, repo, digest, Content::Manifest, via).await?;
+                return self.store_manifest(fetched, upstream.name(), repo, None, SystemTime::now()).await;
+            }
+        }
+        let fetched = upstream.get_manifest(repo, reference).await?.ok_or(Error::ManifestUnknown)?;
+        self.share_manifest(&fetched).await;
+        self.store_manifest(fetched, upstream.name(), repo, tag, SystemTime::now()).await
     }
 
     /// Stores a manifest fetched for `repo`, its tag mapping, and its
@@ -257,7 +360,7 @@ impl Cache {
         tag: Option<String>,
         confirmed: SystemTime,
     ) -> Result<Arc<StoredManifest>, Error> {
-        let stored = Arc::new(StoredManifest::new(m.bytes.clone(), m.media_type, m.digest));
+        let stored = StoredManifest::new(m.bytes.clone(), m.media_type, m.digest);
         let now = confirmed;
         for (digest, size) in m.refs.blobs.iter().zip(&m.refs.blob_sizes) {
             if let Some(size) = size {
@@ -268,11 +371,19 @@ impl Cache {
         let index = Arc::clone(&self.index);
         let (tag_row, member_rows) = (tag.clone(), members.clone());
         let size = m.bytes.len() as u64;
-        let new = blocking(move || {
+        // Upstream's (or an owner's) warnings replace the kept ones; a
+        // source without any (the shared tier, an import) leaves them.
+        let told = m.warnings.clone();
+        let (new, kept) = blocking(move || {
             let tag = tag_row.as_deref();
-            Ok(index.insert_manifest(&m.digest, m.media_type, &m.bytes, tag, &member_rows, unix_ms(now))?)
+            let encoded = m.warnings.as_ref().map(Warnings::encode);
+            let row = (m.media_type, &m.bytes[..], encoded.as_deref());
+            let new = index.insert_manifest_warned(&m.digest, row, tag, &member_rows, unix_ms(now))?;
+            let kept = if m.warnings.is_some() { Vec::new() } else { index.manifest_warnings(&m.digest)? };
+            Ok((new, kept))
         })
         .await?;
+        let stored = Arc::new(stored.with_warnings(told.unwrap_or_else(|| Warnings::decode(&kept))));
         if new {
             self.evictor.added(size);
         }
@@ -310,7 +421,7 @@ mod tests {
         let tag: Tag = "v1".parse().unwrap();
         let bytes = Bytes::from_static(br#"{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a","size":2},"layers":[]}"#);
         let (media_type, refs) = inspect_manifest(&bytes, None).unwrap();
-        let fetched = FetchedManifest { digest: Digest::of(&bytes), bytes, media_type, refs };
+        let fetched = FetchedManifest { digest: Digest::of(&bytes), bytes, media_type, refs, warnings: None };
         // Another client's fetch stored the tag just now...
         let key = tag_key(upstream.name(), &repo, &tag);
         cache.store_manifest(fetched.clone(), upstream.name(), &repo, Some(key), SystemTime::now()).await.unwrap();

@@ -20,49 +20,48 @@
 //! the facade for a manifest or a blob and get back
 //! something to serve plus how it was served (hit, miss, coalesced, stale).
 //!
-//! The facade's rooms: `manifests` (by digest and by tag), `blobs` (a
-//! committed file or a fill to attach to), `fill_chain` (the sources a
-//! fill walks), `ahead` (fills started when an image manifest is served),
-//! `membership`, `listings`, and `maintenance` (eviction, purges).
-//! Beneath them: [`memory`](StoredManifest) (moka), `disk` (the
-//! content-addressed files), [`index`] (redb), [`fill`] (fills in flight and
-//! their readers), `fill_copy` (a source's body into the temp file),
-//! [`parts`] (a large blob as parallel ranged GETs), `tiers` (how the shared
-//! tier and the owners are asked),
-//! [`shared`] and [`upload`] (the shared tier), [`prefetch`] and [`stats`],
-//! [`pins`] (what eviction passes over) and `warm` (revalidating the warm
-//! images' tags).
+//! The facade's rooms, in this folder: `manifests` (by digest and by
+//! tag), `blobs` (a committed file or a fill to attach to), `membership`
+//! (which repository may be served what), `listings` (`tags/list`,
+//! `referrers`), `tiers` (how the shared tier and the owners are asked)
+//! and [`stats`] (what the status page shows). Beneath them, one folder
+//! per path through the cache:
+//! - [`fill`]: a blob fetched once however many ask: fills in flight and
+//!   their readers (`fill/mod.rs`), what a fill publishes to them
+//!   (`progress`), a source's body into the temp file (`copy`), a large
+//!   blob as parallel ranged GETs ([`fill::parts`]), the sources a fill
+//!   walks (`chain`, [`fill::source`]) and fills started when an image
+//!   manifest is served (`ahead`).
+//! - `store`: what this replica holds: `memory` ([`StoredManifest`],
+//!   moka), `disk` (the content-addressed files), [`index`] (redb), and
+//!   how blob files are read (`pread`, `residency`).
+//! - `upkeep`: keeping it within bounds and true to its files:
+//!   `maintenance` (the background task, eviction's removals, purges),
+//!   `evict`, [`pins`] (what eviction passes over), `reconcile` and
+//!   `reconcile_live`.
+//! - `seed`: images put in or taken out before any client asks:
+//!   [`prefetch`], [`import`], [`export`] and [`warm`] (what the
+//!   keep-warm loop asks of the cache).
+//! - [`shared`]: the shared tier's S3 client and its durable [`upload`]
+//!   queue.
+//!
+//! The modules the rest of the crate uses are re-exported here under
+//! their own names (`cache::index`, `cache::prefetch`, ...), so callers
+//! need not know the folders.
 
-mod ahead;
 mod blobs;
-mod disk;
-mod evict;
-pub mod export;
 pub mod fill;
-mod fill_chain;
-mod fill_copy;
-pub mod import;
-pub mod index;
 mod listings;
-mod maintenance;
 mod manifests;
 mod membership;
-mod memory;
-pub mod parts;
-pub mod pins;
-mod pread;
-pub mod prefetch;
-mod reconcile;
-mod reconcile_live;
-mod residency;
+mod seed;
 pub mod shared;
-pub mod source;
 pub mod stats;
+mod store;
 #[cfg(test)]
 mod test_cache;
 mod tiers;
-pub mod upload;
-pub mod warm;
+mod upkeep;
 
 use std::fs::File;
 use std::sync::Arc;
@@ -72,9 +71,13 @@ use bytes::Bytes;
 use tempfile::NamedTempFile;
 use tokio::sync::watch;
 
-pub use maintenance::{ClusterPurged, Purged};
-pub use memory::StoredManifest;
-pub use reconcile::Report;
+pub use seed::{export, import, prefetch, warm};
+pub use shared::upload;
+pub use store::index;
+pub use store::memory::StoredManifest;
+pub use upkeep::maintenance::{ClusterPurged, Purged};
+pub use upkeep::pins;
+pub use upkeep::reconcile::{Report, Watch as VerifyWatch};
 
 use crate::blocking::blocking;
 use crate::cluster::PeerLink;
@@ -86,14 +89,14 @@ use crate::oci::{Digest, Reference, RepoName, Tag, tag_list};
 use crate::upstream::{
     FetchedManifest, Listing, Opened, Page, Priority, Span, Upstream, content_length, content_range,
 };
-use disk::Store;
-use evict::{Evictor, Limits};
+use fill::source::{Source, SourceBody, Unavailable};
 use fill::{Attach, Cause, Fills, Progress, Writer};
 use index::{Entry, Index, Kind};
 use membership::{Content, member_key};
-use memory::{Memory, TagEntry};
 use shared::SharedStore;
-use source::{Source, SourceBody, Unavailable};
+use store::disk::Store;
+use store::memory::{Memory, TagEntry};
+use upkeep::evict::{Evictor, Limits};
 use upload::Uploads;
 
 /// How a request was served; a label for metrics and logs.
@@ -140,8 +143,9 @@ pub struct Cache {
     evictor: Evictor,
     /// One upstream manifest GET per (upstream, repo, reference).
     manifest_fetches: SingleFlight<String, Arc<StoredManifest>>,
-    /// One upstream HEAD per tag being revalidated.
-    revalidations: SingleFlight<String, Option<Digest>>,
+    /// One upstream HEAD per tag being revalidated: where the tag points,
+    /// and the registry warnings of the answer.
+    revalidations: SingleFlight<String, Option<(Digest, crate::oci::Warnings)>>,
     /// One upstream `tags/list` or `referrers` request per page however many ask.
     listing_fetches: SingleFlight<String, Option<Page>>,
     /// The shared tier and its upload queue (`[shared]`).
@@ -284,9 +288,14 @@ impl Cache {
     /// Re-hashes every blob against its name and the index (`larder verify`),
     /// removing bad entries when `repair` is set. Needs the cache folder to
     /// itself: redb refuses a second process.
-    pub fn verify(config: &CacheConfig, repair: bool) -> Result<Report, Error> {
+    /// `watch` is told the totals and each blob hashed (progress).
+    pub fn verify(
+        config: &CacheConfig,
+        repair: bool,
+        watch: &mut dyn upkeep::reconcile::Watch,
+    ) -> Result<Report, Error> {
         let (store, index) = open_locked(&config.dir)?;
-        reconcile::reconcile(&store, &index, true, repair, unix_ms(SystemTime::now()))
+        upkeep::reconcile::reconcile(&store, &index, true, repair, unix_ms(SystemTime::now()), watch)
     }
 
     /// Bytes of blobs and manifests on disk.

@@ -20,13 +20,13 @@ use http::{Method, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 
-use super::source::{SourceBody, Unavailable};
+use super::fill::source::{SourceBody, Unavailable};
 use super::{Cache, Content, Via, digest_owner_key, tag_owner_key};
 use crate::cluster::PeerUrl;
 use crate::cluster::client::{Ask, PEER_LOOKUP_TIMEOUT, PEER_RESPONSE_MARGIN, PeerError, TAG_CONFIRMED_HEADER};
 use crate::error::{Error, UpstreamError};
 use crate::metrics::metrics;
-use crate::oci::{Digest, MAX_MANIFEST_SIZE, MediaType, Reference, RepoName, inspect_manifest};
+use crate::oci::{Digest, MAX_MANIFEST_SIZE, MediaType, Reference, RepoName, Warnings, inspect_manifest};
 use crate::upstream::{FetchedManifest, Upstream, content_length};
 
 /// What a peer's error answer means for the asker.
@@ -400,7 +400,11 @@ impl Cache {
         let (store, _) = self.shared.as_ref()?;
         match store.get_manifest(digest).await {
             Ok(Some(m)) => match inspect_manifest(&m.bytes, Some(m.media_type)) {
-                Ok((media_type, refs)) => Some(FetchedManifest { bytes: m.bytes, media_type, digest: *digest, refs }),
+                // The shared tier keeps bytes and media type only: warnings come
+                // with upstream's or an owner's answer.
+                Ok((media_type, refs)) => {
+                    Some(FetchedManifest { bytes: m.bytes, media_type, digest: *digest, refs, warnings: None })
+                }
                 Err(e) => {
                     tracing::warn!(%digest, error = e, "shared tier manifest is not a manifest");
                     None
@@ -470,6 +474,8 @@ async fn read_manifest(
     let declared = header(CONTENT_TYPE.as_str()).as_deref().and_then(MediaType::parse);
     let named: Option<Digest> = header("docker-content-digest").and_then(|d| d.parse().ok());
     let confirmed = confirmed_at(header(TAG_CONFIRMED_HEADER).as_deref(), SystemTime::now());
+    // The owner relays upstream's warnings as a client gets them.
+    let warnings = Some(Warnings::from_headers(resp.headers()));
     let body = tokio::time::timeout(idle, Limited::new(resp.into_body(), MAX_MANIFEST_SIZE).collect())
         .await
         .map_err(|_| UpstreamError::Timeout("peer manifest body"))?
@@ -486,7 +492,7 @@ async fn read_manifest(
         return Err(UpstreamError::Protocol(format!("peer manifest hashes to {digest}, not {expected}")).into());
     }
     let (media_type, refs) = inspect_manifest(&bytes, declared).map_err(UpstreamError::Protocol)?;
-    Ok((FetchedManifest { bytes, media_type, digest, refs }, confirmed))
+    Ok((FetchedManifest { bytes, media_type, digest, refs, warnings }, confirmed))
 }
 
 #[cfg(test)]

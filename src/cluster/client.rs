@@ -236,7 +236,10 @@ impl PeerClient {
         }
         let req = req.body(Empty::new()).map_err(|e| PeerError::NoAnswer(format!("building request: {e}")))?;
         let resp = match tokio::time::timeout(ask.timeout, self.http.request(req)).await {
-            Err(_) => return Err(PeerError::NoAnswer(format!("no response headers within {:?}", ask.timeout))),
+            Err(_) => {
+                let waited = humantime::format_duration(ask.timeout);
+                return Err(PeerError::NoAnswer(format!("no response headers within {waited}")));
+            }
             Ok(Err(e)) if e.is_connect() => return Err(PeerError::Unreachable(crate::upstream::error_chain(&e))),
             Ok(Err(e)) => return Err(PeerError::NoAnswer(crate::upstream::error_chain(&e))),
             Ok(Ok(resp)) => resp,

@@ -5,7 +5,6 @@
 
 use std::path::PathBuf;
 
-use super::upstream::RawUpstream;
 use super::{ConfigError, Secret, Validator};
 
 /// Longest `credential_helper` name (the program is `docker-credential-<name>`).
@@ -30,13 +29,23 @@ pub enum CredentialSource {
     Helper(String),
 }
 
+/// The credential keys of an `[[upstream]]` table as written: all that
+/// this module reads of it.
+pub(super) struct RawCredentials {
+    pub(super) username: Option<String>,
+    pub(super) password: Option<String>,
+    pub(super) password_file: Option<String>,
+    pub(super) password_env: Option<String>,
+    pub(super) credential_helper: Option<String>,
+}
+
 impl Validator<'_> {
     /// The upstream's credential source: a username with exactly one
     /// password source, or a credential helper, or nothing.
     pub(super) fn credentials(
         &self,
         key: &dyn Fn(&str) -> String,
-        u: &RawUpstream,
+        u: &RawCredentials,
     ) -> Result<Option<CredentialSource>, ConfigError> {
         if let Some(name) = &u.credential_helper {
             let valid = !name.is_empty()
@@ -62,8 +71,8 @@ impl Validator<'_> {
             (Some(p), None, None) => Some(Err(Secret::new(p.clone()))),
             (None, Some(f), None) => {
                 let path = self.path(f);
-                let text = std::fs::read_to_string(&path)
-                    .map_err(|e| self.err(key("password_file"), format!("cannot read {}: {e}", path.display())))?;
+                let text =
+                    self.secret_text(&key("password_file"), &path)?.unwrap_or_else(|| super::SKIPPED_SECRET.into());
                 let password = text.trim_end_matches(['\r', '\n']);
                 if password.is_empty() {
                     return Err(self.err(key("password_file"), format!("{} is empty", path.display())));
@@ -71,7 +80,7 @@ impl Validator<'_> {
                 Some(Ok((path, Secret::new(password))))
             }
             (None, None, Some(var)) => Some(Err(Secret::new(
-                (self.env)(var)
+                self.env_var(&key("password_env"), var, super::SKIPPED_SECRET)
                     .ok_or_else(|| self.err(key("password_env"), format!("environment variable {var} is not set")))?,
             ))),
             _ => {

@@ -3,21 +3,10 @@
 //! `[server]` (a grant names htpasswd users or certificate names, and the
 //! server must have a way to learn them).
 
-use serde::Deserialize;
-
-use super::server::ServerConfig;
+use super::server::{RawGrant, ServerConfig};
 use super::upstream::UpstreamConfig;
 use super::{ConfigError, Validator};
 use crate::policy::{Grant, Principal, RepoGlob};
-
-#[cfg_attr(test, derive(schemars::JsonSchema))]
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct RawGrant {
-    who: Vec<String>,
-    upstreams: Option<Vec<String>>,
-    repositories: Option<Vec<String>>,
-}
 
 impl Validator<'_> {
     pub(super) fn grants(
@@ -50,7 +39,7 @@ impl Validator<'_> {
                     _ => None,
                 };
                 if let Some(why) = missing {
-                    return Err(self.err(key("who"), format!("{w:?}: {why}")));
+                    return Err(self.err(key("who"), format!("{:?}: {why}", w.to_string())));
                 }
             }
             let upstreams = match &g.upstreams {

@@ -10,7 +10,7 @@ use regex::Regex;
 use serde::Deserialize;
 
 use super::cache::CacheConfig;
-use super::credentials::CredentialSource;
+use super::credentials::{CredentialSource, RawCredentials};
 use super::{Config, ConfigError, Validator, valid_host};
 use crate::policy::{RepoGlob, RepoPolicy};
 
@@ -142,11 +142,11 @@ pub(super) struct RawUpstream {
     #[serde(default)]
     aliases: Vec<String>,
     library_namespace: Option<bool>,
-    pub(super) username: Option<String>,
-    pub(super) password: Option<String>,
-    pub(super) password_file: Option<String>,
-    pub(super) password_env: Option<String>,
-    pub(super) credential_helper: Option<String>,
+    username: Option<String>,
+    password: Option<String>,
+    password_file: Option<String>,
+    password_env: Option<String>,
+    credential_helper: Option<String>,
     #[serde(default)]
     trusted_realms: Vec<String>,
     #[serde(default)]
@@ -228,11 +228,9 @@ impl UpstreamConfig {
 }
 
 impl Config {
-    /// What is valid but worth an operator's second look, one line each,
-    /// naming the key: `check-config` prints these, and larder logs them
-    /// at start. Today: where an upstream's credentials go across sites,
-    /// or where a fallback on another site pulls without them.
-    pub fn warnings(&self) -> Vec<String> {
+    /// Where an upstream's credentials go across sites, or where a
+    /// fallback on another site pulls without them (see [`Config::warnings`]).
+    pub(super) fn fallback_warnings(&self) -> Vec<String> {
         let mut warnings = Vec::new();
         for (i, u) in self.upstreams.iter().enumerate() {
             if u.credentials.is_none() {
@@ -355,7 +353,14 @@ impl Validator<'_> {
         let library_namespace = u
             .library_namespace
             .unwrap_or(is_docker_hub(&host) || is_docker_hub(&u.name) || u.aliases.iter().any(|a| is_docker_hub(a)));
-        let credentials = self.credentials(&key, &u)?;
+        let raw_credentials = RawCredentials {
+            username: u.username,
+            password: u.password,
+            password_file: u.password_file,
+            password_env: u.password_env,
+            credential_helper: u.credential_helper,
+        };
+        let credentials = self.credentials(&key, &raw_credentials)?;
         let primary_host = crate::site::host_of(&url);
         let fallback_urls = fallbacks
             .into_iter()
@@ -406,8 +411,9 @@ impl Validator<'_> {
             None => None,
             Some(v) => Some(self.size(&key("max_size"), Some(v), 0)?),
         };
-        if max_size.is_some_and(|m| m < super::MIN_MAX_SIZE) {
-            return Err(self.err(key("max_size"), "must be at least 1MiB"));
+        if let Some(m) = max_size.filter(|m| *m < super::MIN_MAX_SIZE) {
+            let (m, min) = (super::units::Size(m), super::units::Size(super::MIN_MAX_SIZE));
+            return Err(self.err(key("max_size"), format!("{m} is less than the minimum, {min}")));
         }
         let fill_connections = NonZeroUsize::new(u.fill_connections.unwrap_or(DEFAULT_FILL_CONNECTIONS))
             .filter(|n| n.get() <= MAX_FILL_CONNECTIONS)
@@ -416,7 +422,7 @@ impl Validator<'_> {
             })?;
         let ca_file = u.ca_file.as_deref().map(|f| self.path(f));
         if let Some(ca) = &ca_file {
-            if !ca.is_file() {
+            if !self.skip(&key("ca_file"), || format!("{} was not opened", ca.display())) && !ca.is_file() {
                 return Err(self.err(key("ca_file"), format!("{} is not a readable file", ca.display())));
             }
         }

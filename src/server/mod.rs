@@ -25,6 +25,7 @@ use tokio_rustls::TlsAcceptor;
 use tracing::Instrument;
 
 use crate::body::Body;
+use crate::error::Error;
 use crate::metrics::metrics;
 use crate::policy::ClientIdentity;
 use crate::shutdown::Shutdown;
@@ -83,14 +84,20 @@ pub async fn serve(
 /// records metrics and logs one line.
 /// Every log line of a request carries its id (also sent back as
 /// `X-Request-Id`), so one pull can be followed through the logs.
+/// Every response to a request with `?ns=` carries it back in
+/// `OCI-Namespace`, errors included.
 /// `peer` is the client's address (the connection's source).
 pub async fn handle(app: Arc<App>, req: Request<Incoming>, peer: std::net::IpAddr) -> Response<Body> {
     let id = RequestId(rand::random());
     let span = tracing::info_span!("request", id = %id);
     let hex = id.hex();
+    let namespace = routes::namespace_echo(req.uri());
     let mut resp = handle_request(app, req, &hex, peer).instrument(span).await;
     if let Ok(value) = http::HeaderValue::from_bytes(&hex) {
         resp.headers_mut().insert("x-request-id", value);
+    }
+    if let Some(ns) = namespace {
+        resp.headers_mut().insert(crate::oci::headers::OCI_NAMESPACE, ns);
     }
     resp
 }
@@ -116,7 +123,13 @@ fn check_grants(
         return Ok(());
     }
     metrics().grant_denied.with_label_values(&[route.upstream.name()]).inc();
-    tracing::info!(?client, upstream = route.upstream.name(), repo = %route.repo, "no grant for this client");
+    tracing::info!(
+        user = client.user_text(),
+        certificate = %client.certificate_text(),
+        upstream = route.upstream.name(),
+        repo = %route.repo,
+        "no grant for this client"
+    );
     Err(crate::error::Error::Denied(format!(
         "no grant gives this client repository {:?} of upstream {:?}",
         route.repo.as_str(),
@@ -215,6 +228,14 @@ async fn handle_request(
     let (route, outcome) = match parsed {
         Ok(Parsed::Base) => ("base", handlers::base(&parts.method).map(|r| (r, None))),
         Ok(Parsed::Repo(route)) => (route.endpoint.label(), handlers::route(&app, route, &parts).await),
+        // Refused for who asks (policy, grants, password, the client's
+        // credentials upstream): the route is valid, and its status says
+        // it was denied. Routes parsed before the refusal have their label.
+        Err(e @ (Error::Denied(_) | Error::Unauthorized { .. } | Error::TooManyRequests { .. }))
+            if label == "invalid" =>
+        {
+            (routes::label_of_path(parts.uri.path()), Err(e))
+        }
         Err(e) => (label, Err(e)),
     };
     let (resp, cache, error) = match outcome {

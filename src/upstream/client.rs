@@ -181,15 +181,19 @@ pub fn client_tls(ca_file: Option<&std::path::Path>) -> Result<rustls::ClientCon
         .with_no_client_auth())
 }
 
-/// An error and its sources on one line ("client error (Connect): tcp
-/// connect error: Connection refused").
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(inner) = source {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        source = inner.source();
+/// An error and its sources on one line ("tcp connect error: Connection
+/// refused (os error 111)"). hyper-util's client error says only which
+/// step failed, as Rust's `Debug` of its kind ("client error (Connect)"):
+/// when it has a source, the source says more, and it is left out.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts = Vec::new();
+    let mut current = Some(e);
+    while let Some(error) = current {
+        let wrapper = error.is::<hyper_util::client::legacy::Error>() && error.source().is_some();
+        if !wrapper {
+            parts.push(error.to_string());
+        }
+        current = error.source();
     }
-    s
+    parts.join(": ")
 }

@@ -14,6 +14,11 @@
 //!   redirecting to its private storage); never for metadata addresses;
 //! - or it is inside the upstream's `trusted_networks`.
 //!
+//! An IPv6 address that carries an IPv4 address (mapped, translated,
+//! compatible, NAT64, 6to4, Teredo, ISATAP: [`super::embedded`]) is judged
+//! by the IPv4 address it carries, since that is where a packet to it ends
+//! up: `http://[2002:a9fe:a9fe::1]/` is a metadata address.
+//!
 //! The check runs on the addresses larder actually dials: a literal before
 //! it connects, and a name through [`GuardedResolver`], which resolves it
 //! once and hands the connector only addresses it checked, so a DNS answer
@@ -32,6 +37,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::connect::dns::Name;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
+
+use super::embedded::{Form, embedded};
 
 /// How long the classes of the upstream's own origins' addresses are
 /// remembered before their names are resolved again.
@@ -91,27 +98,54 @@ impl AddressClass {
         }
     }
 
+    /// An IPv6 address that carries an IPv4 one ([`super::embedded`]) is
+    /// judged by what it carries: a packet to it ends up there. Where it
+    /// carries more than one (Teredo's server and client, the layouts of a
+    /// NAT64 local-use address), by the strictest of them.
     fn of_v6(ip: Ipv6Addr) -> AddressClass {
-        // An IPv4 address in IPv6 clothing is what it carries: mapped
-        // (::ffff:a.b.c.d) and NAT64 (64:ff9b::a.b.c.d).
-        if let Some(v4) = ip.to_ipv4_mapped() {
-            return AddressClass::of(IpAddr::V4(v4));
+        let Some(embedded) = embedded(ip) else {
+            return Self::of_v6_prefix(ip);
+        };
+        let carried = embedded.addresses.iter().map(|v4| Self::of(IpAddr::V4(*v4))).min_by_key(|c| c.strictness());
+        match (embedded.form, carried.unwrap_or(AddressClass::Public)) {
+            (_, class) if class != AddressClass::Public => class,
+            // Deprecated (RFC 4291) and routed nowhere.
+            (Form::Compatible, _) => AddressClass::Reserved,
+            // Any prefix may carry an ISATAP interface identifier: the
+            // prefix routes it, the IPv4 address only matters inside the site.
+            (Form::Isatap, _) => Self::of_v6_prefix(ip),
+            (_, public) => public,
         }
-        let s = ip.segments();
-        if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
-            let o = ip.octets();
-            return AddressClass::of(IpAddr::V4(Ipv4Addr::new(o[12], o[13], o[14], o[15])));
-        }
-        match s[0] {
+    }
+
+    /// The class of an IPv6 address by its own prefix.
+    fn of_v6_prefix(ip: Ipv6Addr) -> AddressClass {
+        match ip.segments()[0] {
             _ if ip.is_unspecified() => AddressClass::Unspecified,
             _ if ip.is_loopback() => AddressClass::Loopback,
             x if x & 0xffc0 == 0xfe80 => AddressClass::LinkLocal,
             // fc00::/7 unique-local; fec0::/10 the old site-local.
             x if x & 0xfe00 == 0xfc00 || x & 0xffc0 == 0xfec0 => AddressClass::Private,
             x if x & 0xff00 == 0xff00 => AddressClass::Multicast,
-            // The IPv4-compatible block (::/96) is deprecated and unrouted.
-            _ if s[..6] == [0; 6] => AddressClass::Reserved,
+            // Global unicast is 2000::/3; the rest (::/8 beyond the forms
+            // above, 100::/64 discard-only, unassigned space) is not public.
+            x if x & 0xe000 != 0x2000 => AddressClass::Reserved,
             _ => AddressClass::Public,
+        }
+    }
+
+    /// Which class wins when an address carries several: metadata first,
+    /// public last.
+    fn strictness(self) -> u8 {
+        match self {
+            AddressClass::Metadata => 0,
+            AddressClass::Loopback => 1,
+            AddressClass::LinkLocal => 2,
+            AddressClass::Unspecified => 3,
+            AddressClass::Multicast => 4,
+            AddressClass::Reserved => 5,
+            AddressClass::Private => 6,
+            AddressClass::Public => 7,
         }
     }
 
@@ -134,14 +168,24 @@ impl AddressClass {
 /// again in hyper's error chain by [`refusal_in`].
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "{host} has the {} address {address}, which larder does not dial for an upstream's redirects or token realms \
+    "{host} has the {} address {address}{}, which larder does not dial for an upstream's redirects or token realms \
      (allow it with `trusted_networks`)",
-    class.label()
+    class.label(),
+    carrying(*address)
 )]
 pub struct Refused {
     pub host: String,
     pub address: IpAddr,
     pub class: AddressClass,
+}
+
+/// What an IPv6 address carries, for the refusal's message
+/// (` (6to4, carrying 169.254.169.254)`); nothing for any other address.
+fn carrying(address: IpAddr) -> String {
+    let IpAddr::V6(v6) = address else { return String::new() };
+    let Some(embedded) = embedded(v6) else { return String::new() };
+    let carried: Vec<String> = embedded.addresses.iter().map(|a| a.to_string()).collect();
+    format!(" ({}, carrying {})", embedded.form.name(), carried.join(" and "))
 }
 
 /// The refusal behind a failed request, if that is why it failed.
@@ -328,10 +372,76 @@ mod tests {
             ("100.128.0.1", Public),
             ("203.0.113.7", Public),
             ("2606:4700::1111", Public),
+            ("2001:db8::1", Public),
+            // Not global unicast (outside 2000::/3) and no form below.
+            ("64:ff9b:2::1", Reserved),
+            ("100::1", Reserved),
         ];
         for (address, want) in cases {
             assert_eq!(class(address), want, "{address}");
         }
+    }
+
+    #[test]
+    fn ipv6_forms_that_carry_an_ipv4_address_are_judged_by_it() {
+        use AddressClass::*;
+        let cases = [
+            // Mapped and translated (SIIT).
+            ("::ffff:a9fe:a9fe", Metadata),
+            ("::FFFF:169.254.169.254", Metadata),
+            ("::ffff:0:a9fe:a9fe", Metadata),
+            ("::ffff:0:127.0.0.1", Loopback),
+            ("::ffff:8.8.8.8", Public),
+            ("::ffff:0:8.8.8.8", Public),
+            // Compatible: by what it carries, and never public (deprecated).
+            ("::a9fe:a9fe", Metadata),
+            ("::169.254.169.254", Metadata),
+            ("::10.0.0.1", Private),
+            ("::8.8.8.8", Reserved),
+            // NAT64, well-known prefix.
+            ("64:ff9b::7f00:1", Loopback),
+            ("64:ff9b::808:808", Public),
+            // NAT64 local-use, at each RFC 6052 layout.
+            ("64:ff9b:1::a9fe:a9fe", Metadata),
+            ("64:ff9b:1:a9fe:a9:fe00::", Metadata),
+            ("64:ff9b:1:a9:fe:a9fe::", Metadata),
+            ("64:ff9b:1:0:a9:fea9:fe00:0", Metadata),
+            ("64:ff9b:1::a00:1", Private),
+            ("64:ff9b:1::808:808", Public),
+            // 127.0.0.1 in the /48 layout, 8.8.8.8 where the /96 layout reads.
+            ("64:ff9b:1:7f00:1:0:808:808", Loopback),
+            // 6to4.
+            ("2002:a9fe:a9fe::1", Metadata),
+            ("2002:A9FE:A9FE::1", Metadata),
+            ("2002:7f00:1::1", Loopback),
+            ("2002:c0a8:101::1", Private),
+            ("2002:808:808::1", Public),
+            // Teredo: the client (last 32 bits, inverted) and the server.
+            ("2001:0:cb00:7107::5601:5601", Metadata),
+            ("2001:0:a9fe:a9fe:8000:ffff:34ff:8ef8", Metadata),
+            ("2001:0:cb00:7107::80ff:fffe", Loopback),
+            ("2001:0:a00:1::34ff:8ef7", Private),
+            ("2001:0:cb00:7107::34ff:8ef7", Public),
+            // ISATAP interface identifiers in a public prefix.
+            ("2001:db8::5efe:a9fe:a9fe", Metadata),
+            ("2001:db8::200:5efe:7f00:1", Loopback),
+            ("2606:4700::5efe:808:808", Public),
+            ("fe80::5efe:808:808", LinkLocal),
+        ];
+        for (address, want) in cases {
+            assert_eq!(class(address), want, "{address}");
+        }
+    }
+
+    #[test]
+    fn a_refusal_names_the_address_an_ipv6_form_carries() {
+        let refused = Refused {
+            host: "sixto4.test".into(),
+            address: "2002:a9fe:a9fe::1".parse().unwrap(),
+            class: AddressClass::Metadata,
+        };
+        let message = refused.to_string();
+        assert!(message.contains("metadata address 2002:a9fe:a9fe::1 (6to4, carrying 169.254.169.254)"), "{message}");
     }
 
     fn policy(own: &str, trusted: &[&str]) -> DialPolicy {

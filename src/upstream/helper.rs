@@ -31,7 +31,7 @@ const MAX_QUOTED_MESSAGE: usize = 200;
 pub enum HelperError {
     #[error("credential helper {program} is not on PATH")]
     Missing { program: String },
-    #[error("credential helper {program} did not answer within {timeout:?}; it was killed")]
+    #[error("credential helper {program} did not answer within {}; it was killed", humantime::format_duration(*timeout))]
     Timeout { program: String, timeout: Duration },
     #[error("credential helper {program} failed ({status}): {message}")]
     Failed { program: String, status: String, message: String },

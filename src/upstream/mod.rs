@@ -14,6 +14,7 @@ mod challenge;
 mod client;
 mod credentials;
 pub mod dial;
+mod embedded;
 pub mod health;
 mod helper;
 mod lent;
@@ -44,7 +45,7 @@ pub use verify::Probe;
 use crate::config::UpstreamConfig;
 use crate::error::{Error, UpstreamError};
 use crate::metrics::metrics;
-use crate::oci::{Digest, MAX_MANIFEST_SIZE, ManifestRefs, MediaType, Reference, RepoName};
+use crate::oci::{Digest, MAX_MANIFEST_SIZE, ManifestRefs, MediaType, Reference, RepoName, Warnings};
 use auth::{Auth, Hop, Presented, Who};
 use client::{HttpClient, Named};
 use ratelimit::RateLimit;
@@ -135,6 +136,28 @@ impl Span {
     }
 }
 
+/// As an operator reads it in an error: `bytes 0-8388607` (the last byte
+/// included, as in a `Range` header), `bytes 100-` or `the whole blob`.
+impl std::fmt::Display for Span {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.start, self.end) {
+            (0, None) => write!(f, "the whole blob"),
+            (start, None) => write!(f, "bytes {start}-"),
+            (start, Some(end)) => write!(f, "bytes {start}-{}", end.saturating_sub(1)),
+        }
+    }
+}
+
+/// What a `206`'s [`content_range`] said, for an error: `bytes 100-199/4096`
+/// (`/*` for an unknown total), or that it had no valid one.
+pub fn described_range(range: Option<(u64, u64, Option<u64>)>) -> String {
+    match range {
+        Some((first, last, Some(total))) => format!("bytes {first}-{last}/{total}"),
+        Some((first, last, None)) => format!("bytes {first}-{last}/*"),
+        None => "a 206 without a valid Content-Range".to_owned(),
+    }
+}
+
 /// A manifest as upstream sent it, checked: its digest is the hash of the
 /// exact bytes, and it agrees with the reference and `Docker-Content-Digest`.
 #[derive(Clone, Debug)]
@@ -143,6 +166,9 @@ pub struct FetchedManifest {
     pub media_type: MediaType,
     pub digest: Digest,
     pub refs: ManifestRefs,
+    /// The registry warnings sent with it (relayed to clients); `None`
+    /// from a source that keeps none (the shared tier, an import).
+    pub warnings: Option<Warnings>,
 }
 
 /// What a listing endpoint lists.
@@ -442,6 +468,7 @@ impl Upstream {
         }
         let declared = header_str(resp.headers(), CONTENT_TYPE.as_str()).and_then(MediaType::parse);
         let header_digest = header_str(resp.headers(), "docker-content-digest").and_then(|d| d.parse::<Digest>().ok());
+        let warnings = Some(Warnings::from_headers(resp.headers()));
         if let Some(len) = content_length(resp.headers()) {
             if len > MAX_MANIFEST_SIZE as u64 {
                 return Err(UpstreamError::Protocol(format!("manifest of {len} bytes exceeds {MAX_MANIFEST_SIZE}")));
@@ -462,12 +489,22 @@ impl Upstream {
             }
         }
         let (media_type, refs) = crate::oci::inspect_manifest(&bytes, declared).map_err(UpstreamError::Protocol)?;
-        Ok(Some(FetchedManifest { bytes, media_type, digest, refs }))
+        Ok(Some(FetchedManifest { bytes, media_type, digest, refs, warnings }))
     }
 
     /// HEAD a manifest: the digest a tag points at now, or confirmation that
     /// a digest exists in `repo`. `Ok(None)`: upstream does not have it.
     pub async fn head_manifest(&self, repo: &RepoName, reference: &Reference) -> Result<Option<Digest>, UpstreamError> {
+        Ok(self.head_manifest_warned(repo, reference).await?.map(|(digest, _)| digest))
+    }
+
+    /// [`Upstream::head_manifest`], with the registry warnings of the
+    /// answer (a tag's revalidation keeps its manifest's warnings current).
+    pub async fn head_manifest_warned(
+        &self,
+        repo: &RepoName,
+        reference: &Reference,
+    ) -> Result<Option<(Digest, Warnings)>, UpstreamError> {
         let path = format!("/v2/{repo}/manifests/{reference}");
         let opened = self.open(Method::HEAD, &path, repo, Some(MediaType::upstream_accept()), (None, None)).await?;
         let resp = opened.response;
@@ -475,7 +512,7 @@ impl Upstream {
             StatusCode::NOT_FOUND => Ok(None),
             StatusCode::OK => header_str(resp.headers(), "docker-content-digest")
                 .and_then(|d| d.parse().ok())
-                .map(Some)
+                .map(|digest| Some((digest, Warnings::from_headers(resp.headers()))))
                 .ok_or_else(|| UpstreamError::Protocol("HEAD manifest without Docker-Content-Digest".into())),
             status => Err(failure(status, resp.headers())),
         }
@@ -633,6 +670,16 @@ mod tests {
     use super::*;
 
     #[test]
+    fn spans_and_ranges_read_as_an_operator_writes_them() {
+        assert_eq!(Span { start: 0, end: Some(8 << 20) }.to_string(), "bytes 0-8388607");
+        assert_eq!(Span::from(100).to_string(), "bytes 100-");
+        assert_eq!(Span::WHOLE.to_string(), "the whole blob");
+        assert_eq!(described_range(Some((100, 199, Some(4096)))), "bytes 100-199/4096");
+        assert_eq!(described_range(Some((0, 9, None))), "bytes 0-9/*");
+        assert_eq!(described_range(None), "a 206 without a valid Content-Range");
+    }
+
+    #[test]
     fn relative_and_absolute_locations() {
         let base: Uri = "https://r.example/v2/a/blobs/sha256:x".parse().unwrap();
         let abs = resolve_location(&base, &HeaderValue::from_static("https://cdn.example/p?sig=1")).unwrap();
@@ -642,6 +689,33 @@ mod tests {
         let rel2 = resolve_location(&base, &HeaderValue::from_static("y")).unwrap();
         assert_eq!(rel2.to_string(), "https://r.example/v2/a/blobs/y");
         assert!(resolve_location(&base, &HeaderValue::from_static("file:///etc/passwd")).is_err());
+    }
+
+    #[test]
+    fn ipv6_hosts_with_zone_ids_or_odd_ipv4_tails_are_not_followed() {
+        // The dial guard sees only hosts a URL parser accepted: these never get that far.
+        let base: Uri = "https://r.example/v2/a/manifests/v1".parse().unwrap();
+        for location in [
+            "http://[2002:a9fe:a9fe::1%25lo]/",
+            "http://[2002:a9fe:a9fe::1%lo]/",
+            "http://[64:ff9b:1::0xa9.0xfe.0xa9.0xfe]/",
+            "http://[64:ff9b:1::0251.0376.0251.0376]/",
+            "http://[::ffff:0:169.254.169.0254]/",
+            "http://[::ffff:0:2852039166]/",
+            "http://2002:a9fe:a9fe::1/",
+        ] {
+            let got = resolve_location(&base, &HeaderValue::from_str(location).unwrap());
+            assert!(got.is_err(), "{location} became {got:?}");
+        }
+        // Written differently, the same address: the guard sees it as one.
+        for (location, host) in [
+            ("http://[::FFFF:169.254.169.254]/", "::ffff:a9fe:a9fe"),
+            ("http://[2002:A9FE:A9FE:0000::0001]/", "2002:a9fe:a9fe::1"),
+            ("http://[64:ff9b:1::169.254.169.254]/", "64:ff9b:1::a9fe:a9fe"),
+        ] {
+            let target = resolve_location(&base, &HeaderValue::from_str(location).unwrap()).unwrap();
+            assert_eq!(crate::site::host_of(&target), host, "{location}");
+        }
     }
 
     #[test]

@@ -133,6 +133,9 @@ struct Item {
     chunked: bool,
     /// The only repository that has the item; `None`: every repository.
     only_in: Option<String>,
+    /// `Warning` header values sent with a manifest (GET and HEAD), one
+    /// header line each, as they are.
+    warnings: Vec<String>,
 }
 
 impl Item {
@@ -146,6 +149,7 @@ impl Item {
             redirect: None,
             chunked: false,
             only_in: None,
+            warnings: Vec::new(),
         }
     }
 }
@@ -311,6 +315,12 @@ impl FakeUpstreamBuilder {
     /// it is `404` (by default every repository has every item).
     pub fn only_in(self, repo: &str) -> Self {
         self.last_item(|item| item.only_in = Some(repo.to_owned()))
+    }
+
+    /// The last item (a manifest) is sent with these `Warning` header
+    /// values, one line each (GET and HEAD).
+    pub fn warnings(self, values: &[&str]) -> Self {
+        self.last_item(|item| item.warnings = values.iter().map(|v| (*v).to_owned()).collect())
     }
 
     /// The last item is sent without `Content-Length` (chunked encoding).
@@ -481,6 +491,15 @@ impl FakeUpstream {
             .unwrap_or_else(|| panic!("the fake serves no {digest}"))
             .faults = faults;
         self.state.bump();
+    }
+
+    /// Replaces the `Warning` values sent with the item (a manifest).
+    pub fn set_warnings(&self, digest: &str, values: &[&str]) {
+        lock(&self.state.content)
+            .items
+            .get_mut(digest)
+            .unwrap_or_else(|| panic!("the fake serves no {digest}"))
+            .warnings = values.iter().map(|v| (*v).to_owned()).collect();
     }
 
     /// Clears every fault of the item: it is served correctly from now on,
@@ -909,6 +928,9 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<FakeBody>
         .header("Docker-Content-Digest", digest_header);
     if !item.chunked {
         builder = builder.header(CONTENT_LENGTH, bytes.len());
+    }
+    for warning in &item.warnings {
+        builder = builder.header("warning", warning.as_str());
     }
     if head {
         return builder.body(empty()).expect("a valid response");

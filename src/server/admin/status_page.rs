@@ -129,7 +129,7 @@ fn warm_section(out: &mut String, w: &WarmReport, now_ms: u64) {
                 WarmState::Ready => "ok",
                 WarmState::Fetching => "muted",
                 WarmState::MissingUpstream => "warn-text",
-                WarmState::Failed => "err",
+                WarmState::NotFound | WarmState::Failed => "err",
             };
             let message = match &i.message {
                 Some(m) => format!("<br><span class={class}>{}</span>", escape(m)),

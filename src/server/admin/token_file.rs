@@ -244,7 +244,11 @@ mod tests {
         assert_eq!(file.expected(), Ok(digest("second-token-0123456789")), "a new valid token is adopted");
     }
 
-    #[tokio::test]
+    // On a paused clock the order is fixed whatever the machine's load: the
+    // first read (a blocking task; time does not advance while it runs) at
+    // 0, the writer at SETTLE / 2, the second read at SETTLE. On a real
+    // clock a loaded machine could start the first read after the writer.
+    #[tokio::test(start_paused = true)]
     async fn a_token_is_adopted_only_when_two_reads_agree_and_the_old_one_holds_until_then() {
         let (dir, file) = file_with("old-token-0123456789\n");
         let path = dir.path().join("token");

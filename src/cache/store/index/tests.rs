@@ -320,3 +320,45 @@ fn warm_rows_are_kept_until_their_image_is_no_longer_listed() {
     assert_eq!(index.retain_warm_rows(&["hub\0r\0v2".to_owned()]).unwrap(), 1);
     assert_eq!(index.warm_rows().unwrap().len(), 1);
 }
+
+#[test]
+fn a_manifests_warnings_are_kept_replaced_and_removed_with_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("index.redb");
+    let (m, other) = (Digest::of(b"{\"a\":1}"), Digest::of(b"{\"b\":2}"));
+    let w = b"299 - \"deprecated\"\n299 - \"moved\"".as_slice();
+    {
+        // As schema 4 left it, before warnings: no manifest_warnings table.
+        let index = Index::open(&path).unwrap();
+        index.insert_manifest(&m, MediaType::OciManifest, b"{\"a\":1}", None, &[member("hub", "r", &m)], 1).unwrap();
+        let txn = index.db.begin_write().unwrap();
+        txn.delete_table(MANIFEST_WARNINGS).unwrap();
+        txn.commit().unwrap();
+    }
+    let index = Index::open(&path).unwrap();
+    assert_eq!(index.manifest(&m).unwrap().map(|(t, _)| t), Some(MediaType::OciManifest), "an older index opens");
+    assert!(index.manifest_warnings(&m).unwrap().is_empty(), "and its manifests have no warnings");
+
+    index.insert_manifest_warned(&m, (MediaType::OciManifest, b"{\"a\":1}", Some(w)), None, &[], 2).unwrap();
+    drop(index);
+    let index = Index::open(&path).unwrap();
+    assert_eq!(index.manifest_warnings(&m).unwrap(), w, "kept across reopening");
+    // A source without warnings (an import) leaves them; upstream's answer replaces them.
+    index.insert_manifest_warned(&m, (MediaType::OciManifest, b"{\"a\":1}", None), None, &[], 3).unwrap();
+    assert_eq!(index.manifest_warnings(&m).unwrap(), w);
+    index.set_manifest_warnings(&m, b"299 - \"new\"").unwrap();
+    assert_eq!(index.manifest_warnings(&m).unwrap(), b"299 - \"new\"");
+    index.set_manifest_warnings(&other, w).unwrap();
+    assert!(index.manifest_warnings(&other).unwrap().is_empty(), "no row for a manifest not stored");
+    index.set_manifest_warnings(&m, b"").unwrap();
+    assert!(index.manifest_warnings(&m).unwrap().is_empty(), "none now");
+
+    index.set_manifest_warnings(&m, w).unwrap();
+    index.remove_content(&[(Kind::Manifest, m)]).unwrap();
+    assert!(index.manifest_warnings(&m).unwrap().is_empty(), "evicted with the manifest");
+    index
+        .insert_manifest_warned(&m, (MediaType::OciManifest, b"{\"a\":1}", Some(w)), None, &[member("hub", "r", &m)], 4)
+        .unwrap();
+    assert_eq!(index.purge("hub\0").unwrap().content.len(), 1);
+    assert!(index.manifest_warnings(&m).unwrap().is_empty(), "purged with the manifest");
+}

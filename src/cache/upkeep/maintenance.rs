@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use super::*;
+use crate::cache::*;
 
 /// What a purge removed here and, with peers, on each other replica.
 #[derive(Debug, serde::Serialize)]
@@ -160,7 +160,7 @@ impl Cache {
 
     /// Removes content rows, then forgets the removed content (see
     /// [`Cache::forget_removed`]). Returns what was still there to remove.
-    pub(super) async fn remove_content(&self, keys: Vec<(Kind, Digest)>) -> Result<Vec<Entry>, Error> {
+    pub(in crate::cache) async fn remove_content(&self, keys: Vec<(Kind, Digest)>) -> Result<Vec<Entry>, Error> {
         let index = Arc::clone(&self.index);
         let removed = blocking(move || Ok(index.remove_content(&keys)?)).await?;
         self.forget_removed(&removed).await;
@@ -299,7 +299,7 @@ impl Cache {
     /// Whether `upstream`'s `repo` was purged here after `confirmed`: a
     /// tag mapping a peer confirmed then is from before the purge (the
     /// peer was not purged yet, or was down), and is not taken.
-    pub(super) fn purged_after(&self, upstream: &str, repo: &RepoName, confirmed: SystemTime) -> bool {
+    pub(in crate::cache) fn purged_after(&self, upstream: &str, repo: &RepoName, confirmed: SystemTime) -> bool {
         let key = format!("{upstream}\0{repo}\0");
         let purges = self.purges.lock().unwrap_or_else(|p| p.into_inner());
         purges.iter().any(|(prefix, at)| key.starts_with(prefix.as_str()) && confirmed < *at)
@@ -315,7 +315,7 @@ fn count_evictions(removed: &[Entry]) {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use crate::cache::*;
 
     /// A blob of `size` bytes of `seed` committed for `upstream/team/app`,
     /// as a fill leaves it, last used at `accessed_ms`.
@@ -335,7 +335,7 @@ mod tests {
     #[tokio::test]
     async fn an_upstream_over_its_share_evicts_only_its_own_content_and_hands_shared_content_over() {
         const KB: usize = 1024;
-        let (_dir, cache) = super::super::test_cache::temporary_with(|c| {
+        let (_dir, cache) = crate::cache::test_cache::temporary_with(|c| {
             c.upstream_max_size = vec![("hub".to_owned(), 1 << 20)];
         })
         .await;
@@ -368,7 +368,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_tag_mapping_confirmed_before_a_purge_of_its_repository_is_not_taken_from_a_peer() {
-        let (_dir, cache) = super::super::test_cache::temporary().await;
+        let (_dir, cache) = crate::cache::test_cache::temporary().await;
         let (app, other) = ("team/app".parse().unwrap(), "team/other".parse().unwrap());
         let before = std::time::SystemTime::now() - std::time::Duration::from_secs(1);
         assert!(!cache.purged_after("hub", &app, before), "nothing purged yet");

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant, SystemTime};
 use bytes::Bytes;
 use http::HeaderValue;
 
-use crate::oci::{Digest, MediaType};
+use crate::oci::{Digest, MediaType, Warnings};
 use crate::upstream::Page;
 
 /// A manifest ready to serve.
@@ -24,6 +24,8 @@ pub struct StoredManifest {
     pub digest_header: HeaderValue,
     pub etag: HeaderValue,
     pub content_length: HeaderValue,
+    /// Upstream's registry warnings about it, sent with every response.
+    pub warnings: Warnings,
 }
 
 impl StoredManifest {
@@ -36,7 +38,19 @@ impl StoredManifest {
             bytes,
             media_type,
             digest,
+            warnings: Warnings::default(),
         }
+    }
+
+    /// The same manifest with these warnings.
+    pub fn with_warnings(mut self, warnings: Warnings) -> StoredManifest {
+        self.warnings = warnings;
+        self
+    }
+
+    /// A copy with other warnings (the bytes are shared, not copied).
+    pub fn rewarned(&self, warnings: Warnings) -> StoredManifest {
+        StoredManifest::new(self.bytes.clone(), self.media_type, self.digest).with_warnings(warnings)
     }
 }
 
@@ -96,7 +110,9 @@ impl Memory {
         Memory {
             manifests: moka::sync::Cache::builder()
                 .weigher(|_, m: &Arc<StoredManifest>| {
-                    u32::try_from(m.bytes.len()).unwrap_or(u32::MAX).saturating_add(ENTRY_OVERHEAD)
+                    u32::try_from(m.bytes.len() + m.warnings.byte_len())
+                        .unwrap_or(u32::MAX)
+                        .saturating_add(ENTRY_OVERHEAD)
                 })
                 .max_capacity(manifest_budget)
                 .build(),

@@ -22,10 +22,10 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use tempfile::NamedTempFile;
 
-use super::disk::Store;
-use super::membership::member_key;
-use super::{Cache, tag_key, unix_ms};
 use crate::blocking::blocking;
+use crate::cache::membership::member_key;
+use crate::cache::store::disk::Store;
+use crate::cache::{Cache, tag_key, unix_ms};
 use crate::error::Error;
 use crate::oci::layout::{LayoutImage, LayoutIndex, MAX_INDEX_JSON};
 use crate::oci::{Digest, Hasher, MAX_MANIFEST_SIZE, MediaType, RepoName, Tag, inspect_manifest};
@@ -196,7 +196,7 @@ impl Staged {
         let bytes = Bytes::from(std::fs::read(temp.path())?);
         let (media_type, refs) = inspect_manifest(&bytes, media_type)
             .map_err(|e| ImportError::Incomplete(format!("manifest {digest}: {e}")))?;
-        Ok(FetchedManifest { bytes, media_type, digest: *digest, refs })
+        Ok(FetchedManifest { bytes, media_type, digest: *digest, refs, warnings: None })
     }
 
     /// Reads `image`'s manifests and checks that every blob they name is

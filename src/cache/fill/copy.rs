@@ -13,7 +13,7 @@ use futures_util::FutureExt;
 use http_body_util::BodyExt;
 use tokio::sync::watch;
 
-use super::fill::Progress;
+use super::progress::Progress;
 use crate::blocking::blocking;
 use crate::body::Body;
 use crate::error::{Error, UpstreamError};

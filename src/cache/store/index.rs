@@ -34,6 +34,11 @@ pub use warm::WarmRow;
 const BLOBS: TableDefinition<&str, (u64, u64)> = TableDefinition::new("blobs");
 /// Manifests by digest hex → (media type, exact bytes).
 const MANIFESTS: TableDefinition<&str, (&str, &[u8])> = TableDefinition::new("manifests");
+/// A manifest's registry warnings, by digest hex → the `Warning` values
+/// upstream last sent with it, one per line (`oci::Warnings`); no row:
+/// none. Added after schema version 4 without a migration: an index
+/// written before has no rows, which reads as no warnings.
+const MANIFEST_WARNINGS: TableDefinition<&str, &[u8]> = TableDefinition::new("manifest_warnings");
 /// Manifests by digest hex → (size in bytes, last access in unix millis),
 /// apart from the bytes so that access times are cheap to update.
 const MANIFEST_META: TableDefinition<&str, (u64, u64)> = TableDefinition::new("manifest_meta");
@@ -305,6 +310,7 @@ impl<'txn> Content<'txn> {
         self.access.remove((accessed_ms, kind.code(), hex.as_str()))?;
         if kind == Kind::Manifest {
             self.manifests.remove(hex.as_str())?;
+            self.txn.open_table(MANIFEST_WARNINGS)?.remove(hex.as_str())?;
         }
         let owner = self.charged.remove((kind.code(), hex.as_str()))?.map(|v| v.value().to_owned());
         if let Some(owner) = owner {
@@ -325,6 +331,17 @@ impl<'txn> Content<'txn> {
         count_bytes(txn, added, removed, &charges)?;
         Ok(charges)
     }
+}
+
+/// Sets (or, when empty, removes) a manifest's warnings row.
+fn put_warnings(txn: &WriteTransaction, hex: &str, warnings: &[u8]) -> Result<(), redb::Error> {
+    let mut table = txn.open_table(MANIFEST_WARNINGS)?;
+    if warnings.is_empty() {
+        table.remove(hex)?;
+    } else {
+        table.insert(hex, warnings)?;
+    }
+    Ok(())
 }
 
 fn put_members(txn: &WriteTransaction, members: &[String], now_ms: u64) -> Result<(), redb::Error> {
@@ -383,6 +400,7 @@ impl Index {
         txn.open_table(BLOBS)?;
         txn.open_table(MANIFESTS)?;
         txn.open_table(MANIFEST_META)?;
+        txn.open_table(MANIFEST_WARNINGS)?;
         txn.open_table(ACCESS)?;
         txn.open_table(TAGS)?;
         txn.open_table(MEMBERS)?;
@@ -634,6 +652,26 @@ impl Index {
         Ok(MediaType::parse(media).map(|m| (m, bytes.to_vec())))
     }
 
+    /// The registry warnings kept with a manifest (encoded
+    /// `oci::Warnings`; empty: none).
+    pub fn manifest_warnings(&self, digest: &Digest) -> Result<Vec<u8>, redb::Error> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(MANIFEST_WARNINGS)?;
+        Ok(table.get(digest.hex().as_str())?.map(|v| v.value().to_vec()).unwrap_or_default())
+    }
+
+    /// Replaces the registry warnings kept with a stored manifest (upstream
+    /// answered about it again); nothing for a manifest not stored.
+    pub fn set_manifest_warnings(&self, digest: &Digest, warnings: &[u8]) -> Result<(), redb::Error> {
+        let txn = begin_write(&self.db)?;
+        let hex = digest.hex();
+        if txn.open_table(MANIFESTS)?.get(hex.as_str())?.is_some() {
+            put_warnings(&txn, hex.as_str(), warnings)?;
+        }
+        txn.commit()?;
+        Ok(())
+    }
+
     /// Stores a manifest and, for a tag, its mapping, in one transaction
     /// (a new manifest is charged to the upstream of its first membership
     /// row). Returns whether the manifest is new to the index.
@@ -646,6 +684,20 @@ impl Index {
         members: &[String],
         now_ms: u64,
     ) -> Result<bool, redb::Error> {
+        self.insert_manifest_warned(digest, (media_type, bytes, None), tag, members, now_ms)
+    }
+
+    /// [`Index::insert_manifest`], with the registry warnings upstream sent
+    /// (`Some`: they replace the kept ones, in the same transaction;
+    /// `None`: a source that knows of none, such as an import, leaves them).
+    pub fn insert_manifest_warned(
+        &self,
+        digest: &Digest,
+        (media_type, bytes, warnings): (MediaType, &[u8], Option<&[u8]>),
+        tag: Option<&str>,
+        members: &[String],
+        now_ms: u64,
+    ) -> Result<bool, redb::Error> {
         let txn = begin_write(&self.db)?;
         let hex = digest.hex();
         let mut content = Content::open(&txn)?;
@@ -653,6 +705,9 @@ impl Index {
         let upstream = members.first().and_then(|m| upstream_of(m));
         let new = content.put(Kind::Manifest, hex.as_str(), bytes.len() as u64, now_ms, upstream)?;
         let changes = content.close()?;
+        if let Some(warnings) = warnings {
+            put_warnings(&txn, hex.as_str(), warnings)?;
+        }
         if let Some(key) = tag {
             txn.open_table(TAGS)?.insert(key, (digest.to_string().as_str(), now_ms))?;
         }

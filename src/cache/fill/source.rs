@@ -1,6 +1,6 @@
 //! Where a fill's bytes come from. The facade tries its sources in order,
 //! and when one fails in the middle of a body the next resumes from the
-//! byte reached, with the running hash kept (see [`super::fill::copy_body`]):
+//! byte reached, with the running hash kept (see [`super::copy_body`]):
 //! a client sees a pause, not an error.
 
 use std::time::Duration;

@@ -5,7 +5,7 @@
 //!
 //! Each upstream with its own `max_size` is kept between the same
 //! watermarks of it, counting what it is charged for (see
-//! [`super::index::Charged`]); the maintenance task evicts within such an
+//! [`crate::cache::index::Charged`]); the maintenance task evicts within such an
 //! upstream first, then across the cache.
 
 use std::collections::HashMap;
@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 
-use super::index::{Charged, Kind};
+use crate::cache::index::{Charged, Kind};
 use crate::oci::Digest;
 
 /// Disk budget and the watermarks derived from it.

@@ -12,8 +12,8 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 
-use super::Cache;
 use super::prefetch::Plan;
+use crate::cache::Cache;
 use crate::error::Error;
 use crate::oci::layout::{CONTAINERD_NAME, Descriptor, LayoutIndex, OCI_LAYOUT, REF_NAME};
 use crate::oci::{Digest, Reference};

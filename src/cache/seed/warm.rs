@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use super::*;
+use crate::cache::*;
 pub use index::WarmRow;
 
 /// What upstream said about a warm reference.
@@ -32,13 +32,13 @@ impl Cache {
         repo: &RepoName,
         reference: &Reference,
     ) -> Result<Seen, Error> {
-        let digest = match reference {
-            Reference::Digest(digest) => *digest,
+        let (digest, warnings) = match reference {
+            Reference::Digest(digest) => (*digest, None),
             Reference::Tag(tag) => {
                 let key = tag_key(upstream.name(), repo, tag);
                 let head = {
                     let (upstream, repo, reference) = (Arc::clone(upstream), repo.clone(), reference.clone());
-                    move || async move { upstream.head_manifest(&repo, &reference).await.map_err(Error::Upstream) }
+                    move || async move { upstream.head_manifest_warned(&repo, &reference).await.map_err(Error::Upstream) }
                 };
                 let answer = self.revalidations.run(key.clone(), head).await.0;
                 let gone = matches!(answer, Ok(None));
@@ -46,13 +46,18 @@ impl Cache {
                     *known = gone;
                 }
                 match answer? {
-                    Some(digest) => digest,
+                    Some((digest, warnings)) => (digest, Some(warnings)),
                     None => return Ok(Seen::Gone),
                 }
             }
         };
         match self.manifest_via(upstream, repo, &Reference::Digest(digest), Via::Client).await {
-            Ok(_) => {}
+            // The tag's answer speaks for the manifest it points to now.
+            Ok((m, _)) => {
+                if let Some(warnings) = warnings {
+                    self.rewarn(m, warnings).await?;
+                }
+            }
             Err(Error::ManifestUnknown) => return Ok(Seen::Gone),
             Err(e) => return Err(e),
         }
@@ -76,12 +81,12 @@ impl Cache {
         *warm = keys;
     }
 
-    pub(super) fn is_warm_tag(&self, key: &str) -> bool {
+    pub(in crate::cache) fn is_warm_tag(&self, key: &str) -> bool {
         self.warm_tags.read().unwrap_or_else(|p| p.into_inner()).contains_key(key)
     }
 
     /// Whether `key` is a warm tag the warm loop last found gone upstream.
-    pub(super) fn warm_tag_gone(&self, key: &str) -> bool {
+    pub(in crate::cache) fn warm_tag_gone(&self, key: &str) -> bool {
         self.warm_tags.read().unwrap_or_else(|p| p.into_inner()).get(key).copied().unwrap_or(false)
     }
 

@@ -7,7 +7,8 @@ use std::fs::File;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use super::*;
+use super::parts;
+use crate::cache::*;
 
 /// Times a fill starts over in a new temp file because bytes from the
 /// shared tier or a peer failed the digest (or a size bound). Two: a
@@ -119,7 +120,8 @@ impl Cache {
                     (Some(total), 0, Some(last + 1))
                 }
                 (range, _) => {
-                    return Err(protocol(format!("upstream answered bytes {range:?} to a GET of {span:?}")));
+                    let answered = crate::upstream::described_range(range);
+                    return Err(protocol(format!("upstream answered {answered} to a GET of {span}")));
                 }
             }
         } else {
@@ -154,7 +156,7 @@ impl Cache {
     /// and starts over (at most [`MAX_START_OVERS`] times), in a new temp
     /// file, from the sources not yet tried (or upstream again): readers
     /// that sent nothing yet follow it there, the others are aborted.
-    pub(super) async fn fill(
+    pub(in crate::cache) async fn fill(
         &self,
         upstream: &Upstream,
         repo: &RepoName,
@@ -204,11 +206,10 @@ impl Cache {
                 continue;
             }
             let contradicts = |size: Option<u64>| matches!((size, total), (Some(a), Some(b)) if a != b);
-            if !source.vouched() && (contradicts(expected) || contradicts(known)) {
-                let why = format!(
-                    "declares {total:?} bytes where the manifest or an earlier source says {:?}",
-                    expected.or(known)
-                );
+            // The manifest's size, or an earlier source's, that this one's disagrees with.
+            let contradicted = total.and_then(|t| [expected, known].into_iter().flatten().find(|size| *size != t));
+            if let (false, Some(declared), Some(said)) = (source.vouched(), total, contradicted) {
+                let why = format!("declares {declared} bytes where the manifest or an earlier source says {said}");
                 self.refuse_source(&source, digest, &why);
                 last_error = Some(UpstreamError::Protocol(format!("{} {why}", source.name())).into());
                 continue;
@@ -216,7 +217,7 @@ impl Cache {
             if contradicts(known) {
                 // Upstream contradicts the sources before it: they were wrong.
                 let p = partial.take().expect("an earlier source declared a size");
-                tracing::warn!(%digest, before = ?known, upstream = ?total, "upstream's size differs from what earlier sources sent; starting over");
+                tracing::warn!(%digest, before = known.unwrap_or_default(), upstream = total.unwrap_or_default(), "upstream's size differs from what earlier sources sent; starting over");
                 if p.used.contains(&Source::Shared) {
                     self.condemn_shared_blob(digest, "its size differs from upstream's");
                 }
@@ -298,7 +299,8 @@ impl Cache {
                     if used.iter().all(Source::vouched) || start_overs >= MAX_START_OVERS {
                         return Err(e);
                     }
-                    tracing::warn!(%digest, sources = ?used, "bytes from the shared tier or a peer failed the digest; starting over");
+                    let used_names: Vec<&str> = used.iter().map(Source::name).collect();
+                    tracing::warn!(%digest, sources = %used_names.join(","), "bytes from the shared tier or a peer failed the digest; starting over");
                     start_overs += 1;
                     if sources.is_empty() {
                         sources.push_back(Source::Upstream);

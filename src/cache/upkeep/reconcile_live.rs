@@ -20,11 +20,11 @@
 use std::io;
 use std::time::{Instant, SystemTime};
 
-use super::disk::Store;
-use super::index::Kind;
 use super::reconcile::{self, Report};
-use super::{Cache, unix_ms};
 use crate::blocking::blocking;
+use crate::cache::index::Kind;
+use crate::cache::store::disk::Store;
+use crate::cache::{Cache, unix_ms};
 use crate::error::Error;
 use crate::metrics::metrics;
 use crate::oci::Digest;
@@ -77,7 +77,7 @@ impl Cache {
     async fn reconcile_shard(&self, shard: String, mut report: Report) -> Result<Report, Error> {
         let (store, index) = (self.store.clone(), self.index.clone());
         let (diff, missing, mut report) = blocking(move || {
-            let diff = reconcile::compare_shard(&store, &index, &shard, false)?;
+            let diff = reconcile::compare_shard(&store, &index, &shard, false, &mut ())?;
             report.ok += diff.ok;
             report.blob_bytes += diff.ok_bytes;
             reconcile::settle_junk(&diff.junk, "not a blob file name", true, &mut report)?;
@@ -99,7 +99,7 @@ impl Cache {
         let (store, index, digests) = (self.store.clone(), self.index.clone(), marked.clone());
         let settled = blocking(move || {
             let now = unix_ms(SystemTime::now());
-            let added = reconcile::settle_orphans(&store, &index, &digests, true, now, &mut report)?;
+            let added = reconcile::settle_orphans(&store, &index, &digests, true, now, &mut report, &mut ())?;
             Ok((added, report))
         })
         .await;

@@ -40,14 +40,14 @@ use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::shared::{ObjectKind, PutFailed, SharedError, SharedStore};
+use super::{ObjectKind, PutFailed, SharedError, SharedStore};
 use crate::blocking::blocking;
 use crate::error::Error;
 use crate::metrics::metrics;
 use crate::oci::{Digest, MediaType};
 
 /// Uploads in flight at once. Each multipart upload holds about three
-/// parts of memory ([`super::shared::PARTS_IN_FLIGHT`] + 1).
+/// parts of memory ([`super::PARTS_IN_FLIGHT`] + 1).
 pub const UPLOAD_CONCURRENCY: usize = 2;
 /// Pause after the first failed upload; doubled per failure in a row.
 pub const RETRY_BACKOFF_MIN: Duration = Duration::from_secs(1);

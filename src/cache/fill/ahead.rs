@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use futures_util::StreamExt;
 
-use super::*;
+use crate::cache::*;
 use crate::oci::{MediaType, inspect_manifest};
 use crate::upstream::Priority;
 

@@ -24,23 +24,22 @@
 //! new ranged GET; [`PART_ATTEMPTS`] attempts in a row that bring nothing
 //! fail the fill. Memory per fill is bounded by the connections, not the
 //! blob: each part holds one chunk being read and one being written
-//! ([`super::fill_copy::WRITE_CHUNK`] each), the hash one read buffer.
+//! ([`super::copy::WRITE_CHUNK`] each), the hash one read buffer.
 
-use std::collections::VecDeque;
 use std::fs::File;
 use std::future::Future;
 use std::os::unix::fs::FileExt;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use http_body_util::BodyExt;
-use tokio::sync::{Notify, watch};
+use tokio::sync::watch;
 
-use super::fill::Progress;
-use super::fill_copy::{Bounds, Cause, Interrupted, Sink, Writer, copy_body};
+use super::copy::{Bounds, Cause, Interrupted, Sink, Writer, copy_body};
+use super::progress::{Extents, Progress};
 use crate::blocking::blocking;
 use crate::body::Body;
 use crate::error::{Error, UpstreamError};
@@ -60,86 +59,11 @@ pub const MAX_PART_CONNECTIONS: usize = 16;
 /// GETs of one part in a row that bring no byte before the fill fails
 /// (a GET that brought some starts the count again).
 pub const PART_ATTEMPTS: usize = 3;
-/// Offsets readers may be waiting for at once, per fill; the oldest want
-/// is dropped past it (its reader asks again when it waits elsewhere).
-const MAX_WANTS: usize = 64;
 
 /// The end of the part that holds `offset`: the next multiple of
 /// [`PART_SIZE`] after it, within `size`.
 pub fn part_end(offset: u64, size: u64) -> u64 {
     ((offset / PART_SIZE + 1) * PART_SIZE).min(size)
-}
-
-/// What a ranged fill has written, and what its readers wait for. Shared
-/// by the fill and its readers (through [`Progress::Streaming`]).
-#[derive(Debug, Default)]
-pub struct Extents {
-    inner: Mutex<Inner>,
-    wanted: Notify,
-}
-
-#[derive(Debug, Default)]
-struct Inner {
-    /// Written spans `[start, end)`: sorted, disjoint and not touching.
-    runs: Vec<(u64, u64)>,
-    wants: VecDeque<u64>,
-}
-
-impl Extents {
-    /// Extents whose first `prefix` bytes are written (by earlier sources).
-    pub(super) fn new(prefix: u64) -> Extents {
-        let runs = if prefix > 0 { vec![(0, prefix)] } else { Vec::new() };
-        Extents { inner: Mutex::new(Inner { runs, wants: VecDeque::new() }), wanted: Notify::new() }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The end of the written prefix: every byte before it is written.
-    pub fn contiguous(&self) -> u64 {
-        match self.lock().runs.first() {
-            Some(&(0, end)) => end,
-            _ => 0,
-        }
-    }
-
-    /// The end of the written span holding `offset`, if it is written.
-    pub fn reach(&self, offset: u64) -> Option<u64> {
-        let inner = self.lock();
-        let i = inner.runs.partition_point(|&(_, end)| end <= offset);
-        inner.runs.get(i).filter(|&&(start, _)| start <= offset).map(|&(_, end)| end)
-    }
-
-    /// A reader waits for `offset`, beyond what is written.
-    pub fn want(&self, offset: u64) {
-        let mut inner = self.lock();
-        if inner.wants.len() >= MAX_WANTS {
-            inner.wants.pop_front();
-        }
-        inner.wants.push_back(offset);
-        drop(inner);
-        self.wanted.notify_one();
-    }
-
-    pub(super) fn pop_want(&self) -> Option<u64> {
-        self.lock().wants.pop_front()
-    }
-
-    /// Records `[start, end)` as written.
-    pub(super) fn record(&self, start: u64, end: u64) {
-        let mut inner = self.lock();
-        let runs = &mut inner.runs;
-        let first = runs.partition_point(|&(_, e)| e < start);
-        let mut last = first;
-        let (mut s, mut e) = (start, end);
-        while last < runs.len() && runs[last].0 <= end {
-            s = s.min(runs[last].0);
-            e = e.max(runs[last].1);
-            last += 1;
-        }
-        runs.splice(first..last, [(s, e)]);
-    }
 }
 
 /// The spans no part has taken yet: sorted, disjoint.
@@ -418,7 +342,8 @@ impl PartsJob<'_> {
         match content_range(response.headers()) {
             Some((first, last, Some(total))) if first == start && last < end && total == self.size => {}
             other => {
-                let e = format!("upstream answered bytes {other:?} to a GET of bytes {start}-{}", end - 1);
+                let (answered, asked) = (crate::upstream::described_range(other), Span { start, end: Some(end) });
+                let e = format!("upstream answered {answered} to a GET of {asked} of a {}-byte blob", self.size);
                 return Err(Outcome::Failed(UpstreamError::Protocol(e).into()));
             }
         }
@@ -443,39 +368,6 @@ mod tests {
     use super::*;
 
     const M: u64 = PART_SIZE;
-
-    #[test]
-    fn extents_merge_into_a_prefix_and_answer_how_far_a_reader_may_read() {
-        let x = Extents::new(0);
-        x.record(2 * M, 3 * M);
-        assert_eq!(x.contiguous(), 0);
-        assert_eq!(x.reach(2 * M + 5), Some(3 * M));
-        assert_eq!(x.reach(M), None);
-        x.record(0, 10);
-        x.record(10, M);
-        assert_eq!(x.contiguous(), M);
-        x.record(M, 2 * M);
-        assert_eq!(x.contiguous(), 3 * M, "the part far ahead joins the prefix");
-        assert_eq!(x.reach(0), Some(3 * M));
-        assert_eq!(x.lock().runs, vec![(0, 3 * M)]);
-    }
-
-    #[test]
-    fn extents_start_with_the_bytes_earlier_sources_wrote() {
-        let x = Extents::new(100);
-        assert_eq!(x.contiguous(), 100);
-        x.record(100, 200);
-        assert_eq!(x.contiguous(), 200);
-    }
-
-    #[test]
-    fn wants_are_kept_in_order_and_bounded() {
-        let x = Extents::new(0);
-        for i in 0..(MAX_WANTS as u64 + 3) {
-            x.want(i);
-        }
-        assert_eq!(x.pop_want(), Some(3), "the oldest wants were dropped");
-    }
 
     #[test]
     fn parts_end_on_multiples_of_the_part_size() {

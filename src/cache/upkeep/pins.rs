@@ -13,7 +13,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use super::*;
+use crate::cache::*;
 use crate::oci::inspect_manifest;
 
 /// The content eviction passes over.

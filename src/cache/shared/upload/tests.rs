@@ -369,7 +369,7 @@ fn open_descriptors_to(path: &Path) -> usize {
 
 /// A multipart upload of three parts: more than are sent at once, so the
 /// upload still reads the file while its first parts are held.
-const MULTIPART: usize = 2 * super::super::shared::PART_SIZE as usize + 1024;
+const MULTIPART: usize = 2 * crate::cache::shared::PART_SIZE as usize + 1024;
 
 #[tokio::test]
 async fn an_upload_that_runs_out_of_time_is_aborted_each_time_and_given_up_after_the_limit() {

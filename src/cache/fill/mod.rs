@@ -7,10 +7,17 @@
 //! backlog. A client that disconnects drops only its reader; the fill goes
 //! on and commits, so the next pull is warm.
 //!
-//! A large blob may be fetched as parallel ranged parts (`super::parts`):
+//! A large blob may be fetched as parallel ranged parts (`parts`):
 //! then bytes beyond the contiguous prefix are written too, and a reader
 //! whose range starts there reads them as soon as they are (asking the
 //! fill for its part first when no connection fetches it yet).
+
+mod ahead;
+mod chain;
+mod copy;
+pub mod parts;
+mod progress;
+pub mod source;
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -21,46 +28,18 @@ use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 use tokio::sync::watch;
 
-use super::parts::Extents;
 use crate::body::Body;
 use crate::error::Error;
 use crate::oci::Digest;
 use crate::sendfile::{self, FileSink};
 use crate::upstream::Priority;
 
-pub use super::fill_copy::{Bounds, Cause, Interrupted, WRITE_CHUNK, Writer, copy_body};
+pub use copy::{Bounds, Cause, Interrupted, WRITE_CHUNK, Writer, copy_body};
+pub use progress::{Extents, Progress, UNVOUCHED};
 
 /// Largest read a client's body stream makes from a blob file at once
 /// (tokio's default 4 KiB reads are several times slower).
 pub const READ_CHUNK: usize = 256 << 10;
-
-/// How far a fill is, as its readers see it.
-#[derive(Clone, Debug)]
-pub enum Progress {
-    /// Waiting for upstream's response headers.
-    Connecting,
-    /// Bytes `0..written` of the temp file are final; `size` is the
-    /// source's `Content-Length` if it sent one. Bytes from `vouched_from`
-    /// on came from upstream itself; those before it came from the shared
-    /// tier or a peer, and a client's range gets them only once the digest
-    /// matched ([`UNVOUCHED`]: none came from upstream yet). With
-    /// `extents` (a ranged fill), bytes beyond `written` may be written
-    /// too, all from upstream.
-    Streaming { file: Arc<File>, size: Option<u64>, written: u64, vouched_from: u64, extents: Option<Arc<Extents>> },
-    /// Every byte is written and the digest matched; the commit (fsync,
-    /// rename, index row) is under way. Readers may send the last byte,
-    /// and one that has seen this reads on to its end whatever the commit
-    /// does (`Failed` after this only fails readers that had not looked).
-    Verified { file: Arc<File>, size: u64 },
-    /// Verified and committed.
-    Complete { file: Arc<File>, size: u64 },
-    /// Nothing was committed; readers abort their responses.
-    Failed(Error),
-}
-
-/// `vouched_from` of a fill whose bytes so far all came from the shared
-/// tier or a peer.
-pub const UNVOUCHED: u64 = u64::MAX;
 
 /// A fill in flight, and the repository it was started for: a failure
 /// that depends on the repository (upstream's 404 or 403 for it) is not
@@ -236,7 +215,7 @@ pub fn read_body(
     progress: Option<watch::Receiver<Progress>>,
     start: u64,
     end: Option<u64>,
-    via: super::Via,
+    via: crate::cache::Via,
     sink: Option<FileSink>,
 ) -> Body {
     let source = if progress.is_some() { "fill" } else { "disk" };
@@ -248,9 +227,9 @@ pub fn read_body(
         offset: start,
         end,
         first_total: None,
-        client: via == super::Via::Client,
+        client: via == crate::cache::Via::Client,
         served,
-        buffers: super::pread::Buffers::default(),
+        buffers: crate::cache::store::pread::Buffers::default(),
         sink,
         wanted: None,
     };
@@ -274,7 +253,7 @@ struct Reader {
     /// A client's read (see [`read_body`]), not a peer's.
     client: bool,
     served: prometheus::IntCounter,
-    buffers: super::pread::Buffers,
+    buffers: crate::cache::store::pread::Buffers,
     sink: Option<FileSink>,
     /// The offset this reader last told a ranged fill it waits for.
     wanted: Option<u64>,
@@ -386,12 +365,12 @@ impl Reader {
                 // sendfile (which would otherwise wait for the disk).
                 let sendable = (limit - self.offset).min(sendfile::MAX_CHUNK as u64);
                 let bytes = match &self.sink {
-                    Some(sink) if super::residency::cached(&self.file, self.offset, sendable) => {
+                    Some(sink) if crate::cache::store::residency::cached(&self.file, self.offset, sendable) => {
                         sink.chunk(&self.file, self.offset, sendable as usize)
                     }
                     _ => {
                         let len = (limit - self.offset).min(READ_CHUNK as u64) as usize;
-                        super::pread::read_at(&self.file, self.offset, len, &mut self.buffers).await?
+                        crate::cache::store::pread::read_at(&self.file, self.offset, len, &mut self.buffers).await?
                     }
                 };
                 self.offset += bytes.len() as u64;

@@ -61,6 +61,7 @@ pub const MAX_BACKOFF: Duration = Duration::from_millis(400);
 mod breaker;
 mod put;
 mod sweep;
+pub mod upload;
 
 use breaker::Breaker;
 pub use breaker::{BREAKER_MAX, BREAKER_MIN};
@@ -271,7 +272,9 @@ impl SharedStore {
         }
         let result = match tokio::time::timeout(self.lookup_timeout, request).await {
             Ok(result) => found(result),
-            Err(_) => Err(SharedError::Store(format!("no answer within {:?}", self.lookup_timeout))),
+            Err(_) => {
+                Err(SharedError::Store(format!("no answer within {}", humantime::format_duration(self.lookup_timeout))))
+            }
         };
         match &result {
             Ok(_) => self.breaker.answered(),
