@@ -41,6 +41,7 @@ pub mod log_filter;
 pub mod log_writer;
 pub mod metrics;
 pub mod oci;
+pub mod peer_slots;
 pub mod policy;
 pub mod sendfile;
 pub mod server;

@@ -71,12 +71,14 @@ impl Cache {
     /// fetch or a forward): after this replica joined, or lost its disk,
     /// that is who owned the key before, and upstream is spared. Small
     /// answers, so the extra round trip costs little; blobs rely on the
-    /// shared tier for the same.
-    fn peer_to_ask(&self, key: &str, via: Via) -> Option<(PeerUrl, bool)> {
+    /// shared tier for the same. An upstream whose fills use the client's
+    /// credentials has its owner asked only what it holds: the owner has
+    /// none to fetch with.
+    fn peer_to_ask(&self, upstream: &Upstream, key: &str, via: Via) -> Option<(PeerUrl, bool)> {
         let link = self.peers.as_ref()?;
         if via == Via::Client {
             if let Some(owner) = link.owner_elsewhere(key) {
-                return Some((owner, false));
+                return Some((owner, upstream.fills_with_client_credentials()));
             }
         }
         link.first_other(key).map(|peer| (peer, true))
@@ -253,7 +255,7 @@ impl Cache {
             Reference::Digest(d) => digest_owner_key(d),
             Reference::Tag(t) => tag_owner_key(upstream.name(), repo, t),
         };
-        let (owner, lookup) = self.peer_to_ask(&key, via)?;
+        let (owner, lookup) = self.peer_to_ask(upstream, &key, via)?;
         let link = self.peers.as_ref()?;
         let path = format!("/v2/{repo}/manifests/{reference}?{}", ns_query(upstream.name()));
         let ask = Ask {
@@ -309,7 +311,7 @@ impl Cache {
         content: Content,
         via: Via,
     ) -> Option<Result<bool, Error>> {
-        let (owner, lookup) = self.peer_to_ask(&digest_owner_key(digest), via)?;
+        let (owner, lookup) = self.peer_to_ask(upstream, &digest_owner_key(digest), via)?;
         let link = self.peers.as_ref()?;
         let what = match content {
             Content::Blob => "blobs",

@@ -57,13 +57,16 @@ impl Cache {
     /// right before this replica in its own list). An owner lost mid-fill
     /// thus costs upstream one more GET (the runner-up's resume) whatever
     /// the number of replicas, not one per asker. A peer's request is
-    /// never passed on (one hop).
-    fn fill_sources(&self, digest: &Digest, via: Via) -> Vec<Source> {
+    /// never passed on (one hop). Nor is a fill with a client's
+    /// credentials (`Upstream::fills_with_client_credentials`): no peer
+    /// has them.
+    fn fill_sources(&self, upstream: &Upstream, digest: &Digest, via: Via) -> Vec<Source> {
         let mut sources = Vec::with_capacity(3);
         if self.shared.is_some() && via != (Via::Peer { shared_missed: true }) {
             sources.push(Source::Shared);
         }
-        if let Some(link) = self.peers.as_ref().filter(|_| via == Via::Client) {
+        let peers_fill = via == Via::Client && !upstream.fills_with_client_credentials();
+        if let Some(link) = self.peers.as_ref().filter(|_| peers_fill) {
             let ranked = link.peers.candidates(&digest_owner_key(digest));
             let before_me = ranked.into_iter().take_while(|p| !link.peers.is_me(p));
             sources.extend(before_me.map(Source::Peer));
@@ -164,7 +167,7 @@ impl Cache {
     ) -> Result<(Arc<File>, u64), Error> {
         let limit = self.fill_limit(upstream.name(), repo, &digest);
         let expected = self.memory.declared_size(&member_key(upstream.name(), repo, &digest));
-        let mut sources: std::collections::VecDeque<Source> = self.fill_sources(&digest, via).into();
+        let mut sources: std::collections::VecDeque<Source> = self.fill_sources(upstream, &digest, via).into();
         let mut partial: Option<Partial> = None;
         let mut start_overs = 0;
         let mut last_error = None;
