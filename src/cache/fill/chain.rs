@@ -234,6 +234,7 @@ impl Cache {
                         extents: None,
                     };
                     tx.send_replace(progress);
+                    crate::faults::check(crate::faults::Point::Fill)?;
                     Partial { writer: Writer::new(temp), file, declared: total, used: Vec::new() }
                 }
             };

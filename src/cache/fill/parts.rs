@@ -124,6 +124,7 @@ impl Sink for PartWriter {
 
     fn write(mut self, chunk: Bytes) -> impl Future<Output = Result<Self, Error>> + Send + 'static {
         blocking(move || {
+            crate::faults::check(crate::faults::Point::TempWrite)?;
             self.file.write_all_at(&chunk, self.at)?;
             let start = self.at;
             self.at += chunk.len() as u64;
