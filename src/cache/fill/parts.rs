@@ -35,7 +35,9 @@
 //! dropped and the rest of the blob comes as one stream from the end of
 //! the hashed prefix, from that very answer when it starts at or before
 //! that byte (what precedes it is skipped), else from a GET of the rest.
-//! A `206` that starts elsewhere than asked fails the fill.
+//! A `206` that starts elsewhere than asked (or has no valid
+//! `Content-Range`) fails the fill, and the upstream's next fills go as
+//! one stream too.
 
 use std::fs::File;
 use std::future::Future;
@@ -149,7 +151,10 @@ impl Sink for PartWriter {
     fn write(mut self, chunk: Bytes) -> impl Future<Output = Result<Self, Error>> + Send + 'static {
         blocking(move || {
             crate::faults::check(crate::faults::Point::TempWrite)?;
-            self.file.write_all_at(&chunk, self.at)?;
+            let (file, at) = (&self.file, self.at);
+            if !self.extents.write_if_open(|| file.write_all_at(&chunk, at))? {
+                return Err(Error::Internal("the fill went on as one stream without this part".into()));
+            }
             let start = self.at;
             self.at += chunk.len() as u64;
             self.extents.record(start, self.at);
@@ -360,11 +365,20 @@ impl PartsJob<'_> {
     async fn stream(
         &self,
         writer: Writer,
-        extents: &Extents,
+        extents: &Arc<Extents>,
         mut answer: Option<(OpenedPart, u64)>,
     ) -> Result<Writer, Interrupted> {
         let name = self.upstream.name();
         self.ranges.distrust(name);
+        // The dropped parts' writes still running end first, and none
+        // starts after: the stream rewrites their bytes, and hashes its own.
+        let closing = Arc::clone(extents);
+        blocking(move || {
+            closing.close();
+            Ok(())
+        })
+        .await
+        .map_err(Interrupted::local)?;
         let mut writer = writer.absorb(extents.contiguous()).await.map_err(Interrupted::local)?;
         tracing::info!(digest = %self.digest, from = writer.written(), "upstream's ranges are unreliable: the rest of the blob as one stream");
         let mut attempts = 0;
@@ -496,6 +510,9 @@ impl PartsJob<'_> {
                 (last >= end).then_some(start)
             }
             (true, other) => {
+                // Other bytes than asked: this fill cannot use them, and the
+                // next ones go as one stream.
+                self.ranges.distrust(self.upstream.name());
                 let (answered, asked) = (crate::upstream::described_range(other), Span { start, end: Some(end) });
                 let e = format!("upstream answered {answered} to a GET of {asked} of a {}-byte blob", self.size);
                 return Err(Outcome::Failed(UpstreamError::Protocol(e).into()));
