@@ -7,8 +7,9 @@
 //!   fills the blob again.
 //! - An upstream that honours ranges only sometimes (a `200` to a later
 //!   part, a `206` longer than asked) is read as one stream from what the
-//!   fill has, and not asked for parts again for a while; shorter `206`s
-//!   are resumed from the byte they reached.
+//!   fill has, and not asked for parts again for a while; one that answers
+//!   other bytes than asked fails that fill only; shorter `206`s are
+//!   resumed from the byte they reached.
 //! - A part that trickles and stalls every time fails its fill after a few
 //!   idle timeouts, and a fill slower than the minimum rate fails at its
 //!   deadline.
@@ -229,6 +230,23 @@ async fn a_later_part_answered_with_a_longer_206_goes_on_as_one_stream() {
     assert_served(addr, &layer).await;
     wait_for_commits(&larder).await;
     assert!(larder.blob_file(&digest(&layer)).exists());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_range_answered_with_other_bytes_fails_that_fill_and_the_next_pull_goes_as_one_stream() {
+    let layer = large_layer(15);
+    let d = digest(&layer);
+    // Every range answered 100 bytes further on than asked, and said so.
+    let up = v1(&[&layer], &[]).faults_for_all(answering(Ranges::Shifted(100))).start().await;
+    let larder = larder(&up, &[]).start().await;
+    let addr = address(&larder);
+    get_manifest(addr).await;
+
+    let resp = client::get(addr, &blob_path(&d)).await;
+    assert_eq!(resp.status(), 502, "bytes other than asked are never used");
+    // Before: every pull asked for the first part again, and failed again.
+    assert_served(addr, &layer).await;
+    assert_eq!(up.log().iter().filter(|r| r.path == blob_path(&d) && r.range.is_some()).count(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -125,6 +125,9 @@ impl Cache {
                     (Some(total), 0, None)
                 }
                 (range, _) => {
+                    // Other bytes than asked: this fill fails, and the
+                    // upstream's next fills ask for no parts.
+                    self.fills.ranges.distrust(upstream.name());
                     let answered = crate::upstream::described_range(range);
                     return Err(protocol(format!("upstream answered {answered} to a GET of {span}")));
                 }

@@ -1,10 +1,12 @@
 //! Which upstreams answer ranges reliably. A parallel fill asks for parts
 //! by range; an upstream that answered one of them with the whole blob (a
-//! `200`) or with a `206` running past the part asked for (mixed backends
-//! behind a load balancer, a cache still populating the object) is not
-//! asked for parts again for [`DISTRUST`]: its fills are one stream each,
-//! as for an upstream that ignores `Range`. The fill that met it goes on
-//! as one stream from the bytes it has (see `super::parts`).
+//! `200`), with a `206` running past the part asked for (mixed backends
+//! behind a load balancer, a cache still populating the object), or with
+//! other bytes than asked, is not asked for parts again for [`DISTRUST`]:
+//! its fills are one stream each, as for an upstream that ignores
+//! `Range`. The fill that met it goes on as one stream from the bytes it
+//! has (see `super::parts`), unless the bytes were other than asked: that
+//! fill fails, and only the next ones are spared.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
