@@ -15,7 +15,8 @@
 //!   upstream each item is charged to, each upstream's own access order and
 //!   its running total, for per-upstream quotas (see `quota`).
 //!
-//! The warm images' digests live here too (`warm`).
+//! The warm images' digests live here too (`warm`), and the blob sizes
+//! each repository's manifests declare (`declared`).
 
 use std::path::Path;
 
@@ -23,6 +24,7 @@ use redb::{Database, ReadableDatabase, ReadableTable, Table, TableDefinition, Wr
 
 use crate::oci::{Digest, MediaType};
 
+mod declared;
 mod migrate;
 mod quota;
 mod warm;
@@ -69,11 +71,15 @@ const UPSTREAM_ACCESS: TableDefinition<(&str, u64, u8, &str), ()> = TableDefinit
 /// Warm images: "upstream\0repo\0reference" → (digest, previous digest or
 /// "", unix millis the digest was last seen upstream).
 const WARM: TableDefinition<&str, (&str, &str, u64)> = TableDefinition::new("warm");
+/// Blob sizes declared by the manifests of a repository:
+/// "upstream\0repo\0blob hex" → size in bytes (see `declared`).
+const DECLARED: TableDefinition<&str, u64> = TableDefinition::new("declared");
 
 /// Version 2 added `access` and `members_by_digest`, version 3 the running
-/// byte total, version 4 what each upstream is charged; an index written
-/// by an older larder gets them built once, when it is opened.
-const SCHEMA_VERSION: u64 = 4;
+/// byte total, version 4 what each upstream is charged, version 5 the
+/// declared sizes; an index written by an older larder gets them built
+/// once, when it is opened.
+const SCHEMA_VERSION: u64 = 5;
 
 /// The two kinds of content the store keeps and evicts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -344,16 +350,20 @@ fn put_warnings(txn: &WriteTransaction, hex: &str, warnings: &[u8]) -> Result<()
     Ok(())
 }
 
+/// Records membership rows, and for those that are manifests the blob
+/// sizes they declare for the repository (`declared`).
 fn put_members(txn: &WriteTransaction, members: &[String], now_ms: u64) -> Result<(), redb::Error> {
-    let mut table = txn.open_table(MEMBERS)?;
-    let mut by_digest = txn.open_table(MEMBERS_BY_DIGEST)?;
-    for key in members {
-        table.insert(key.as_str(), now_ms)?;
-        if let Some(k) = by_digest_key(key) {
-            by_digest.insert(k.as_str(), ())?;
+    {
+        let mut table = txn.open_table(MEMBERS)?;
+        let mut by_digest = txn.open_table(MEMBERS_BY_DIGEST)?;
+        for key in members {
+            table.insert(key.as_str(), now_ms)?;
+            if let Some(k) = by_digest_key(key) {
+                by_digest.insert(k.as_str(), ())?;
+            }
         }
     }
-    Ok(())
+    declared::record(txn, members)
 }
 
 /// Keys of `table` that start with `prefix`, in order.
@@ -408,6 +418,7 @@ impl Index {
         txn.open_table(CHARGED)?;
         txn.open_table(UPSTREAM_ACCESS)?;
         txn.open_table(WARM)?;
+        txn.open_table(DECLARED)?;
         let version = txn.open_table(META)?.get(SCHEMA_KEY)?.map_or(1, |v| v.value());
         if version < SCHEMA_VERSION {
             migrate::migrate(&txn, version)?;
@@ -449,13 +460,33 @@ impl Index {
     /// new blob is charged to that repository's upstream). Returns whether
     /// the blob is new to the index.
     pub fn insert_blob(&self, digest: &Digest, size: u64, member: &str, now_ms: u64) -> Result<bool, redb::Error> {
+        Ok(self.insert_fetched_blob(digest, size, member, || true, now_ms)?.0)
+    }
+
+    /// [`Index::insert_blob`], with the membership row only if `keep`
+    /// says so when asked inside the write transaction: after any write
+    /// transaction that began before this one (a purge's) and before any
+    /// that begins after it. The blob is charged to the member's upstream
+    /// either way. Returns whether the blob is new, and whether the row
+    /// was kept.
+    pub fn insert_fetched_blob(
+        &self,
+        digest: &Digest,
+        size: u64,
+        member: &str,
+        keep: impl FnOnce() -> bool,
+        now_ms: u64,
+    ) -> Result<(bool, bool), redb::Error> {
         let txn = begin_write(&self.db)?;
+        let kept = keep();
         let mut content = Content::open(&txn)?;
         let new = content.put(Kind::Blob, digest.hex().as_str(), size, now_ms, upstream_of(member))?;
         let changes = content.close()?;
-        put_members(&txn, &[member.to_owned()], now_ms)?;
+        if kept {
+            put_members(&txn, &[member.to_owned()], now_ms)?;
+        }
         self.commit(txn, changes)?;
-        Ok(new)
+        Ok((new, kept))
     }
 
     /// Removes the tag and membership rows whose key starts with `prefix`
@@ -488,6 +519,7 @@ impl Index {
                 }
             }
             purged.members = member_keys.len();
+            declared::purge(&txn, prefix)?;
             let mut content = Content::open(&txn)?;
             for hex in candidates {
                 let Some(digest) = parse_hex(&hex) else { continue };

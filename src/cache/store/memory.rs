@@ -92,8 +92,7 @@ const LISTINGS_BYTES: u64 = 16 << 20;
 /// Blob files kept open between requests: a small share of the process's
 /// file descriptors (larder raises its soft limit at start).
 const OPEN_BLOB_HANDLES: u64 = 256;
-/// Declared blob sizes remembered; a blob whose manifest was forgotten is
-/// bounded by `max_blob_size` instead.
+/// Declared blob sizes remembered in memory; the index has them all.
 const DECLARED_SIZES: u64 = 100_000;
 /// Blobs fetched ahead and not yet asked for, remembered (a client that
 /// never asks leaves them to age out).
@@ -162,11 +161,13 @@ impl Memory {
         self.manifests.insert(m.digest, m);
     }
 
-    /// Drops every cached tag mapping, membership row and listing page;
-    /// they are read again from the index (or upstream) on demand.
+    /// Drops every cached tag mapping, membership row, declared size and
+    /// listing page; they are read again from the index (or upstream) on
+    /// demand.
     pub fn forget_tags_and_members(&self) {
         self.tags.invalidate_all();
         self.members.invalidate_all();
+        self.declared_sizes.invalidate_all();
         self.listings.invalidate_all();
     }
 

@@ -362,3 +362,56 @@ fn a_manifests_warnings_are_kept_replaced_and_removed_with_it() {
     assert_eq!(index.purge("hub\0").unwrap().content.len(), 1);
     assert!(index.manifest_warnings(&m).unwrap().is_empty(), "purged with the manifest");
 }
+
+/// An image manifest naming `layer` with `size`.
+fn manifest_declaring(layer: &Digest, size: u64) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": Digest::of(b"{}").to_string(), "size": 2},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": layer.to_string(), "size": size}],
+    }))
+    .unwrap()
+}
+
+#[test]
+fn declared_sizes_are_kept_per_repository_with_the_manifest_and_purged_with_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("index.redb");
+    let layer = Digest::of(b"layer");
+    let bytes = manifest_declaring(&layer, 1234);
+    let m = Digest::of(&bytes);
+    {
+        let index = Index::open(&path).unwrap();
+        index.insert_manifest(&m, MediaType::OciManifest, &bytes, None, &[member("hub", "a", &m)], 1).unwrap();
+        // Confirmed in another repository later (a HEAD upstream).
+        index.add_members(&[member("hub", "b", &m)], 2).unwrap();
+    }
+    let index = Index::open(&path).unwrap();
+    assert_eq!(index.declared_size(&member("hub", "a", &layer)).unwrap(), Some(1234), "after a reopen");
+    assert_eq!(index.declared_size(&member("hub", "b", &layer)).unwrap(), Some(1234));
+    assert_eq!(index.declared_size(&member("hub", "c", &layer)).unwrap(), None, "not another repository's");
+    index.purge("hub\0a\0").unwrap();
+    assert_eq!(index.declared_size(&member("hub", "a", &layer)).unwrap(), None, "purged with the repository");
+    assert_eq!(index.declared_size(&member("hub", "b", &layer)).unwrap(), Some(1234));
+}
+
+#[test]
+fn an_index_from_before_declared_sizes_gets_them_from_its_manifests() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("index.redb");
+    let layer = Digest::of(b"layer");
+    let bytes = manifest_declaring(&layer, 99);
+    let m = Digest::of(&bytes);
+    {
+        let index = Index::open(&path).unwrap();
+        index.insert_manifest(&m, MediaType::OciManifest, &bytes, None, &[member("hub", "r", &m)], 1).unwrap();
+        // As a version-4 larder left it: no declared sizes, schema 4.
+        let txn = index.db.begin_write().unwrap();
+        txn.delete_table(DECLARED).unwrap();
+        txn.open_table(META).unwrap().insert(SCHEMA_KEY, 4).unwrap();
+        txn.commit().unwrap();
+    }
+    let index = Index::open(&path).unwrap();
+    assert_eq!(index.declared_size(&member("hub", "r", &layer)).unwrap(), Some(99));
+}
