@@ -90,15 +90,26 @@ impl Cache {
         via: Via,
     ) -> Result<(Arc<StoredManifest>, CacheResult), Error> {
         match reference {
-            Reference::Digest(digest) => match self.stored_manifest(digest).await? {
-                Some(m) => {
-                    self.ensure_member(upstream, repo, digest, Content::Manifest, via).await?;
-                    self.evictor.record_access(Kind::Manifest, *digest, unix_ms(SystemTime::now()));
-                    Ok((m, CacheResult::Hit))
-                }
-                None => self.fetch_manifest(upstream, repo, reference, via).await,
-            },
+            Reference::Digest(digest) => self.manifest_by_digest(upstream, repo, digest, via).await,
             Reference::Tag(tag) => self.manifest_by_tag(upstream, repo, tag, via).await,
+        }
+    }
+
+    /// A manifest by digest: cached (once `repo` is known to have it), or fetched.
+    async fn manifest_by_digest(
+        self: &Arc<Self>,
+        upstream: &Arc<Upstream>,
+        repo: &RepoName,
+        digest: &Digest,
+        via: Via,
+    ) -> Result<(Arc<StoredManifest>, CacheResult), Error> {
+        match self.stored_manifest(digest).await? {
+            Some(m) => {
+                self.ensure_member(upstream, repo, digest, Content::Manifest, via).await?;
+                self.evictor.record_access(Kind::Manifest, *digest, unix_ms(SystemTime::now()));
+                Ok((m, CacheResult::Hit))
+            }
+            None => self.fetch_manifest(upstream, repo, &Reference::Digest(*digest), via).await,
         }
     }
 
@@ -236,22 +247,15 @@ impl Cache {
         if may_serve_stale && (upstream.revalidation_backoff().active() || self.warm_tag_gone(&key)) {
             return Ok((cached, CacheResult::Stale));
         }
-        // The pause after a failure is recorded where the HEAD runs, so that
-        // it counts even when every client waiting on it reached its deadline.
-        let head = {
-            let (upstream, repo, reference) = (Arc::clone(upstream), repo.clone(), Reference::Tag(tag.clone()));
-            move || async move {
-                let answer = upstream.head_manifest_warned(&repo, &reference).await;
-                upstream.revalidation_backoff().record(answer.is_err(), ttl);
-                answer.map_err(Error::Upstream)
-            }
+        let revalidate = {
+            let (cache, upstream, repo, tag) = (Arc::clone(self), Arc::clone(upstream), repo.clone(), tag.clone());
+            move || async move { cache.revalidate_tag(&upstream, &repo, &tag, via).await }
         };
-        let answer = self.revalidations.run(key.clone(), head).await.0;
+        let (answer, joined) = self.revalidations.run(key.clone(), revalidate).await;
         match answer {
-            // Unchanged: the answer's warnings are the manifest's now.
-            Ok(Some((digest, warnings))) if digest == entry.digest => {
-                self.set_tag(key, digest).await?;
-                Ok((self.rewarn(cached, warnings).await?, CacheResult::Hit))
+            // Unchanged: confirmed now, with the answer's warnings.
+            Ok(Some((digest, _))) if digest == entry.digest => {
+                Ok((self.stored_manifest(&digest).await?.unwrap_or(cached), CacheResult::Hit))
             }
             // Moved. A GET counts against Docker Hub's pull limit (the HEAD
             // did not): with the limit used up, what is cached is served.
@@ -259,9 +263,12 @@ impl Cache {
                 tracing::warn!(upstream = upstream.name(), %repo, %tag, "tag moved, but the pull limit is used up: serving stale");
                 Ok((cached, CacheResult::Stale))
             }
-            Ok(Some((digest, _))) => match self.fetch_manifest(upstream, repo, &Reference::Digest(digest), via).await {
+            // Moved: the revalidation fetched it and moved the tag (unless
+            // the pull limit was used up: then it is fetched here).
+            Ok(Some((digest, _))) => match self.manifest_by_digest(upstream, repo, &digest, via).await {
                 Ok((m, result)) => {
                     self.set_tag(key, digest).await?;
+                    let result = if result == CacheResult::Hit { CacheResult::of(joined) } else { result };
                     Ok((m, result))
                 }
                 Err(Error::Upstream(e @ UpstreamError::RateLimited { .. })) if may_serve_stale => {
@@ -286,6 +293,40 @@ impl Cache {
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// A tag's revalidation, run once however many ask (clients and the
+    /// warm loop share it) in a task of its own, so that it runs to its
+    /// end and what it finds is applied even when every client waiting on
+    /// it reached its manifest deadline: one `HEAD`, the pause after a
+    /// failure recorded; unchanged, the tag is confirmed now and the
+    /// answer's warnings kept; moved, the new manifest is fetched and the
+    /// tag moved to it, unless the pull limit is used up (the caller
+    /// decides: what is cached may be served). Gone (`None`) and failures
+    /// are the caller's to handle.
+    pub(super) async fn revalidate_tag(
+        self: &Arc<Self>,
+        upstream: &Arc<Upstream>,
+        repo: &RepoName,
+        tag: &Tag,
+        via: Via,
+    ) -> Result<Option<(Digest, Warnings)>, Error> {
+        let answer = upstream.head_manifest_warned(repo, &Reference::Tag(tag.clone())).await;
+        upstream.revalidation_backoff().record(answer.is_err(), upstream.config.tag_ttl(&self.config));
+        let Some((digest, warnings)) = answer.map_err(Error::Upstream)? else { return Ok(None) };
+        let key = tag_key(upstream.name(), repo, tag);
+        let known = self.tag_entry(&key).await?.map(|e| e.digest);
+        if known != Some(digest) {
+            if upstream.rate_limited() {
+                return Ok(Some((digest, warnings)));
+            }
+            self.fetch_manifest(upstream, repo, &Reference::Digest(digest), via).await?;
+        }
+        if let Some(m) = self.stored_manifest(&digest).await? {
+            self.rewarn(m, warnings.clone()).await?;
+        }
+        self.set_tag(key, digest).await?;
+        Ok(Some((digest, warnings)))
     }
 
     /// Fetches a manifest (one fetch per reference however many ask):
