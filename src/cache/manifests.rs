@@ -52,7 +52,8 @@ impl Cache {
     ) -> Result<(Arc<StoredManifest>, CacheResult), Error> {
         let lookup = self.manifest_lookup(upstream, repo, reference, via);
         if let Ok(answer) = tokio::time::timeout_at(deadline, lookup).await {
-            return answer;
+            let (m, result) = answer?;
+            return Ok((self.warned(m, upstream.name(), repo).await?, result));
         }
         if let Reference::Tag(tag) = reference {
             if let Some(stale) = self.stale_tag(upstream, repo, tag).await? {
@@ -60,7 +61,7 @@ impl Cache {
                 // served stale at once for a while, not after a deadline each.
                 upstream.revalidation_backoff().record(true, upstream.config.tag_ttl(&self.config));
                 tracing::warn!(upstream = upstream.name(), %repo, %tag, "revalidation did not finish by the manifest deadline: serving stale");
-                return Ok((stale, CacheResult::Stale));
+                return Ok((self.warned(stale, upstream.name(), repo).await?, CacheResult::Stale));
             }
         }
         tracing::warn!(upstream = upstream.name(), %repo, %reference, "no manifest by the manifest deadline");
@@ -123,35 +124,61 @@ impl Cache {
             return Ok(Some(m));
         }
         let (index, d) = (Arc::clone(&self.index), *digest);
-        let row = blocking(move || {
-            let Some(row) = index.manifest(&d)? else { return Ok(None) };
-            Ok(Some((row, index.manifest_warnings(&d)?)))
-        })
-        .await?;
-        Ok(row.map(|((media_type, bytes), warnings)| {
-            let m = StoredManifest::new(Bytes::from(bytes), media_type, d).with_warnings(Warnings::decode(&warnings));
-            let m = Arc::new(m);
+        let row = blocking(move || Ok(index.manifest(&d)?)).await?;
+        Ok(row.map(|(media_type, bytes)| {
+            let m = Arc::new(StoredManifest::new(Bytes::from(bytes), media_type, d));
             self.memory.insert_manifest(Arc::clone(&m));
             m
         }))
     }
 
-    /// Upstream answered about a stored manifest again, with `warnings`:
-    /// they replace the ones kept with it (memory and index). Returns the
-    /// manifest as it is now served.
-    pub(super) async fn rewarn(
+    /// The registry warnings upstream last sent with `digest` for `repo`.
+    async fn warnings_of(&self, upstream: &str, repo: &RepoName, digest: &Digest) -> Result<Warnings, Error> {
+        let member = member_key(upstream, repo, digest);
+        if let Some(w) = self.memory.warnings(&member) {
+            return Ok(w);
+        }
+        let (index, key) = (Arc::clone(&self.index), member.clone());
+        let encoded = blocking(move || Ok(index.manifest_warnings(&key)?)).await?;
+        let warnings = Warnings::decode(&encoded);
+        self.memory.insert_warnings(member, warnings.clone());
+        Ok(warnings)
+    }
+
+    /// `m` as served for `repo` of `upstream`: with the warnings upstream
+    /// sent for that repository, and only those (the bytes are shared with
+    /// every repository that has them; upstream's words to one are not).
+    pub(super) async fn warned(
         &self,
         m: Arc<StoredManifest>,
-        warnings: Warnings,
+        upstream: &str,
+        repo: &RepoName,
     ) -> Result<Arc<StoredManifest>, Error> {
+        let warnings = self.warnings_of(upstream, repo, &m.digest).await?;
         if m.warnings == warnings {
             return Ok(m);
         }
-        let (index, digest, encoded) = (Arc::clone(&self.index), m.digest, warnings.encode());
-        blocking(move || Ok(index.set_manifest_warnings(&digest, &encoded)?)).await?;
-        let m = Arc::new(m.rewarned(warnings));
-        self.memory.insert_manifest(Arc::clone(&m));
-        Ok(m)
+        Ok(Arc::new(m.rewarned(warnings)))
+    }
+
+    /// Upstream answered about a stored manifest for `repo` again, with
+    /// `warnings`: they replace the ones kept for that repository (memory
+    /// and index).
+    pub(super) async fn rewarn(
+        &self,
+        upstream: &str,
+        repo: &RepoName,
+        digest: &Digest,
+        warnings: Warnings,
+    ) -> Result<(), Error> {
+        if self.warnings_of(upstream, repo, digest).await? == warnings {
+            return Ok(());
+        }
+        let member = member_key(upstream, repo, digest);
+        let (index, key, encoded) = (Arc::clone(&self.index), member.clone(), warnings.encode());
+        blocking(move || Ok(index.set_manifest_warnings(&key, &encoded)?)).await?;
+        self.memory.insert_warnings(member, warnings);
+        Ok(())
     }
 
     pub(super) async fn tag_entry(&self, key: &str) -> Result<Option<TagEntry>, Error> {
@@ -322,9 +349,7 @@ impl Cache {
             }
             self.fetch_manifest(upstream, repo, &Reference::Digest(digest), via).await?;
         }
-        if let Some(m) = self.stored_manifest(&digest).await? {
-            self.rewarn(m, warnings.clone()).await?;
-        }
+        self.rewarn(upstream.name(), repo, &digest, warnings.clone()).await?;
         self.set_tag(key, digest).await?;
         Ok(Some((digest, warnings)))
     }
@@ -412,30 +437,38 @@ impl Cache {
         let index = Arc::clone(&self.index);
         let (tag_row, member_rows) = (tag.clone(), members.clone());
         let size = m.bytes.len() as u64;
-        // Upstream's (or an owner's) warnings replace the kept ones; a
-        // source without any (the shared tier, an import) leaves them.
+        // Upstream's (or an owner's) warnings for `repo` replace the ones
+        // kept for it; a source without any (the shared tier, an import)
+        // leaves them.
         let told = m.warnings.clone();
+        let member = members[0].clone();
         let (new, kept) = blocking(move || {
             let tag = tag_row.as_deref();
             let encoded = m.warnings.as_ref().map(Warnings::encode);
             let row = (m.media_type, &m.bytes[..], encoded.as_deref());
             let new = index.insert_manifest_warned(&m.digest, row, tag, &member_rows, unix_ms(now))?;
-            let kept = if m.warnings.is_some() { Vec::new() } else { index.manifest_warnings(&m.digest)? };
+            let kept = if m.warnings.is_some() { Vec::new() } else { index.manifest_warnings(&member_rows[0])? };
             Ok((new, kept))
         })
         .await?;
-        let stored = Arc::new(stored.with_warnings(told.unwrap_or_else(|| Warnings::decode(&kept))));
+        let warnings = told.unwrap_or_else(|| Warnings::decode(&kept));
         if new {
             self.evictor.added(size);
         }
         for key in members {
             self.memory.insert_member(key);
         }
+        let stored = Arc::new(stored);
         self.memory.insert_manifest(Arc::clone(&stored));
+        self.memory.insert_warnings(member, warnings.clone());
         if let Some(key) = tag {
             self.memory.insert_tag(key, TagEntry { digest: stored.digest, confirmed: now });
         }
-        Ok(stored)
+        // As served for `repo`; the memory tier keeps it without them.
+        if warnings.is_empty() {
+            return Ok(stored);
+        }
+        Ok(Arc::new(stored.rewarned(warnings)))
     }
 }
 

@@ -58,9 +58,9 @@ impl Cache {
         };
         match self.manifest_via(upstream, repo, &Reference::Digest(digest), Via::Client).await {
             // The tag's answer speaks for the manifest it points to now.
-            Ok((m, _)) => {
+            Ok(_) => {
                 if let Some(warnings) = warnings {
-                    self.rewarn(m, warnings).await?;
+                    self.rewarn(upstream.name(), repo, &digest, warnings).await?;
                 }
             }
             Err(Error::ManifestUnknown) => return Ok(Seen::Gone),
