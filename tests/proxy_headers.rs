@@ -206,4 +206,12 @@ async fn warnings_stay_with_the_upstream_and_repository_they_came_from() {
     assert_eq!(all(&manifest(&larder, reqwest::Method::GET, &path("warns.test", &d)).await, "warning"), [W2]);
     assert!(all(&manifest(&larder, reqwest::Method::GET, &path("quiet.test", &d)).await, "warning").is_empty());
     assert_eq!(warns.manifest_gets("v1") + warns.manifest_gets(&d), 1, "all from the cache");
+
+    // Another repository of the warning upstream, by digest: cached, and
+    // upstream's HEAD that confirms the repository has it brings the
+    // warnings it sends for that repository.
+    let other = format!("/v2/test/other/manifests/{d}?ns=warns.test");
+    assert_eq!(all(&manifest(&larder, reqwest::Method::GET, &other).await, "warning"), [W2]);
+    assert_eq!(warns.requests("HEAD", &format!("/v2/test/other/manifests/{d}")), 1, "its membership, asked once");
+    assert_eq!(warns.manifest_gets(&d), 0, "the bytes from the cache");
 }
