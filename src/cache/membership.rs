@@ -68,11 +68,19 @@ impl Cache {
         }
         // The digest's owner may know already (it fetched it for this
         // repository); otherwise it, or this replica, asks upstream.
+        // Upstream's answer about a manifest carries its warnings for `repo`.
+        let mut warnings = None;
         let confirmed = match self.member_from_owner(upstream, repo, digest, content, via).await {
             Some(answer) => answer?,
             None => match content {
                 Content::Blob => upstream.head_blob(repo, digest).await?,
-                Content::Manifest => upstream.head_manifest(repo, &Reference::Digest(*digest)).await?.map(|_| None),
+                Content::Manifest => {
+                    let answer = upstream.head_manifest_warned(repo, &Reference::Digest(*digest)).await?;
+                    answer.map(|(_, w)| {
+                        warnings = Some(w);
+                        None
+                    })
+                }
             },
         };
         let Some(size) = confirmed else {
@@ -82,6 +90,9 @@ impl Cache {
             });
         };
         self.remember_member(upstream.name(), repo, digest).await?;
+        if let Some(warnings) = warnings {
+            self.rewarn(upstream.name(), repo, digest, warnings).await?;
+        }
         Ok(size)
     }
 

@@ -391,7 +391,9 @@ impl Cache {
         digest: &Digest,
     ) -> Result<Option<Arc<super::StoredManifest>>, Error> {
         match self.stored_manifest(digest).await? {
-            Some(m) if self.local_member(upstream, repo, digest).await? => Ok(Some(m)),
+            Some(m) if self.local_member(upstream, repo, digest).await? => {
+                Ok(Some(self.warned(m, upstream, repo).await?))
+            }
             _ => Ok(None),
         }
     }
@@ -409,7 +411,8 @@ impl Cache {
         if age >= upstream.config.tag_ttl(&self.config) && !upstream.config.tag_is_immutable(tag.as_str()) {
             return Ok(None);
         }
-        Ok(self.stored_manifest(&entry.digest).await?.map(|m| (m, entry.confirmed)))
+        let Some(m) = self.stored_manifest(&entry.digest).await? else { return Ok(None) };
+        Ok(Some((self.warned(m, upstream.name(), repo).await?, entry.confirmed)))
     }
 
     /// Whether this replica knows `repo` has `digest` (a membership row,
