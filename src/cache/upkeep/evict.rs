@@ -45,7 +45,8 @@ pub struct Evictor {
     charged: Arc<Charged>,
     bytes: AtomicU64,
     /// Access times not yet written to the index: (kind, digest) → unix millis.
-    pending: Mutex<HashMap<(Kind, Digest), u64>>,
+    /// Hashed with foldhash: every warm request inserts here (issue 35).
+    pending: Mutex<HashMap<(Kind, Digest), u64, foldhash::fast::RandomState>>,
     disk_full: AtomicBool,
     wake: Notify,
 }
@@ -58,7 +59,7 @@ impl Evictor {
             quotas,
             charged,
             bytes: AtomicU64::new(bytes),
-            pending: Mutex::new(HashMap::new()),
+            pending: Mutex::new(HashMap::default()),
             disk_full: AtomicBool::new(false),
             wake: Notify::new(),
         }
