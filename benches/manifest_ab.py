@@ -149,7 +149,10 @@ def main() -> int:
             for logged in (True, False):
                 name = f"{b} ({'request lines' if logged else 'warn'})"
                 d = scratch / f"larder-{i}-{int(logged)}"
-                s = load.start_larder(procs, b.resolve(), d, d / "cache", origin.port, log=logged)
+                # load.run_point checks by these names that a larder with request
+                # lines wrote a line per request and a quiet one none.
+                s = load.start_larder(procs, b.resolve(), d, d / "cache", origin.port, log=logged,
+                                      name="larder" if logged else load.QUIET)
                 st, body, _ = load.http_get(s.url(path), {"Accept": OCI_MANIFEST})
                 if st != 200 or body != manifest:
                     raise RuntimeError(f"warm-up of {name}: {st}")
