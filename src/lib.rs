@@ -12,7 +12,7 @@
 //!   (which hosts are one operator's), [`config`] (one room per section);
 //! - plumbing: [`error`] (the one mapping to responses), [`metrics`],
 //!   [`blocking`], [`coalesce`], [`background`], [`body`], [`sendfile`],
-//!   [`log_filter`], [`log_writer`], [`shutdown`];
+//!   [`log_filter`], [`log_writer`], [`otel`] (traces), [`shutdown`];
 //! - [`upstream`]: registries larder pulls from (auth, redirects and the
 //!   dial guard, credentials, pull limits);
 //! - [`cluster`]: the other replicas (ring, peer set, peer client);
@@ -41,6 +41,7 @@ pub mod log_filter;
 pub mod log_writer;
 pub mod metrics;
 pub mod oci;
+pub mod otel;
 pub mod policy;
 pub mod sendfile;
 pub mod server;

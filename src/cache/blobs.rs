@@ -5,6 +5,8 @@ use std::fs::File;
 use std::sync::Arc;
 use std::time::SystemTime;
 
+use tracing::Instrument;
+
 use super::*;
 
 /// Times a request may find that the fill it joined, started for another
@@ -215,9 +217,16 @@ impl Cache {
         };
         metrics().fills.with_label_values(&[reason]).inc();
         metrics().fills_in_flight.inc();
+        let trace = crate::otel::fill(&digest, reason, upstream.name());
+        let fill_trace = trace.clone();
         // A fill the warm loop starts stays background work (clients first).
         tokio::spawn(crate::background::inherit(async move {
-            match cache.fill(&upstream, &repo, digest, via, &priority, &tx).await {
+            let filled = cache.fill(&upstream, &repo, digest, via, &priority, &tx).instrument(fill_trace).await;
+            match &filled {
+                Ok((_, size)) => crate::otel::filled(&trace, Ok(*size)),
+                Err(e) => crate::otel::filled(&trace, Err(e)),
+            }
+            match filled {
                 Ok((file, size)) => {
                     if priority.is_ahead() {
                         cache.memory.insert_fetched_ahead(digest);

@@ -92,7 +92,8 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, peer: std::net::IpAdd
     let span = tracing::info_span!("request", id = %id);
     let hex = id.hex();
     let namespace = routes::namespace_echo(req.uri());
-    let mut resp = handle_request(app, req, &hex, peer).instrument(span).await;
+    let trace = crate::otel::server(req.method(), req.uri(), req.headers(), "registry", Some(&hex));
+    let mut resp = handle_request(app, req, &hex, peer, &trace).instrument(trace.clone()).instrument(span).await;
     if let Ok(value) = http::HeaderValue::from_bytes(&hex) {
         resp.headers_mut().insert("x-request-id", value);
     }
@@ -157,11 +158,13 @@ impl std::fmt::Display for RequestId {
 }
 
 /// `id`: the request's id as its 16 hex digits.
+/// `trace`: the request's OpenTelemetry span (disabled when tracing is off).
 async fn handle_request(
     app: Arc<App>,
     req: Request<Incoming>,
     id: &[u8; 16],
     peer: std::net::IpAddr,
+    trace: &tracing::Span,
 ) -> Response<Body> {
     let started = Instant::now();
     let (parts, _body) = req.into_parts();
@@ -179,7 +182,10 @@ async fn handle_request(
     });
     let (route, outcome) = match parsed {
         Ok(Parsed::Base) => ("base", handlers::base(&parts.method).map(|r| (r, None))),
-        Ok(Parsed::Repo(route)) => (route.endpoint.label(), handlers::route(&app, route, &parts).await),
+        Ok(Parsed::Repo(route)) => {
+            crate::otel::route(trace, route.upstream.name(), route.repo.as_str());
+            (route.endpoint.label(), handlers::route(&app, route, &parts).await)
+        }
         // Refused for who asks (policy, grants, password): the route is
         // valid, and its status says it was denied.
         Err(e @ (Error::Denied(_) | Error::Unauthorized { .. } | Error::TooManyRequests { .. })) => {
@@ -195,6 +201,7 @@ async fn handle_request(
         }
     };
     let elapsed = started.elapsed();
+    crate::otel::response(trace, resp.status(), cache.map(|c| c.as_str()), error.as_deref());
     let m = metrics();
     let method = match parts.method.as_str() {
         m @ ("GET" | "HEAD") => m,
