@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::metrics::{ADMIN_LISTEN, metric};
-use common::{Larder, Upstream, free_port};
+use common::{Cluster, Larder, Upstream, free_port};
 use fake::{
     FakeUpstream, OCI_MANIFEST, PATIENCE, REPO, blob_path, digest, image_manifest, manifest_path, random_bytes,
 };
@@ -376,6 +376,49 @@ async fn through_a_via_hub_the_hub_spans_share_the_trace() {
     let to_origin = one(&spans, "hub", trace, "GET", |c| c.attr("url.full") == Some(origin_url.as_str()));
     assert_eq!(to_origin.parent, hub_cache.span_id);
     assert_eq!(sent_upstream(&up, "GET", &manifest_path("v1")), Some(traceparent(trace, &to_origin.span_id, true)));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cluster_owner_continues_the_trace_of_the_replica_that_asks_it() {
+    let collector = Collector::start(Answer::Ok).await;
+    let (builder, _, layer) = image(61);
+    let up = builder.start().await;
+    let cluster = Cluster::builder(fake_upstream(&up))
+        .replicas(2)
+        .append_toml(&format!("[tracing]\notlp_endpoint = {:?}\n", collector.url()))
+        .each(|b| b.env("OTEL_BSP_SCHEDULE_DELAY", "100"))
+        .start()
+        .await;
+    let owner = cluster.owner_of(&layer);
+    let asker = &cluster.replicas[cluster.other_than(owner)];
+    assert_eq!(get(asker, &manifest_path("v1"), &[]).await.0, 200);
+
+    let (trace, client) = ("77777777777777777777777777777777", "8888888888888888");
+    let (status, _) = get(asker, &blob_path(&layer), &[("traceparent", &traceparent(trace, client, true))]).await;
+    assert_eq!(status, 200);
+    let origin_url = format!("{}{}", up.url(), blob_path(&layer));
+    let route = "GET /v2/{name}/blobs/{digest}";
+    let spans = collector
+        .wait_for("the asker's and the owner's spans", |s| {
+            has(s, "larder", trace, route, |s| s.attr("larder.listener") == Some("peer"))
+                && has(s, "larder", trace, "GET", |c| c.attr("url.full") == Some(origin_url.as_str()))
+                && s.iter().filter(|s| s.trace_id == trace && s.name == "fill").count() == 2
+        })
+        .await;
+    let asked = one(&spans, "larder", trace, route, |s| s.attr("larder.listener") == Some("registry"));
+    assert_eq!(asked.parent, client);
+    let cache = one(&spans, "larder", trace, "cache blob", |c| c.parent == asked.span_id);
+    let fill = one(&spans, "larder", trace, "fill", |f| f.parent == cache.span_id);
+    let ask = one(&spans, "larder", trace, "GET", |c| c.parent == fill.span_id);
+    assert_eq!(ask.attr("larder.peer"), Some(cluster.peer_urls[owner].as_str()), "the asker's fill asks the owner");
+    let served = one(&spans, "larder", trace, route, |s| s.attr("larder.listener") == Some("peer"));
+    assert_eq!((served.kind, served.parent.as_str()), (SERVER, ask.span_id.as_str()), "the owner continues the ask");
+    let owner_cache = one(&spans, "larder", trace, "cache blob", |c| c.parent == served.span_id);
+    let owner_fill = one(&spans, "larder", trace, "fill", |f| f.parent == owner_cache.span_id);
+    assert_eq!(owner_fill.attr("larder.fill.reason"), Some("peer"));
+    let fetch = one(&spans, "larder", trace, "GET", |c| c.attr("url.full") == Some(origin_url.as_str()));
+    assert_eq!(fetch.parent, owner_fill.span_id);
+    assert_eq!(sent_upstream(&up, "GET", &blob_path(&layer)), Some(traceparent(trace, &fetch.span_id, true)));
 }
 
 #[tokio::test(flavor = "multi_thread")]

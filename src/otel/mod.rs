@@ -277,7 +277,7 @@ pub fn answered(span: &Span, result: Result<StatusCode, &dyn std::fmt::Display>)
 }
 
 /// A token fetch from `realm` (without its query) for `scopes`.
-pub fn token<'a>(realm: &Uri, service: Option<&str>, scopes: &mut dyn Iterator<Item = &'a str>) -> Span {
+pub fn token(realm: &Uri, service: Option<&str>, scopes: &mut dyn Iterator<Item = &str>) -> Span {
     if !enabled() {
         return Span::none();
     }
