@@ -30,6 +30,24 @@ pub struct CollectorClient {
     http: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     runtime: tokio::runtime::Handle,
     timeout: Duration,
+    /// Why the last request failed, for the log: the exporter reports
+    /// every failure to connect as "network error".
+    last_error: LastError,
+}
+
+/// The last error of a [`CollectorClient`], shared with whoever logs it.
+#[derive(Clone, Default, Debug)]
+pub struct LastError(std::sync::Arc<std::sync::Mutex<Option<String>>>);
+
+impl LastError {
+    fn set(&self, e: &str) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_owned());
+    }
+
+    /// The last error, taken (so an old one is not reported again).
+    pub fn take(&self) -> Option<String> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
 }
 
 impl fmt::Debug for CollectorClient {
@@ -45,6 +63,7 @@ impl CollectorClient {
         runtime: tokio::runtime::Handle,
         timeout: Duration,
         ca_file: Option<&std::path::Path>,
+        last_error: LastError,
     ) -> Result<CollectorClient, String> {
         let tls = crate::upstream::client_tls(ca_file)?;
         let mut http = HttpConnector::new();
@@ -58,7 +77,7 @@ impl CollectorClient {
             .enable_http2()
             .wrap_connector(http);
         let http = Client::builder(TokioExecutor::new()).pool_idle_timeout(POOL_IDLE_TIMEOUT).build(https);
-        Ok(CollectorClient { http, runtime, timeout })
+        Ok(CollectorClient { http, runtime, timeout, last_error })
     }
 }
 
@@ -80,9 +99,13 @@ impl HttpClient for CollectorClient {
                 Err(_) => Err(format!("no answer within {}", humantime::format_duration(timeout))),
             }
         });
-        match task.await {
-            Ok(answer) => answer.map_err(HttpError::from),
-            Err(e) => Err(HttpError::from(format!("the export task ended: {e}"))),
-        }
+        let answer = match task.await {
+            Ok(answer) => answer,
+            Err(e) => Err(format!("the export task ended: {e}")),
+        };
+        answer.map_err(|e| {
+            self.last_error.set(&e);
+            HttpError::from(e)
+        })
     }
 }

@@ -37,7 +37,7 @@ use crate::metrics::metrics;
 pub const DEFAULT_QUEUE_LIMIT: usize = 2048;
 /// How long the last export may take when larder stops; past it, the
 /// spans still queued are lost and larder exits.
-pub const SHUTDOWN_FLUSH_LIMIT: Duration = Duration::from_secs(5);
+pub const SHUTDOWN_FLUSH_LIMIT: Duration = Duration::from_secs(2);
 
 /// The export queue's limit: `OTEL_BSP_MAX_QUEUE_SIZE` when it is a
 /// positive number, else [`DEFAULT_QUEUE_LIMIT`].
@@ -86,8 +86,10 @@ where
     let Some(export) = &config.export else { return Ok(None) };
     let env = |name: &str| std::env::var(name).ok();
     let timeout = export_timeout(&env);
-    let client = super::collector::CollectorClient::new(runtime, timeout, export.ca_file.as_deref())
-        .map_err(|e| format!("tracing.ca_file: {e}"))?;
+    let last_error = super::collector::LastError::default();
+    let client =
+        super::collector::CollectorClient::new(runtime, timeout, export.ca_file.as_deref(), last_error.clone())
+            .map_err(|e| format!("tracing.ca_file: {e}"))?;
     let exporter = opentelemetry_otlp::SpanExporter::builder()
         .with_http()
         .with_http_client(client)
@@ -103,6 +105,7 @@ where
         queued: Arc::clone(&queued),
         endpoint: export.url.to_string(),
         failing: AtomicBool::new(false),
+        last_error,
     };
     let batch = BatchSpanProcessor::new(exporter, BatchConfigBuilder::default().with_max_queue_size(limit).build());
     let resource = Resource::builder()
@@ -176,6 +179,7 @@ struct Counted<E> {
     queued: Arc<AtomicUsize>,
     endpoint: String,
     failing: AtomicBool,
+    last_error: super::collector::LastError,
 }
 
 impl<E: SpanExporter> SpanExporter for Counted<E> {
@@ -187,16 +191,19 @@ impl<E: SpanExporter> SpanExporter for Counted<E> {
         match &result {
             Ok(()) => {
                 spans.with_label_values(&["exported"]).inc_by(n as u64);
+                self.last_error.take();
                 if self.failing.swap(false, Ordering::Relaxed) {
                     tracing::info!(endpoint = self.endpoint, "traces: the collector takes spans again");
                 }
             }
             Err(e) => {
                 spans.with_label_values(&["failed"]).inc_by(n as u64);
+                let cause = self.last_error.take();
                 if !self.failing.swap(true, Ordering::Relaxed) {
                     tracing::warn!(
                         endpoint = self.endpoint,
                         error = %e,
+                        cause = cause.as_deref().unwrap_or("-"),
                         spans = n,
                         "traces: export failed; spans are dropped until the collector answers \
                          (larder_trace_spans_total{{result=\"failed\"}})"
