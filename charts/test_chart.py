@@ -1334,6 +1334,54 @@ def check_credentials() -> None:
     check_config("credentials", r.toml_text(), expect_ok=False)
 
 
+def check_client_credentials() -> None:
+    """clientCredentials / clientCredentialsTtl: rendered as larder's keys,
+    accepted by `larder check-config`, refused where larder would refuse them."""
+    values = {
+        "upstreams": [
+            {"name": "docker.io", "url": "https://registry-1.docker.io", "default": True},
+            {"name": "ghcr.io", "url": "https://ghcr.io", "clientCredentials": "verify", "clientCredentialsTtl": "2m"},
+            {"name": "quay.io", "url": "https://quay.io", "clientCredentials": "verify"},
+            {"name": "gcr.io", "url": "https://gcr.io", "clientCredentials": "ignore"},
+        ]
+    }
+    r = render("client-credentials", values)
+    if r is None:
+        return
+    ups = {u["name"]: u for u in tomllib.loads(r.toml_text())["upstream"]}
+    check(
+        "[client-credentials] verify with its ttl",
+        ups["ghcr.io"].get("client_credentials") == "verify" and ups["ghcr.io"].get("client_credentials_ttl") == "2m",
+        ups["ghcr.io"],
+    )
+    check(
+        "[client-credentials] verify with larder's default ttl",
+        ups["quay.io"].get("client_credentials") == "verify" and "client_credentials_ttl" not in ups["quay.io"],
+        ups["quay.io"],
+    )
+    check(
+        "[client-credentials] ignore and unset write nothing",
+        all("client_credentials" not in ups[n] for n in ("docker.io", "gcr.io")),
+        ups,
+    )
+    check_config("client-credentials", r.toml_text())
+    verify = {"name": "ghcr.io", "url": "https://ghcr.io", "clientCredentials": "verify"}
+    cases = [
+        ("a mode larder does not know", {"upstreams": [dict(verify, clientCredentials="check")]}, "clientCredentials"),
+        ("a ttl without verify", {"upstreams": [{"name": "q.io", "url": "https://q.io", "clientCredentialsTtl": "1m"}]}, "applies only"),
+        ("a ttl in words", {"upstreams": [dict(verify, clientCredentialsTtl="five minutes")]}, "clientCredentialsTtl"),
+        ("verify behind a hub", {"mode": "node", "hub": {"url": "http://hub:5000"}, "upstreams": [verify]}, "hub"),
+        (
+            "verify with htpasswd",
+            {"config": {"auth": {"enabled": True, "existingSecret": "h"}}, "upstreams": [verify]},
+            "config.auth",
+        ),
+    ]
+    for label, bad, needle in cases:
+        err = render_error(bad)
+        check(f"[client-credentials refused] {label}", err is not None and needle in err, err or "rendered")
+
+
 SHARED = {
     "enabled": True,
     "bucket": "larder-cache",
@@ -2160,6 +2208,8 @@ def check_sizes() -> None:
         ("50G", "50GB"),
         ("40GiB", "40GiB"),
         ("1.5Gi", "1610612736B"),
+        # More than ten digits of bytes: still a size to larder.
+        ("15.5Gi", "16642998272B"),
         ("512Mi", "512MiB"),
         ("2Ti", "2TiB"),
     ):
@@ -2706,6 +2756,7 @@ def main() -> int:
         check_node_mode,
         check_extras,
         check_credentials,
+        check_client_credentials,
         check_exposure,
         check_cluster,
         check_cluster_tls,

@@ -42,6 +42,17 @@ pub enum Error {
     Upstream(#[from] UpstreamError),
     #[error("authentication required")]
     Unauthorized { realm: String },
+    /// An upstream with `client_credentials = "verify"` needs the client's
+    /// own Basic credentials, and it sent none, or ones upstream does not
+    /// accept. Answered with a `Basic` challenge naming `realm` (the
+    /// upstream); `message` says which, and never quotes the credentials.
+    #[error("{message}")]
+    CredentialsRequired { realm: String, message: String },
+    /// A client's credentials could not be checked with the upstream now
+    /// (unreachable, 5xx, 429) and no verdict within the ttl covers them:
+    /// nothing is served until they are.
+    #[error("larder cannot check these credentials with upstream {upstream:?} now; try again later")]
+    CredentialsUnverified { upstream: String },
     /// An admin operation without the right `Authorization: Bearer`
     /// token: the text says which token the listener expects (the
     /// configured file, or the one larder generated, and where).
@@ -168,6 +179,10 @@ impl Error {
             Error::Unauthorized { realm } => {
                 (S::UNAUTHORIZED, "UNAUTHORIZED", Some((header::WWW_AUTHENTICATE, format!("Basic realm=\"{realm}\""))))
             }
+            Error::CredentialsRequired { realm, .. } => {
+                (S::UNAUTHORIZED, "UNAUTHORIZED", Some((header::WWW_AUTHENTICATE, format!("Basic realm=\"{realm}\""))))
+            }
+            Error::CredentialsUnverified { .. } => (S::SERVICE_UNAVAILABLE, "UNAVAILABLE", None),
             Error::AdminUnauthorized(_) => (
                 S::UNAUTHORIZED,
                 "UNAUTHORIZED",

@@ -338,6 +338,91 @@ async fn a_client_trace_continues_through_the_cache_decision_the_fill_and_upstre
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_check_of_the_clients_credentials_is_in_its_trace_with_the_token_fetch() {
+    let collector = Collector::start(Answer::Ok).await;
+    let (builder, _, _) = image(7);
+    let up = builder
+        .token_response(r#"{"token":"t-alice","expires_in":300}"#)
+        .accept_authorization("Bearer t-alice")
+        .start()
+        .await;
+    let realm = format!("{}/token", up.url());
+    up.set_challenge(Some(&format!(r#"Bearer realm="{realm}",service="fake""#)));
+    let upstream = fake_upstream(&up).line("client_credentials = \"verify\"");
+    // `/v2/` asks for credentials here: ready once it listens.
+    let larder = traced(upstream, &collector.url(), "larder", "").ready_on_tcp().start().await;
+    let alice = ("authorization", "Basic YWxpY2U6cHc="); // alice:pw
+
+    // The first request with these credentials: checked with the upstream.
+    let (trace, client) = ("22222222222222222222222222222222", "2222222222222222");
+    let (status, _) =
+        get(&larder, &manifest_path("v1"), &[alice, ("traceparent", &traceparent(trace, client, true))]).await;
+    assert_eq!(status, 200);
+    let manifest_url = format!("{}{}", up.url(), manifest_path("v1"));
+    let spans = collector
+        .wait_for("the checked request's spans", |s| {
+            has(s, "larder", trace, "GET /v2/{name}/manifests/{reference}", |_| true)
+                && has(s, "larder", trace, "verify credentials", |_| true)
+                && has(s, "larder", trace, "GET", |c| c.attr("url.full") == Some(manifest_url.as_str()))
+        })
+        .await;
+    let server = one(&spans, "larder", trace, "GET /v2/{name}/manifests/{reference}", |_| true);
+    assert_eq!((server.parent.as_str(), server.attr("larder.upstream")), (client, Some(UPSTREAM)));
+    let verify = one(&spans, "larder", trace, "verify credentials", |_| true);
+    assert_eq!(
+        (verify.kind, verify.parent.as_str(), verify.attr("larder.upstream"), verify.attr("larder.verdict")),
+        (INTERNAL, server.span_id.as_str(), Some(UPSTREAM), Some("granted"))
+    );
+    let token = one(&spans, "larder", trace, "token", |t| t.parent == verify.span_id);
+    assert_eq!(token.attr("larder.realm"), Some(realm.as_str()));
+    let realm_get = one(&spans, "larder", trace, "GET", |c| c.parent == token.span_id);
+    assert_eq!(
+        (realm_get.kind, realm_get.attr("url.full"), realm_get.attr("http.response.status_code")),
+        (CLIENT, Some(realm.as_str()), Some("200"))
+    );
+    let probes: Vec<(&str, Option<&str>)> = spans
+        .iter()
+        .filter(|c| c.parent == verify.span_id && c.name == "HEAD")
+        .map(|c| (c.attr("url.full").unwrap_or_default(), c.attr("http.response.status_code")))
+        .collect();
+    assert_eq!(probes.len(), 2, "the check: HEAD (the challenge), the token, HEAD with the client's token: {probes:?}");
+    assert!(probes.iter().all(|(url, _)| *url == manifest_url), "{probes:?}");
+    assert!(
+        probes.contains(&(manifest_url.as_str(), Some("401")))
+            && probes.contains(&(manifest_url.as_str(), Some("200")))
+    );
+    let probe = one(&spans, "larder", trace, "HEAD", |c| {
+        c.parent == verify.span_id && c.attr("http.response.status_code") == Some("200")
+    });
+    let probed = up.log().into_iter().find(|r| {
+        r.method == "HEAD" && r.path == manifest_path("v1") && r.authorization.as_deref() == Some("Bearer t-alice")
+    });
+    assert_eq!(probed.and_then(|r| r.traceparent), Some(traceparent(trace, &probe.span_id, true)));
+    // Then the cache's miss fills with the lent credentials, its own
+    // requests (and token fetch) under the decision.
+    let cache = one(&spans, "larder", trace, "cache manifest", |_| true);
+    assert_eq!((cache.parent.as_str(), cache.attr("larder.cache")), (server.span_id.as_str(), Some("miss")));
+    let fetch = one(&spans, "larder", trace, "GET", |c| {
+        c.attr("url.full") == Some(manifest_url.as_str()) && c.attr("http.response.status_code") == Some("200")
+    });
+    assert_eq!(fetch.parent, cache.span_id);
+    let under_cache = spans.iter().filter(|s| s.trace_id == trace && s.parent == cache.span_id).count();
+    let tokens = spans.iter().filter(|s| s.trace_id == trace && s.name == "token").count();
+    assert_eq!((under_cache, tokens), (3, 2), "GET 401, token, GET 200 under the decision; a token each");
+    assert_eq!(spans.iter().filter(|s| s.trace_id == trace).count(), 11, "{spans:#?}");
+
+    // Within the verdict's lifetime the same credentials are not checked again.
+    let (trace, client) = ("33333333333333333333333333333333", "3333333333333333");
+    let (status, _) =
+        get(&larder, &manifest_path("v1"), &[alice, ("traceparent", &traceparent(trace, client, true))]).await;
+    assert_eq!(status, 200);
+    let spans =
+        collector.wait_for("the second request's spans", |s| has(s, "larder", trace, "cache manifest", |_| true)).await;
+    let in_trace: Vec<&str> = spans.iter().filter(|s| s.trace_id == trace).map(|s| s.name.as_str()).collect();
+    assert_eq!(in_trace.len(), 2, "the request and its cache hit: {in_trace:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn through_a_via_hub_the_hub_spans_share_the_trace() {
     let collector = Collector::start(Answer::Ok).await;
     let (builder, _, _) = image(11);

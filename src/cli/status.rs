@@ -106,9 +106,10 @@ pub fn render(s: &Status, admin: &str) -> String {
         };
         let _ = writeln!(
             out,
-            "  {}{} {}: {cached}, {} requests, {} errors, {last_error}; {rate}",
+            "  {}{}{} {}: {cached}, {} requests, {} errors, {last_error}; {rate}",
             u.name,
             if u.default { " (default)" } else { "" },
+            if u.verifies_clients { " (verifies clients)" } else { "" },
             u.url,
             u.requests,
             u.errors

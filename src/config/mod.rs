@@ -52,9 +52,9 @@ pub use server::{
 pub use shared::{MIN_SHARED_MAX_AGE, SharedConfig, SharedCredentials};
 pub use traces::{DEFAULT_SERVICE_NAME, EndpointSource, TraceExport, TracingConfig};
 pub use upstream::{
-    DEFAULT_BODY_IDLE_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_FILL_CONNECTIONS, DEFAULT_MAX_CONCURRENCY,
-    DEFAULT_RESPONSE_TIMEOUT, FallbackUrl, MAX_FILL_CONNECTIONS, MAX_MAX_CONCURRENCY, MAX_UPSTREAM_TIMEOUT,
-    MAX_UPSTREAM_URLS, UpstreamConfig,
+    ClientCredentialsMode, DEFAULT_BODY_IDLE_TIMEOUT, DEFAULT_CLIENT_CREDENTIALS_TTL, DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_FILL_CONNECTIONS, DEFAULT_MAX_CONCURRENCY, DEFAULT_RESPONSE_TIMEOUT, FallbackUrl, MAX_FILL_CONNECTIONS,
+    MAX_MAX_CONCURRENCY, MAX_UPSTREAM_TIMEOUT, MAX_UPSTREAM_URLS, UpstreamConfig,
 };
 pub use warm::{MAX_WARM_IMAGES, MAX_WARM_LINE, WarmFile, WarmImage, parse_warm_file, parse_warm_line, resolve_image};
 
@@ -297,6 +297,17 @@ impl Validator<'_> {
         // Grants name upstreams, and users or certificates `[server]` must
         // be able to tell apart.
         server.grants = self.grants(&raw_grants, &upstreams, &server)?;
+        // Both would read the client's one Authorization header.
+        if server.auth.is_some() {
+            if let Some(i) = upstreams.iter().position(|u| u.client_credentials != ClientCredentialsMode::Ignore) {
+                return Err(self.err(
+                    format!("upstream[{i}].client_credentials"),
+                    "\"verify\" checks the client's Basic credentials with the registry, and [server.auth] htpasswd \
+                     checks the same Authorization header against larder's own users: use one of them (grants can \
+                     still name clients by certificate, without htpasswd)",
+                ));
+            }
+        }
         let log = self.log(raw.log)?;
         let admin = self.admin(raw.admin.unwrap_or_default(), &server)?;
         let shared = raw.shared.map(|s| self.shared(s)).transpose()?;

@@ -14,6 +14,7 @@
 //! | `fill` | internal | a blob fill, in its own task |
 //! | `GET`, `HEAD` | client | every request to an upstream: each redirect hop, each part of a parallel fill |
 //! | `token` | internal | a token fetch (its `GET` inside) |
+//! | `verify credentials` | internal | a check of a client's credentials with an upstream (its requests inside) |
 //! | `GET`, `HEAD` to a peer | client | asks to a cluster owner |
 //! | `shared get`, `shared head` | client | reads of the shared object store |
 //!
@@ -296,6 +297,39 @@ pub fn token(realm: &Uri, service: Option<&str>, scopes: &mut dyn Iterator<Item 
         larder.service = service,
         larder.scope = scope.as_str(),
     )
+}
+
+/// A check of a client's own credentials with `upstream`
+/// (`client_credentials = "verify"`): its requests and token fetch inside.
+pub fn verify(upstream: &str) -> Span {
+    if !enabled() {
+        return Span::none();
+    }
+    tracing::info_span!(
+        target: TARGET,
+        "verify",
+        otel.name = "verify credentials",
+        otel.kind = "internal",
+        otel.status_code = Empty,
+        larder.upstream = upstream,
+        larder.verdict = Empty,
+        error.message = Empty,
+    )
+}
+
+/// A check's verdict (`granted`, `rejected`, `denied`, `not_found`) or
+/// why there is none.
+pub fn verified(span: &Span, result: Result<&'static str, &dyn std::fmt::Display>) {
+    if span.is_disabled() {
+        return;
+    }
+    match result {
+        Ok(verdict) => span.record("larder.verdict", verdict),
+        Err(e) => {
+            span.record("error.message", tracing::field::display(e));
+            span.record("otel.status_code", "error")
+        }
+    };
 }
 
 /// A read of the shared object store (`op`: `get`, `head`) of `key`.

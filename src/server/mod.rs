@@ -138,6 +138,60 @@ fn check_grants(
     )))
 }
 
+/// Parses the route and decides whether this client may have it, before
+/// any cache read or dial: the upstream's policy (in the parse), the
+/// grants, then, for an upstream with `client_credentials = "verify"`,
+/// the client's own credentials checked with that upstream. `GET /v2/`
+/// challenges a client without credentials when any upstream verifies, so
+/// that skopeo, podman and dockerd (which send credentials only where
+/// `/v2/` asked for them) send theirs. The request's trace span `trace`
+/// names the route's upstream and repository once parsed, refused or not.
+async fn authorize(
+    app: &App,
+    parts: &http::request::Parts,
+    user: Option<String>,
+    peer: std::net::IpAddr,
+    trace: &tracing::Span,
+) -> (&'static str, Result<Parsed, crate::error::Error>) {
+    let parsed = match routes::parse(&parts.method, &parts.uri, &app.upstreams) {
+        Ok(parsed) => parsed,
+        Err(e) => return ("invalid", Err(e)),
+    };
+    match &parsed {
+        Parsed::Repo(route) => {
+            let label = route.endpoint.label();
+            crate::otel::route(trace, route.upstream.name(), route.repo.as_str());
+            if let Err(e) = check_grants(app, &parts.extensions, user, route) {
+                return (label, Err(e));
+            }
+            let probe = match &route.endpoint {
+                routes::Endpoint::Manifest(r) => crate::upstream::Probe::Manifest(r.clone()),
+                routes::Endpoint::Blob(d) => crate::upstream::Probe::Blob(*d),
+                routes::Endpoint::TagsList(_) => crate::upstream::Probe::Tags,
+                routes::Endpoint::Referrers(d, _) => crate::upstream::Probe::Referrers(*d),
+            };
+            if let Err(e) = route.upstream.verify_client(&parts.headers, &route.repo, probe, peer).await {
+                return (label, Err(e));
+            }
+        }
+        Parsed::Base => {
+            let verifying = app.config.upstreams.iter().any(|u| u.client_credentials.verifies());
+            if verifying && !parts.headers.contains_key(http::header::AUTHORIZATION) {
+                return (
+                    "base",
+                    Err(crate::error::Error::CredentialsRequired {
+                        realm: "larder".to_owned(),
+                        message: "this mirror serves some registries only to clients those registries accept: \
+                                  send your credentials for them (HTTP Basic)"
+                            .to_owned(),
+                    }),
+                );
+            }
+        }
+    }
+    ("base", Ok(parsed))
+}
+
 /// A request's id: 16 hex digits in its log span and its `X-Request-Id`,
 /// formatted where each needs it, with no `String` of its own.
 #[derive(Clone, Copy)]
@@ -173,25 +227,22 @@ async fn handle_request(
         Some(auth) => auth.check(&parts.headers, peer).await.map(Some),
         None => Ok(None),
     };
-    let parsed = user.and_then(|user| {
-        let parsed = routes::parse(&parts.method, &parts.uri, &app.upstreams)?;
-        if let Parsed::Repo(route) = &parsed {
-            check_grants(&app, &parts.extensions, user, route)?;
-        }
-        Ok(parsed)
-    });
+    let (label, parsed) = match user {
+        Ok(user) => authorize(&app, &parts, user, peer, trace).await,
+        Err(e) => ("invalid", Err(e)),
+    };
     let (route, outcome) = match parsed {
         Ok(Parsed::Base) => ("base", handlers::base(&parts.method).map(|r| (r, None))),
-        Ok(Parsed::Repo(route)) => {
-            crate::otel::route(trace, route.upstream.name(), route.repo.as_str());
-            (route.endpoint.label(), handlers::route(&app, route, &parts).await)
-        }
-        // Refused for who asks (policy, grants, password): the route is
-        // valid, and its status says it was denied.
-        Err(e @ (Error::Denied(_) | Error::Unauthorized { .. } | Error::TooManyRequests { .. })) => {
+        Ok(Parsed::Repo(route)) => (route.endpoint.label(), handlers::route(&app, route, &parts).await),
+        // Refused for who asks (policy, grants, password, the client's
+        // credentials upstream): the route is valid, and its status says
+        // it was denied. Routes parsed before the refusal have their label.
+        Err(e @ (Error::Denied(_) | Error::Unauthorized { .. } | Error::TooManyRequests { .. }))
+            if label == "invalid" =>
+        {
             (routes::label_of_path(parts.uri.path()), Err(e))
         }
-        Err(e) => ("invalid", Err(e)),
+        Err(e) => (label, Err(e)),
     };
     let (resp, cache, error) = match outcome {
         Ok((resp, cache)) => (resp, cache, None),

@@ -123,6 +123,13 @@ ca_file = {{ include "larder.toml.string" .caFile }}
 {{- else if .caConfigMap }}
 ca_file = {{ include "larder.toml.string" (printf "/run/larder/ca/%s/%s" (include "larder.upstreamDir" .name) (default "ca.crt" .caConfigMap.key)) }}
 {{- end }}
+{{- if eq (toString .clientCredentials) "verify" }}
+# Every client's own credentials are checked with this upstream before anything of it is served.
+client_credentials = "verify"
+{{- with .clientCredentialsTtl }}
+client_credentials_ttl = {{ include "larder.toml.string" . }}
+{{- end }}
+{{- end }}
 {{- with .credentials }}
 username = {{ include "larder.toml.string" .username }}
 password_file = {{ include "larder.toml.string" (printf "/run/secrets/larder/%s/%s" (include "larder.upstreamDir" $u.name) (default "password" .passwordKey)) }}

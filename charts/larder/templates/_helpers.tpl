@@ -397,6 +397,19 @@ Folder name for an upstream's mounted files (secrets, CA): its name with
 {{- fail (printf "upstreams[%d] (%s).credentials.username is required: larder takes the username literally from its config (there is no username_file); only the password comes from the Secret" $i $u.name) }}
 {{- end }}
 {{- end }}
+{{- if eq (toString $u.clientCredentials) "verify" }}
+{{- if $.Values.hub.url }}
+{{- fail (printf "upstreams[%d] (%s).clientCredentials: \"verify\" checks clients with the registry itself, which a node behind hub.url never dials (and clients' credentials never go to the hub): set it on the hub's release" $i $u.name) }}
+{{- end }}
+{{- with $u.clientCredentialsTtl }}
+{{- $_ := include "larder.durationMillis" (dict "value" . "key" (printf "upstreams[%d] (%s).clientCredentialsTtl" $i $u.name)) }}
+{{- end }}
+{{- if $.Values.config.auth.enabled }}
+{{- fail (printf "upstreams[%d] (%s).clientCredentials: \"verify\" reads the client's Authorization header, which config.auth (htpasswd) reads too: use one of them" $i $u.name) }}
+{{- end }}
+{{- else if $u.clientCredentialsTtl }}
+{{- fail (printf "upstreams[%d] (%s).clientCredentialsTtl applies only with clientCredentials: verify" $i $u.name) }}
+{{- end }}
 {{- if and $u.caFile $u.caConfigMap }}
 {{- fail (printf "upstreams[%d] (%s): set caFile or caConfigMap, not both" $i $u.name) }}
 {{- end }}
