@@ -244,13 +244,17 @@ impl Upstream {
     /// credentials are ones this upstream lets pull `repo` (remembered, or
     /// checked now), else the error to answer. Checked before any cache
     /// read, membership check or fill, after policy and grants. `peer` is
-    /// the client's address. Without `verify`: `Ok` at once.
+    /// the client's address. A check not finished by `deadline` (the
+    /// request's `server.manifest_deadline`) is a `503` for this request;
+    /// it goes on, and its verdict answers the client's retry. Without
+    /// `verify`: `Ok` at once.
     pub async fn verify_client(
         self: &Arc<Self>,
         headers: &HeaderMap,
         repo: &RepoName,
         probe: Probe,
         peer: IpAddr,
+        deadline: tokio::time::Instant,
     ) -> Result<(), Error> {
         let Some(verifier) = &self.verifier else { return Ok(()) };
         let credentials = match presented(headers) {
@@ -272,7 +276,13 @@ impl Upstream {
                     let (me, credentials, repo) = (Arc::clone(self), credentials.clone(), repo.clone());
                     move || async move { me.check(key, &credentials, &repo, &probe, peer).await }
                 };
-                verifier.flights.run(key, work).await.0?
+                match tokio::time::timeout_at(deadline, verifier.flights.run(key, work)).await {
+                    Ok((verdict, _)) => verdict?,
+                    Err(_) => {
+                        tracing::warn!(upstream = self.name(), %repo, user = credentials.username, "a client's credentials check did not finish by the request's deadline: 503 (the check goes on)");
+                        return Err(Error::CredentialsUnverified { upstream: self.name().to_owned() });
+                    }
+                }
             }
         };
         match verdict {
