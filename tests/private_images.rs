@@ -408,3 +408,58 @@ async fn a_flood_of_made_up_credentials_is_bounded_and_spares_verified_clients()
     let cached = metric(&t.larder, "larder_client_verdicts_cached{upstream=\"origin.test\"}").await;
     assert!(cached <= 1.0 + checks as f64, "{cached} verdicts for {checks} checks");
 }
+
+/// Fills use a verified client's credentials only while that client's
+/// verdict lasts, and a token fetched with them only while they are the
+/// ones lent: carol's fill asks a token with carol's credentials (not
+/// alice's cached one), and once alice's verdict is over (she was revoked
+/// meanwhile) nothing larder fetches uses her credentials or her token,
+/// although she was the last client served.
+#[tokio::test(flavor = "multi_thread")]
+async fn lent_credentials_and_their_tokens_end_with_the_verdict_that_lent_them() {
+    let t = tenants(&["client_credentials_ttl = \"4s\""]).await;
+    let carol = Credentials::new("carol", "carol-S3cret-pw");
+    let tokens = t.origin.token_server();
+    tokens.add_user(&carol, &["team-a/"]);
+    ImageBuilder::oci().layers(&[12 * KIB]).push(&t.origin, "team-a/app", "v2").await;
+    ImageBuilder::oci().layers(&[14 * KIB]).push(&t.origin, "team-a/app", "v3").await;
+    let manifest = |tag: &str| format!("{}/v2/team-a/app/manifests/{tag}", t.larder.url());
+
+    assert_eq!(fetch(reqwest::Method::HEAD, &manifest("v1"), Some(&alice())).await.0, 200);
+    // alice's verdict ends at most a ttl from now.
+    let alice_verified = std::time::Instant::now();
+
+    // carol's first request: her check, then a fill with her credentials.
+    let mark = tokens.mark();
+    assert_eq!(fetch(reqwest::Method::HEAD, &manifest("v2"), Some(&carol)).await.0, 200);
+    let asked: Vec<_> = tokens.requests_since(mark).into_iter().map(|r| r.user).collect();
+    assert_eq!(
+        asked,
+        [Some("carol".to_owned()), Some("carol".to_owned())],
+        "carol's check and carol's fill (alice's token is not carol's)"
+    );
+
+    // alice again, on the verdict she got at first: her credentials are
+    // lent once more, but only until that verdict ends.
+    assert_eq!(fetch(reqwest::Method::HEAD, &manifest("v1"), Some(&alice())).await.0, 200);
+    tokens.set_pulls("alice", &[]);
+    tokio::time::sleep_until((alice_verified + Duration::from_millis(4500)).into()).await;
+
+    // larder's own request for team-a/app (a prefetch: no client, no
+    // credentials of larder's own) after alice's verdict ended.
+    let (mark, tokens_mark) = (t.origin.log_mark().await, tokens.mark());
+    let admin = format!("http://{}", common::metrics::admin_address(&t.larder));
+    let prefetch = http::client()
+        .post(format!("{admin}/prefetch?image=team-a/app:v3"))
+        .bearer_auth(common::admin::generated_token(&t.larder))
+        .send()
+        .await
+        .unwrap();
+    let status = prefetch.status();
+    eprintln!("prefetch after alice's verdict: {status} {}", prefetch.text().await.unwrap_or_default());
+    let asked = tokens.requests_since(tokens_mark);
+    assert!(asked.iter().all(|r| r.user.is_none()), "no token asked with anyone's credentials: {asked:#?}");
+    let seen = t.origin.requests_since(&mark).await;
+    assert_eq!(seen.blob_gets(), 0, "no blob of v3 fetched with alice's credentials or token: {:?}", seen.entries());
+    assert_ne!(status, 200, "larder has no credentials for team-a/app any more");
+}

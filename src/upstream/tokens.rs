@@ -40,14 +40,15 @@ const TOKEN_EXPIRY_MARGIN_DIVISOR: u32 = 4;
 const MAX_TOKEN_EXPIRY_MARGIN: Duration = Duration::from_secs(30);
 
 /// Whose token: the upstream's (obtained with its credentials, if it has
-/// any), an anonymous one for a redirect target, one obtained with a
-/// verified client's credentials lent for the repository in its scope, or
-/// (never cached) one for a client being checked.
+/// any), an anonymous one for a redirect target, one obtained with the
+/// credentials a verified client lent for the repository in its scope
+/// (those credentials' [`super::lent::Lend::id`]: used only while they are
+/// lent), or (never cached) one for a client being checked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Identity {
     Upstream,
     Anonymous,
-    Lent,
+    Lent([u8; 32]),
     Client,
 }
 

@@ -111,17 +111,29 @@ impl Verdict {
 /// The metric labels of `client_verifications_total{result}`.
 const RESULTS: [&str; 5] = ["granted", "rejected", "denied", "not_found", "unavailable"];
 
-/// Keeps a granted verdict for the ttl, any other for [`NEGATIVE_TTL`].
-struct VerdictExpiry {
-    ttl: Duration,
+/// How long `verdict` is remembered: a granted one for the upstream's
+/// `ttl`, any other for [`NEGATIVE_TTL`] (at most the ttl).
+fn lifetime(verdict: Verdict, ttl: Duration) -> Duration {
+    match verdict {
+        Verdict::Granted => ttl,
+        _ => NEGATIVE_TTL.min(ttl),
+    }
 }
 
-impl moka::Expiry<[u8; 32], Verdict> for VerdictExpiry {
-    fn expire_after_create(&self, _: &[u8; 32], verdict: &Verdict, _: Instant) -> Option<Duration> {
-        Some(match verdict {
-            Verdict::Granted => self.ttl,
-            _ => NEGATIVE_TTL.min(self.ttl),
-        })
+/// A verdict and when it ends (what credentials it granted are lent
+/// until, see `super::lent`).
+#[derive(Clone, Copy, Debug)]
+struct Held {
+    verdict: Verdict,
+    until: Instant,
+}
+
+/// Keeps a verdict until it ends.
+struct UntilItEnds;
+
+impl moka::Expiry<[u8; 32], Held> for UntilItEnds {
+    fn expire_after_create(&self, _: &[u8; 32], held: &Held, now: Instant) -> Option<Duration> {
+        Some(held.until.saturating_duration_since(now))
     }
 }
 
@@ -131,8 +143,10 @@ pub struct Verifier {
     /// Mixed into every key, so that a key (were it ever seen) cannot be
     /// checked against guessed passwords without this process's memory.
     salt: [u8; 32],
-    verdicts: moka::sync::Cache<[u8; 32], Verdict>,
-    flights: SingleFlight<[u8; 32], Verdict>,
+    /// `client_credentials_ttl`.
+    ttl: Duration,
+    verdicts: moka::sync::Cache<[u8; 32], Held>,
+    flights: SingleFlight<[u8; 32], Held>,
     checks: tokio::sync::Semaphore,
     peers: PeerSlots,
 }
@@ -147,10 +161,8 @@ impl Verifier {
         Verifier {
             upstream: upstream.to_owned(),
             salt: rand::random(),
-            verdicts: moka::sync::Cache::builder()
-                .max_capacity(MAX_VERDICTS)
-                .expire_after(VerdictExpiry { ttl })
-                .build(),
+            ttl,
+            verdicts: moka::sync::Cache::builder().max_capacity(MAX_VERDICTS).expire_after(UntilItEnds).build(),
             flights: SingleFlight::default(),
             checks: tokio::sync::Semaphore::new(MAX_CONCURRENT_CHECKS),
             peers: PeerSlots::new(MAX_CHECKS_PER_PEER),
@@ -269,7 +281,7 @@ impl Upstream {
             Presented::Malformed(why) => return Err(self.challenge(why.to_owned())),
         };
         let key = verifier.key(&credentials, repo);
-        let verdict = match verifier.verdicts.get(&key) {
+        let held = match verifier.verdicts.get(&key) {
             Some(verdict) => verdict,
             None => {
                 let work = {
@@ -277,7 +289,7 @@ impl Upstream {
                     move || async move { me.check(key, &credentials, &repo, &probe, peer).await }
                 };
                 match tokio::time::timeout_at(deadline, verifier.flights.run(key, work)).await {
-                    Ok((verdict, _)) => verdict?,
+                    Ok((held, _)) => held?,
                     Err(_) => {
                         tracing::warn!(upstream = self.name(), %repo, user = credentials.username, "a client's credentials check did not finish by the request's deadline: 503 (the check goes on)");
                         return Err(Error::CredentialsUnverified { upstream: self.name().to_owned() });
@@ -285,9 +297,9 @@ impl Upstream {
                 }
             }
         };
-        match verdict {
+        match held.verdict {
             Verdict::Granted => {
-                self.auth.lend(repo, &credentials);
+                self.auth.lend(repo, &credentials, held.until);
                 Ok(())
             }
             Verdict::Rejected => {
@@ -315,11 +327,13 @@ impl Upstream {
         repo: &RepoName,
         probe: &Probe,
         peer: IpAddr,
-    ) -> Result<Verdict, Error> {
-        let Some(verifier) = &self.verifier else { return Ok(Verdict::Granted) };
+    ) -> Result<Held, Error> {
+        let Some(verifier) = &self.verifier else {
+            return Err(Error::Internal(format!("upstream {:?} does not verify clients", self.name())));
+        };
         // A flight that ended just before this one started left its verdict.
-        if let Some(verdict) = verifier.verdicts.get(&key) {
-            return Ok(verdict);
+        if let Some(held) = verifier.verdicts.get(&key) {
+            return Ok(held);
         }
         let throttled = |reason: &str| {
             tracing::debug!(upstream = self.name(), %peer, reason, "credentials check refused: too many waiting");
@@ -344,7 +358,8 @@ impl Upstream {
                 return Err(Error::CredentialsUnverified { upstream: self.name().to_owned() });
             }
         };
-        verifier.verdicts.insert(key, verdict);
+        let held = Held { verdict, until: Instant::now() + lifetime(verdict, verifier.ttl) };
+        verifier.verdicts.insert(key, held);
         counter(verdict.label());
         metrics().client_verdicts_cached.with_label_values(&[self.name()]).set(verifier.held() as i64);
         match verdict {
@@ -355,7 +370,7 @@ impl Upstream {
                 tracing::info!(upstream = self.name(), %repo, user = credentials.username, verdict = refused.label(), "client credentials refused upstream")
             }
         }
-        Ok(verdict)
+        Ok(held)
     }
 
     /// One request for `probe` with the client's credentials, the way a
@@ -443,17 +458,19 @@ mod tests {
     #[test]
     fn refusals_are_remembered_briefly_and_the_number_of_verdicts_is_bounded() {
         let v = Verifier::new("verify-bound.test", Duration::from_secs(300));
-        let expiry = VerdictExpiry { ttl: Duration::from_secs(300) };
+        let ttl = Duration::from_secs(300);
+        assert_eq!(lifetime(Verdict::Granted, ttl), ttl);
+        assert_eq!(lifetime(Verdict::Denied, ttl), NEGATIVE_TTL);
+        assert_eq!(lifetime(Verdict::Rejected, Duration::from_secs(2)), Duration::from_secs(2));
         use moka::Expiry;
         let now = Instant::now();
-        assert_eq!(expiry.expire_after_create(&[0; 32], &Verdict::Granted, now), Some(Duration::from_secs(300)));
-        assert_eq!(expiry.expire_after_create(&[0; 32], &Verdict::Denied, now), Some(NEGATIVE_TTL));
-        let short = VerdictExpiry { ttl: Duration::from_secs(2) };
-        assert_eq!(short.expire_after_create(&[0; 32], &Verdict::Rejected, now), Some(Duration::from_secs(2)));
+        let held = Held { verdict: Verdict::Granted, until: now + ttl };
+        assert_eq!(UntilItEnds.expire_after_create(&[0; 32], &held, now), Some(ttl));
+        let until = Instant::now() + NEGATIVE_TTL;
         for i in 0..(MAX_VERDICTS + 20_000) {
             let mut key = [0u8; 32];
             key[..8].copy_from_slice(&i.to_be_bytes());
-            v.verdicts.insert(key, Verdict::Rejected);
+            v.verdicts.insert(key, Held { verdict: Verdict::Rejected, until });
         }
         assert!(v.held() <= MAX_VERDICTS, "{} verdicts held", v.held());
     }
