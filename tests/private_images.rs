@@ -6,6 +6,7 @@
 //! verified client's.
 
 mod common;
+mod fake;
 
 use std::time::Duration;
 
@@ -462,4 +463,48 @@ async fn lent_credentials_and_their_tokens_end_with_the_verdict_that_lent_them()
     let seen = t.origin.requests_since(&mark).await;
     assert_eq!(seen.blob_gets(), 0, "no blob of v3 fetched with alice's credentials or token: {:?}", seen.entries());
     assert_ne!(status, 200, "larder has no credentials for team-a/app any more");
+}
+
+/// A token service that trickles its answer (the headers at once, then a
+/// byte a second, each pause within the body idle timeout) holds neither
+/// a client's check nor larder's own fill past the upstream's
+/// `response_timeout`: the whole token answer must arrive within it. A
+/// check held for the whole trickle (here 90 s) would keep one of the
+/// upstream's eight places for checks all along.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_token_answer_trickled_byte_by_byte_ends_at_the_response_timeout() {
+    use fake::{FakeUpstream, OCI_MANIFEST, REPO, digest, image_manifest, random_bytes};
+    let (config, layer) = (random_bytes(256, 21), random_bytes(4096, 22));
+    let manifest = image_manifest((&digest(&config), config.len()), &[(&digest(&layer), layer.len())]);
+    let token = format!(r#"{{"token":"tok","expires_in":300}}{}"#, " ".repeat(60));
+    let up = FakeUpstream::builder()
+        .manifest(REPO, "v1", OCI_MANIFEST, manifest)
+        .blob(layer.clone())
+        .token_response(token)
+        .token_trickle(Duration::from_secs(1))
+        .accept_authorization("Bearer tok")
+        .start()
+        .await;
+    up.set_challenge(Some(&format!(r#"Bearer realm="{}/token",service="fake""#, up.url())));
+    let timeout = r#"response_timeout = "2s""#;
+    let verifying = Larder::builder()
+        .upstream(Upstream::new("trickle.test", &up.url()).line(timeout).line("client_credentials = \"verify\""))
+        .ready_on_tcp()
+        .start()
+        .await;
+    let filling = Larder::builder()
+        .upstream(Upstream::new("trickle.test", &up.url()).line(timeout).credentials(&Credentials::new("larder", "pw")))
+        .start()
+        .await;
+
+    let check = format!("{}/v2/{REPO}/manifests/v1?ns=trickle.test", verifying.url());
+    let fill = format!("{}/v2/{REPO}/blobs/{}?ns=trickle.test", filling.url(), digest(&layer));
+    for (url, credentials, expected) in [(fill, None, 504), (check, Some(alice()), 503)] {
+        let started = std::time::Instant::now();
+        let (status, _, body) = fetch(reqwest::Method::GET, &url, credentials.as_ref()).await;
+        let took = started.elapsed();
+        eprintln!("{url}: {status} after {:.1}s", took.as_secs_f64());
+        assert!(took < Duration::from_secs(10), "{url}: answered after {took:?}, the token trickled on");
+        assert_eq!(status, expected, "{url}: {}", String::from_utf8_lossy(&body));
+    }
 }

@@ -193,7 +193,15 @@ pub async fn fetch(
         429 => return Err(UpstreamError::RateLimited { retry_after: super::retry_after(resp.headers()) }.into()),
         _ => return Err(UpstreamError::Auth(format!("token service answered {status}")).into()),
     }
-    let body = http.read_body(resp.into_body(), MAX_TOKEN_RESPONSE).await?;
+    // A token answer is small: its body, too, comes within the response
+    // timeout, not one byte per body idle timeout for as long as the realm
+    // likes (which would hold a fill, or a client's check and its place).
+    let body = match tokio::time::timeout(http.response_timeout(), http.read_body(resp.into_body(), MAX_TOKEN_RESPONSE))
+        .await
+    {
+        Ok(body) => body?,
+        Err(_) => return Err(UpstreamError::Timeout("token response body").into()),
+    };
     let parsed: TokenResponse =
         serde_json::from_slice(&body).map_err(|e| UpstreamError::Auth(format!("token response: {e}")))?;
     let token = parsed
