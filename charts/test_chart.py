@@ -2187,6 +2187,8 @@ def check_sizes() -> None:
         ("50G", "50GB"),
         ("40GiB", "40GiB"),
         ("1.5Gi", "1610612736B"),
+        # More than ten digits of bytes: still a size to larder.
+        ("15.5Gi", "16642998272B"),
         ("512Mi", "512MiB"),
         ("2Ti", "2TiB"),
     ):

@@ -1588,12 +1588,14 @@ def install_program(node: Node, host_binary: str, node_path: str) -> None:
 
 
 def install_fake_containerd(node: Node, node_path: str, prints: str) -> None:
-    """A `containerd` that prints `prints` for --version: a shell script,
-    run by the node's own /bin/sh (busybox, with its libraries)."""
+    """A `containerd` that prints `prints` for --version (or is the script
+    `prints`, when it starts with #!): a shell script, run by the node's
+    own /bin/sh (busybox, with its libraries)."""
     if not node.exists("/usr/bin/sh"):
         install_program(node, shutil.which("busybox") or "/bin/busybox", "/usr/bin/busybox")
         node.path("/usr/bin/sh").symlink_to("busybox")
-    p = node.write(node_path, f"#!/bin/sh\nprintf '%s\\n' '{prints}'\n")
+    text = prints if prints.startswith("#!") else f"#!/bin/sh\nprintf '%s\\n' '{prints}'\n"
+    p = node.write(node_path, text)
     p.chmod(0o755)
 
 
@@ -1701,6 +1703,42 @@ def check_referrers() -> None:
     )
     run_, caps, _ = run("garbage version", {"/usr/bin/containerd": "not containerd at all"})
     check("[referrers] --version that is not a version: left out", caps == without and "unknown" in run_.err, (caps, run_))
+    # Hostile or broken binaries: the node setup still finishes, with the
+    # capability left out. A version too large for sh's arithmetic; one
+    # that ignores SIGTERM and never exits; one that writes forever (in a
+    # container with little memory: here 64 MiB of address space). Each
+    # runs in a PID namespace of its own, as in a container, so that
+    # nothing outlives its run.
+    huge = "containerd github.com/containerd/containerd/v2 v99999999999999999999.1 x"
+    run_, caps, _ = run("a version sh cannot count", {"/usr/bin/containerd": huge})
+    check("[referrers] a version too large to compare: left out", caps == without and "unknown" in run_.err, (caps, run_))
+    unshare = shutil.which("unshare") or "/usr/bin/unshare"
+    prlimit = shutil.which("prlimit") or "/usr/bin/prlimit"
+    own_pids = [unshare, "--pid", "--fork", "--kill-child", "--"]
+    hostile = {
+        # The control: a well-behaved 2.3 under the same limits.
+        "prints its version": f"echo '{CONTAINERD_VERSIONS['2.3']}'",
+        "ignores SIGTERM and hangs": "trap '' TERM\nwhile :; do /usr/bin/busybox sleep 1; done",
+        "writes forever": "while :; do echo 'containerd x v2.3.0 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa'; done",
+    }
+    for label, body in hostile.items():
+        started = time.monotonic()
+        try:
+            run_, caps, _ = run(
+                label,
+                {"/usr/bin/containerd": f"#!/bin/sh\n{body}\n"},
+                prefix=[*own_pids, prlimit, f"--as={64 << 20}", "--"],
+            )
+        except subprocess.TimeoutExpired as e:
+            check(f"[referrers] a containerd that {label}: the node setup finishes", False, f"still running after {e.timeout}s")
+            continue
+        took = time.monotonic() - started
+        expected = with_referrers if label == "prints its version" else without
+        check(
+            f"[referrers] a containerd that {label}: the node setup finishes ({took:.0f}s), capabilities {expected}",
+            caps == expected and len(run_.err) < 20_000,
+            (caps, run_.rc, run_.err[-3000:]),
+        )
     run_, caps, _ = run(
         "2.3 and 1.7 both installed",
         {"/usr/local/bin/containerd": CONTAINERD_VERSIONS["2.3"], "/usr/bin/containerd": CONTAINERD_VERSIONS["1.7"]},

@@ -172,6 +172,39 @@ fn a_grant_user_without_a_password_and_passwords_in_the_clear_are_warned_about()
     }
 }
 
+/// `--without-secrets` opens no file that holds secrets, the htpasswd
+/// file's password hashes included: the grant users it would check there
+/// are listed as not checked, never warned about from the file.
+#[test]
+fn without_secrets_the_htpasswd_file_is_not_read_for_the_grant_users() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("htpasswd"),
+        "team-a:$2y$05$6ZlIhc8Bm2mXfBSkCdNYqOX7B1jKc9nBVIIyFU8n7aQ.DOyICtyRW\n",
+    )
+    .unwrap();
+    let text = "[server]\nlisten = \"127.0.0.1:5000\"\n[server.auth]\nhtpasswd = \"htpasswd\"\n\
+                [[server.auth.grant]]\nwho = [\"team-b\"]\n\
+                [[upstream]]\nname = \"ghcr.io\"\nurl = \"https://ghcr.io\"\n";
+    std::fs::write(dir.path().join("tenants.toml"), text).unwrap();
+    let out = std::process::Command::new(common::larder::binary())
+        .args(["check-config", "--without-secrets", "--config", "tenants.toml"])
+        .current_dir(dir.path())
+        .output()
+        .expect("run larder check-config");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(
+        !stderr.contains("is in no password file"),
+        "a warning read from the htpasswd file, which --without-secrets does not open:\n{stderr}"
+    );
+    assert!(stdout.contains("not checked: `server.auth.htpasswd`: htpasswd was not opened"), "{stdout}");
+    assert!(
+        stdout.contains("not checked: that the users [[server.auth.grant]] names are in server.auth.htpasswd"),
+        "{stdout}"
+    );
+}
+
 /// Every config shipped in config/ passes `check-config --without-secrets`
 /// where its secret files and the pod's environment are absent (a config
 /// repository's CI), and lists what it did not check: each key that fails

@@ -422,13 +422,15 @@ async fn a_first_part_answered_with_other_bytes_is_a_502_naming_both_ranges() {
         raw_response("404 Not Found", &[("Content-Type", "application/json".to_owned())], br#"{"errors":[]}"#)
     })
     .await;
-    let larder = larder_over(&format!("http://{}", origin.addr()), &["fill_ahead = false"]).await;
-    get_manifest(&larder, "team/app", "v1").await;
 
     for (layer, answered) in [
         (&shifted, format!("bytes 100-{}/{size}", PART + 99)),
         (&unlabelled, "a 206 without a valid Content-Range".to_owned()),
     ] {
+        // A larder each: after such an answer the upstream's next fills
+        // ask for no range.
+        let larder = larder_over(&format!("http://{}", origin.addr()), &["fill_ahead = false"]).await;
+        get_manifest(&larder, "team/app", "v1").await;
         let resp = http::client().get(format!("{}/v2/team/app/blobs/{layer}", larder.url())).send().await.unwrap();
         assert_eq!(resp.status(), 502);
         let want = serde_json::json!({"errors": [{

@@ -249,3 +249,60 @@ async fn a_slow_check_of_the_clients_credentials_is_answered_within_28s() {
         eprintln!("{}: {} after {:.1}s", answer.what, answer.status, answer.took.as_secs_f64());
     }
 }
+
+/// A revalidation that outlasts the deadline still lands. The client is
+/// served stale at the deadline; the `HEAD` goes on in the background,
+/// and what it finds is applied there: an unchanged tag is confirmed (the
+/// next request is a hit, no second `HEAD`), a moved one is fetched and
+/// moved (the next request gets the new manifest). Applied by the waiting
+/// client instead, it was lost with it: every request revalidated again
+/// and waited out the deadline, and a moved tag was never moved while
+/// upstream's `HEAD` stayed slower than the deadline.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_revalidation_that_outlasts_the_deadline_still_confirms_or_moves_the_tag() {
+    const DEADLINE: Duration = Duration::from_secs(2);
+    const HEAD_TAKES: Duration = Duration::from_secs(4);
+    const TTL: Duration = Duration::from_secs(5);
+    let (old, new) = (a_manifest(13), a_manifest(15));
+    let (old_digest, new_digest) = (digest(&old), digest(&new));
+    let up = FakeUpstream::builder().manifest(REPO, "v1", OCI_MANIFEST, old.clone()).start().await;
+    let larder = Larder::builder()
+        .server_line(r#"manifest_deadline = "2s""#)
+        .upstream(Upstream::new("slow.test", &up.url()).tag_ttl("5s"))
+        .start()
+        .await;
+    let url = manifest_url(&larder, "slow.test", "v1");
+    let heads = || up.requests("HEAD", &format!("/v2/{REPO}/manifests/v1"));
+    let fill = timed(reqwest::Method::GET, url.clone()).await;
+    assert_eq!((fill.status, fill.digest_header()), (200, Some(old_digest.as_str())));
+
+    // Unchanged, but upstream takes longer than the deadline to say so.
+    up.set_faults(&old_digest, Faults { stall_headers: Some(HEAD_TAKES), ..Faults::default() });
+    tokio::time::sleep(TTL + Duration::from_millis(200)).await;
+    let stale = timed(reqwest::Method::GET, url.clone()).await;
+    assert_eq!((stale.status, stale.digest_header()), (200, Some(old_digest.as_str())), "stale at the deadline");
+    assert_eq!(heads(), 1);
+    // The HEAD answers (4 s after it started); the tag is confirmed then.
+    tokio::time::sleep(HEAD_TAKES - DEADLINE + Duration::from_secs(1)).await;
+    let hit = timed(reqwest::Method::GET, url.clone()).await;
+    assert_eq!((hit.status, hit.digest_header()), (200, Some(old_digest.as_str())));
+    assert_eq!(heads(), 1, "the tag was confirmed by the HEAD that outlasted the deadline: no second one");
+
+    // Moved, and upstream is as slow (the HEAD, then the GET of the new manifest).
+    up.add_manifest(REPO, "v1", OCI_MANIFEST, new.clone());
+    up.set_faults(&new_digest, Faults { stall_headers: Some(HEAD_TAKES), ..Faults::default() });
+    tokio::time::sleep(TTL).await;
+    let stale = timed(reqwest::Method::GET, url.clone()).await;
+    assert_eq!((stale.status, stale.digest_header()), (200, Some(old_digest.as_str())), "stale at the deadline");
+    // The HEAD (4 s) and the GET (4 s) go on; then the tag has moved.
+    tokio::time::sleep(2 * HEAD_TAKES - DEADLINE + Duration::from_secs(1)).await;
+    let moved = timed(reqwest::Method::GET, url.clone()).await;
+    assert_eq!(
+        (moved.status, moved.digest_header()),
+        (200, Some(new_digest.as_str())),
+        "the background revalidation fetched the new manifest and moved the tag:\n{}",
+        larder.log()
+    );
+    assert_eq!(heads(), 2, "one HEAD for each revalidation");
+    assert_eq!(up.manifest_gets(&new_digest), 1, "the new manifest fetched once, by the background revalidation");
+}

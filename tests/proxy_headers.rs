@@ -169,3 +169,49 @@ async fn warnings_cross_a_hub() {
     let head = manifest(&node, reqwest::Method::HEAD, &format!("/v2/{REPO}/manifests/v1?ns={NAME}")).await;
     assert_eq!(all(&head, "warning"), [W1]);
 }
+
+/// A warning is upstream's word to the clients of one repository (a
+/// deprecation there, a note about the credentials it was asked with):
+/// the same manifest pulled from another upstream (another tenant, other
+/// credentials) or repository is served with that one's warnings, never
+/// with the first one's, and its fill does not wipe the first one's.
+#[tokio::test(flavor = "multi_thread")]
+async fn warnings_stay_with_the_upstream_and_repository_they_came_from() {
+    let bytes = a_manifest(40);
+    let d = digest(&bytes);
+    let warns = FakeUpstream::builder().manifest(REPO, "v1", OCI_MANIFEST, bytes.clone()).warnings(&[W2]).start().await;
+    let quiet = FakeUpstream::builder().manifest(REPO, "v1", OCI_MANIFEST, bytes.clone()).start().await;
+    let mut larder = Larder::builder()
+        .upstream(Upstream::new("warns.test", &warns.url()))
+        .upstream(Upstream::new("quiet.test", &quiet.url()))
+        .start()
+        .await;
+    let path = |ns: &str, reference: &str| format!("/v2/{REPO}/manifests/{reference}?ns={ns}");
+    let first = manifest(&larder, reqwest::Method::GET, &path("warns.test", "v1")).await;
+    assert_eq!(all(&first, "warning"), [W2]);
+
+    // The other upstream: by digest (cached here: only its membership is
+    // asked upstream), then by tag (its own fill, without warnings).
+    for reference in [d.as_str(), "v1"] {
+        let other = manifest(&larder, reqwest::Method::GET, &path("quiet.test", reference)).await;
+        assert!(all(&other, "warning").is_empty(), "quiet.test {reference}: another upstream's warning relayed");
+    }
+    assert_eq!(quiet.manifest_gets("v1"), 1, "its own fill");
+    // The first keeps its own, in memory and on disk.
+    for reference in [d.as_str(), "v1"] {
+        let again = manifest(&larder, reqwest::Method::HEAD, &path("warns.test", reference)).await;
+        assert_eq!(all(&again, "warning"), [W2], "warns.test {reference}: its warnings wiped by another's fill");
+    }
+    larder.restart().await;
+    assert_eq!(all(&manifest(&larder, reqwest::Method::GET, &path("warns.test", &d)).await, "warning"), [W2]);
+    assert!(all(&manifest(&larder, reqwest::Method::GET, &path("quiet.test", &d)).await, "warning").is_empty());
+    assert_eq!(warns.manifest_gets("v1") + warns.manifest_gets(&d), 1, "all from the cache");
+
+    // Another repository of the warning upstream, by digest: cached, and
+    // upstream's HEAD that confirms the repository has it brings the
+    // warnings it sends for that repository.
+    let other = format!("/v2/test/other/manifests/{d}?ns=warns.test");
+    assert_eq!(all(&manifest(&larder, reqwest::Method::GET, &other).await, "warning"), [W2]);
+    assert_eq!(warns.requests("HEAD", &format!("/v2/test/other/manifests/{d}")), 1, "its membership, asked once");
+    assert_eq!(warns.manifest_gets(&d), 0, "the bytes from the cache");
+}

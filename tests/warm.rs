@@ -37,6 +37,8 @@ async fn a_warm_tag_is_cached_before_anyone_asks_survives_eviction_and_pulls_wit
     let (builder, admin) = Admin::with_token(Larder::builder().upstream(&origin), TOKEN);
     let larder = builder
         .max_size("4MiB")
+        // The other images' 1.5 MiB layers, above the default 1 MiB.
+        .cache_line(r#"max_blob_size = "2MiB""#)
         .tag_ttl("1s")
         .cache_line(WARM_INTERVAL)
         .append_toml("[[warm]]\nimage = \"origin.test/team/base:stable\"")

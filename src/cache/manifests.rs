@@ -52,7 +52,8 @@ impl Cache {
     ) -> Result<(Arc<StoredManifest>, CacheResult), Error> {
         let lookup = self.manifest_lookup(upstream, repo, reference, via);
         if let Ok(answer) = tokio::time::timeout_at(deadline, lookup).await {
-            return answer;
+            let (m, result) = answer?;
+            return Ok((self.warned(m, upstream.name(), repo).await?, result));
         }
         if let Reference::Tag(tag) = reference {
             if let Some(stale) = self.stale_tag(upstream, repo, tag).await? {
@@ -60,7 +61,7 @@ impl Cache {
                 // served stale at once for a while, not after a deadline each.
                 upstream.revalidation_backoff().record(true, upstream.config.tag_ttl(&self.config));
                 tracing::warn!(upstream = upstream.name(), %repo, %tag, "revalidation did not finish by the manifest deadline: serving stale");
-                return Ok((stale, CacheResult::Stale));
+                return Ok((self.warned(stale, upstream.name(), repo).await?, CacheResult::Stale));
             }
         }
         tracing::warn!(upstream = upstream.name(), %repo, %reference, "no manifest by the manifest deadline");
@@ -90,15 +91,26 @@ impl Cache {
         via: Via,
     ) -> Result<(Arc<StoredManifest>, CacheResult), Error> {
         match reference {
-            Reference::Digest(digest) => match self.stored_manifest(digest).await? {
-                Some(m) => {
-                    self.ensure_member(upstream, repo, digest, Content::Manifest, via).await?;
-                    self.evictor.record_access(Kind::Manifest, *digest, unix_ms(SystemTime::now()));
-                    Ok((m, CacheResult::Hit))
-                }
-                None => self.fetch_manifest(upstream, repo, reference, via).await,
-            },
+            Reference::Digest(digest) => self.manifest_by_digest(upstream, repo, digest, via).await,
             Reference::Tag(tag) => self.manifest_by_tag(upstream, repo, tag, via).await,
+        }
+    }
+
+    /// A manifest by digest: cached (once `repo` is known to have it), or fetched.
+    async fn manifest_by_digest(
+        self: &Arc<Self>,
+        upstream: &Arc<Upstream>,
+        repo: &RepoName,
+        digest: &Digest,
+        via: Via,
+    ) -> Result<(Arc<StoredManifest>, CacheResult), Error> {
+        match self.stored_manifest(digest).await? {
+            Some(m) => {
+                self.ensure_member(upstream, repo, digest, Content::Manifest, via).await?;
+                self.evictor.record_access(Kind::Manifest, *digest, unix_ms(SystemTime::now()));
+                Ok((m, CacheResult::Hit))
+            }
+            None => self.fetch_manifest(upstream, repo, &Reference::Digest(*digest), via).await,
         }
     }
 
@@ -112,35 +124,61 @@ impl Cache {
             return Ok(Some(m));
         }
         let (index, d) = (Arc::clone(&self.index), *digest);
-        let row = blocking(move || {
-            let Some(row) = index.manifest(&d)? else { return Ok(None) };
-            Ok(Some((row, index.manifest_warnings(&d)?)))
-        })
-        .await?;
-        Ok(row.map(|((media_type, bytes), warnings)| {
-            let m = StoredManifest::new(Bytes::from(bytes), media_type, d).with_warnings(Warnings::decode(&warnings));
-            let m = Arc::new(m);
+        let row = blocking(move || Ok(index.manifest(&d)?)).await?;
+        Ok(row.map(|(media_type, bytes)| {
+            let m = Arc::new(StoredManifest::new(Bytes::from(bytes), media_type, d));
             self.memory.insert_manifest(Arc::clone(&m));
             m
         }))
     }
 
-    /// Upstream answered about a stored manifest again, with `warnings`:
-    /// they replace the ones kept with it (memory and index). Returns the
-    /// manifest as it is now served.
-    pub(super) async fn rewarn(
+    /// The registry warnings upstream last sent with `digest` for `repo`.
+    async fn warnings_of(&self, upstream: &str, repo: &RepoName, digest: &Digest) -> Result<Warnings, Error> {
+        let member = member_key(upstream, repo, digest);
+        if let Some(w) = self.memory.warnings(&member) {
+            return Ok(w);
+        }
+        let (index, key) = (Arc::clone(&self.index), member.clone());
+        let encoded = blocking(move || Ok(index.manifest_warnings(&key)?)).await?;
+        let warnings = Warnings::decode(&encoded);
+        self.memory.insert_warnings(member, warnings.clone());
+        Ok(warnings)
+    }
+
+    /// `m` as served for `repo` of `upstream`: with the warnings upstream
+    /// sent for that repository, and only those (the bytes are shared with
+    /// every repository that has them; upstream's words to one are not).
+    pub(super) async fn warned(
         &self,
         m: Arc<StoredManifest>,
-        warnings: Warnings,
+        upstream: &str,
+        repo: &RepoName,
     ) -> Result<Arc<StoredManifest>, Error> {
+        let warnings = self.warnings_of(upstream, repo, &m.digest).await?;
         if m.warnings == warnings {
             return Ok(m);
         }
-        let (index, digest, encoded) = (Arc::clone(&self.index), m.digest, warnings.encode());
-        blocking(move || Ok(index.set_manifest_warnings(&digest, &encoded)?)).await?;
-        let m = Arc::new(m.rewarned(warnings));
-        self.memory.insert_manifest(Arc::clone(&m));
-        Ok(m)
+        Ok(Arc::new(m.rewarned(warnings)))
+    }
+
+    /// Upstream answered about a stored manifest for `repo` again, with
+    /// `warnings`: they replace the ones kept for that repository (memory
+    /// and index).
+    pub(super) async fn rewarn(
+        &self,
+        upstream: &str,
+        repo: &RepoName,
+        digest: &Digest,
+        warnings: Warnings,
+    ) -> Result<(), Error> {
+        if self.warnings_of(upstream, repo, digest).await? == warnings {
+            return Ok(());
+        }
+        let member = member_key(upstream, repo, digest);
+        let (index, key, encoded) = (Arc::clone(&self.index), member.clone(), warnings.encode());
+        blocking(move || Ok(index.set_manifest_warnings(&key, &encoded)?)).await?;
+        self.memory.insert_warnings(member, warnings);
+        Ok(())
     }
 
     pub(super) async fn tag_entry(&self, key: &str) -> Result<Option<TagEntry>, Error> {
@@ -236,22 +274,15 @@ impl Cache {
         if may_serve_stale && (upstream.revalidation_backoff().active() || self.warm_tag_gone(&key)) {
             return Ok((cached, CacheResult::Stale));
         }
-        // The pause after a failure is recorded where the HEAD runs, so that
-        // it counts even when every client waiting on it reached its deadline.
-        let head = {
-            let (upstream, repo, reference) = (Arc::clone(upstream), repo.clone(), Reference::Tag(tag.clone()));
-            move || async move {
-                let answer = upstream.head_manifest_warned(&repo, &reference).await;
-                upstream.revalidation_backoff().record(answer.is_err(), ttl);
-                answer.map_err(Error::Upstream)
-            }
+        let revalidate = {
+            let (cache, upstream, repo, tag) = (Arc::clone(self), Arc::clone(upstream), repo.clone(), tag.clone());
+            move || async move { cache.revalidate_tag(&upstream, &repo, &tag, via).await }
         };
-        let answer = self.revalidations.run(key.clone(), head).await.0;
+        let (answer, joined) = self.revalidations.run(key.clone(), revalidate).await;
         match answer {
-            // Unchanged: the answer's warnings are the manifest's now.
-            Ok(Some((digest, warnings))) if digest == entry.digest => {
-                self.set_tag(key, digest).await?;
-                Ok((self.rewarn(cached, warnings).await?, CacheResult::Hit))
+            // Unchanged: confirmed now, with the answer's warnings.
+            Ok(Some((digest, _))) if digest == entry.digest => {
+                Ok((self.stored_manifest(&digest).await?.unwrap_or(cached), CacheResult::Hit))
             }
             // Moved. A GET counts against Docker Hub's pull limit (the HEAD
             // did not): with the limit used up, what is cached is served.
@@ -259,9 +290,12 @@ impl Cache {
                 tracing::warn!(upstream = upstream.name(), %repo, %tag, "tag moved, but the pull limit is used up: serving stale");
                 Ok((cached, CacheResult::Stale))
             }
-            Ok(Some((digest, _))) => match self.fetch_manifest(upstream, repo, &Reference::Digest(digest), via).await {
+            // Moved: the revalidation fetched it and moved the tag (unless
+            // the pull limit was used up: then it is fetched here).
+            Ok(Some((digest, _))) => match self.manifest_by_digest(upstream, repo, &digest, via).await {
                 Ok((m, result)) => {
                     self.set_tag(key, digest).await?;
+                    let result = if result == CacheResult::Hit { CacheResult::of(joined) } else { result };
                     Ok((m, result))
                 }
                 Err(Error::Upstream(e @ UpstreamError::RateLimited { .. })) if may_serve_stale => {
@@ -286,6 +320,38 @@ impl Cache {
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// A tag's revalidation, run once however many ask (clients and the
+    /// warm loop share it) in a task of its own, so that it runs to its
+    /// end and what it finds is applied even when every client waiting on
+    /// it reached its manifest deadline: one `HEAD`, the pause after a
+    /// failure recorded; unchanged, the tag is confirmed now and the
+    /// answer's warnings kept; moved, the new manifest is fetched and the
+    /// tag moved to it, unless the pull limit is used up (the caller
+    /// decides: what is cached may be served). Gone (`None`) and failures
+    /// are the caller's to handle.
+    pub(super) async fn revalidate_tag(
+        self: &Arc<Self>,
+        upstream: &Arc<Upstream>,
+        repo: &RepoName,
+        tag: &Tag,
+        via: Via,
+    ) -> Result<Option<(Digest, Warnings)>, Error> {
+        let answer = upstream.head_manifest_warned(repo, &Reference::Tag(tag.clone())).await;
+        upstream.revalidation_backoff().record(answer.is_err(), upstream.config.tag_ttl(&self.config));
+        let Some((digest, warnings)) = answer.map_err(Error::Upstream)? else { return Ok(None) };
+        let key = tag_key(upstream.name(), repo, tag);
+        let known = self.tag_entry(&key).await?.map(|e| e.digest);
+        if known != Some(digest) {
+            if upstream.rate_limited() {
+                return Ok(Some((digest, warnings)));
+            }
+            self.fetch_manifest(upstream, repo, &Reference::Digest(digest), via).await?;
+        }
+        self.rewarn(upstream.name(), repo, &digest, warnings.clone()).await?;
+        self.set_tag(key, digest).await?;
+        Ok(Some((digest, warnings)))
     }
 
     /// Fetches a manifest (one fetch per reference however many ask):
@@ -371,30 +437,38 @@ impl Cache {
         let index = Arc::clone(&self.index);
         let (tag_row, member_rows) = (tag.clone(), members.clone());
         let size = m.bytes.len() as u64;
-        // Upstream's (or an owner's) warnings replace the kept ones; a
-        // source without any (the shared tier, an import) leaves them.
+        // Upstream's (or an owner's) warnings for `repo` replace the ones
+        // kept for it; a source without any (the shared tier, an import)
+        // leaves them.
         let told = m.warnings.clone();
+        let member = members[0].clone();
         let (new, kept) = blocking(move || {
             let tag = tag_row.as_deref();
             let encoded = m.warnings.as_ref().map(Warnings::encode);
             let row = (m.media_type, &m.bytes[..], encoded.as_deref());
             let new = index.insert_manifest_warned(&m.digest, row, tag, &member_rows, unix_ms(now))?;
-            let kept = if m.warnings.is_some() { Vec::new() } else { index.manifest_warnings(&m.digest)? };
+            let kept = if m.warnings.is_some() { Vec::new() } else { index.manifest_warnings(&member_rows[0])? };
             Ok((new, kept))
         })
         .await?;
-        let stored = Arc::new(stored.with_warnings(told.unwrap_or_else(|| Warnings::decode(&kept))));
+        let warnings = told.unwrap_or_else(|| Warnings::decode(&kept));
         if new {
             self.evictor.added(size);
         }
         for key in members {
             self.memory.insert_member(key);
         }
+        let stored = Arc::new(stored);
         self.memory.insert_manifest(Arc::clone(&stored));
+        self.memory.insert_warnings(member, warnings.clone());
         if let Some(key) = tag {
             self.memory.insert_tag(key, TagEntry { digest: stored.digest, confirmed: now });
         }
-        Ok(stored)
+        // As served for `repo`; the memory tier keeps it without them.
+        if warnings.is_empty() {
+            return Ok(stored);
+        }
+        Ok(Arc::new(stored.rewarned(warnings)))
     }
 }
 

@@ -152,11 +152,11 @@ pub struct Cache {
     shared: Option<(Arc<SharedStore>, Uploads)>,
     /// The other replicas (`[cluster]`).
     peers: Option<PeerLink>,
-    /// Recent purges: the index prefix purged and when, newest last (at
-    /// most [`MAX_PURGE_BARRIERS`]). A tag mapping a peer confirmed before
-    /// a purge of its repository is not taken from it (see
-    /// [`Cache::purged_after`]).
-    purges: std::sync::Mutex<std::collections::VecDeque<(String, SystemTime)>>,
+    /// Recent purges (see [`upkeep::purges`]): a tag mapping a peer
+    /// confirmed before a purge of its repository is not taken from it
+    /// ([`Cache::purged_after`]), and a fill started before one commits
+    /// without that repository's membership row.
+    purges: Arc<std::sync::Mutex<upkeep::purges::Purges>>,
     /// What eviction passes over (the warm images' content), and how much
     /// that is (see [`pins`]).
     pins: std::sync::RwLock<Arc<pins::Pins>>,
@@ -278,7 +278,7 @@ impl Cache {
             manifest_fetches: SingleFlight::default(),
             revalidations: SingleFlight::default(),
             listing_fetches: SingleFlight::default(),
-            purges: std::sync::Mutex::default(),
+            purges: Arc::default(),
             pins: std::sync::RwLock::default(),
             pinned_usage: std::sync::Mutex::default(),
             warm_tags: std::sync::RwLock::default(),

@@ -107,13 +107,21 @@ impl Cache {
     /// Reads a blob from the shared tier from `offset`, once the
     /// repository is known to have it upstream: the shared tier holds
     /// every repository's content, so having the bytes proves nothing.
+    ///
+    /// Nor does the object's size: the blob's is learnt from a source that
+    /// is trusted before a byte is streamed (`expected`, a manifest's; the
+    /// `HEAD` the membership check made, upstream's or the owner's; else
+    /// one `HEAD` upstream). An object longer than that is read only up to
+    /// it; a shorter one ends where it ends, and the fill resumes from the
+    /// byte reached with the next source. Either is counted, and the
+    /// verified blob uploaded over it ([`SourceBody::mend`]). Only when no
+    /// such source answers (upstream down) is the object's own size used.
     pub(super) async fn open_shared(
         &self,
-        upstream: &Upstream,
-        repo: &RepoName,
-        digest: &Digest,
+        (upstream, repo, digest): (&Upstream, &RepoName, &Digest),
         offset: u64,
         via: Via,
+        expected: Option<u64>,
     ) -> Result<SourceBody, Unavailable> {
         let Some((store, _)) = &self.shared else {
             return Err(Unavailable::Next(Error::BlobUnknown(*digest)));
@@ -123,8 +131,8 @@ impl Cache {
             Ok(None) => Err(Unavailable::Next(Error::BlobUnknown(*digest))),
             Err(e) => Err(Unavailable::Next(Error::Storage(format!("shared tier: {e}")))),
         };
-        let member = |checked: Result<(), Error>| match checked {
-            Ok(()) => Ok(()),
+        let member = |checked: Result<Option<u64>, Error>| match checked {
+            Ok(size) => Ok(size),
             Err(e) if e.is_repository_specific() => Err(Unavailable::Final(e)),
             Err(e) => Err(Unavailable::Next(e)),
         };
@@ -134,29 +142,52 @@ impl Cache {
         let get = store.get_blob(digest, offset..);
         let check = self.confirm_member(upstream, repo, digest, Content::Blob, via);
         tokio::pin!(get, check);
-        let blob = tokio::select! {
+        let (blob, learnt) = tokio::select! {
             got = &mut get => {
                 let blob = found(got)?;
-                member(check.await)?;
-                blob
+                (blob, member(check.await)?)
             }
             checked = &mut check => {
-                member(checked)?;
-                found(get.await)?
+                let learnt = member(checked)?;
+                (found(get.await)?, learnt)
             }
         };
         if blob.range.start != offset {
             let e = format!("shared tier answered from byte {} for {offset}", blob.range.start);
             return Err(Unavailable::Next(Error::Storage(e)));
         }
+        let trusted = match expected.or(learnt) {
+            Some(size) => Some(size),
+            None => self.blob_size_upstream(upstream, repo, digest).await,
+        };
+        let mend = trusted.is_some_and(|size| size != blob.size);
+        if let (true, Some(size)) = (mend, trusted) {
+            metrics().shared_corrupt.inc();
+            tracing::error!(%digest, object = blob.size, blob = size, "the shared tier's object has the wrong size; reading it up to the blob's size at most, and uploading the verified blob over it");
+        }
+        let total = trusted.unwrap_or(blob.size);
+        let blob = if blob.size > total { blob.take(total.saturating_sub(offset)) } else { blob };
         Ok(SourceBody {
-            total: Some(blob.size),
+            total: Some(total),
             skip: 0,
             body: blob.into_body(),
             permit: None,
             received: None,
             idle: super::shared::READ_TIMEOUT,
+            mend,
         })
+    }
+
+    /// The blob's size by one `HEAD` upstream (for the shared tier, when
+    /// nothing else said it): `None` when upstream does not say, or fails.
+    async fn blob_size_upstream(&self, upstream: &Upstream, repo: &RepoName, digest: &Digest) -> Option<u64> {
+        match upstream.head_blob(repo, digest).await {
+            Ok(answer) => answer.flatten(),
+            Err(e) => {
+                tracing::warn!(%digest, error = %e, "cannot learn the blob's size upstream; trusting the shared tier's object");
+                None
+            }
+        }
     }
 
     /// Asks `peer` (the digest's owner, or after it broke off the next
@@ -237,6 +268,7 @@ impl Cache {
             permit: None,
             received: Some(metrics().peer_bytes.clone()),
             idle: upstream.body_idle_timeout(),
+            mend: false,
         })
     }
 
@@ -302,7 +334,8 @@ impl Cache {
     }
 
     /// Asks the digest's owner whether `repo` has it: `None` when there is
-    /// no other owner or it cannot answer.
+    /// no other owner or it cannot answer; else, as [`Upstream::head_blob`]
+    /// answers, `Some` with the size if the owner sent it.
     pub(super) async fn member_from_owner(
         &self,
         upstream: &Upstream,
@@ -310,7 +343,7 @@ impl Cache {
         digest: &Digest,
         content: Content,
         via: Via,
-    ) -> Option<Result<bool, Error>> {
+    ) -> Option<Result<Option<Option<u64>>, Error>> {
         let (owner, lookup) = self.peer_to_ask(upstream, &digest_owner_key(digest), via)?;
         let link = self.peers.as_ref()?;
         let what = match content {
@@ -328,7 +361,7 @@ impl Cache {
             timeout: self.peer_timeout(upstream, lookup),
         };
         match link.client.send(&owner, ask).await {
-            Ok(_) => Some(Ok(true)),
+            Ok(resp) => Some(Ok(Some(content_length(resp.headers())))),
             Err(PeerError::Unreachable(e)) => {
                 tracing::warn!(peer = %owner, %digest, error = e, "owner unreachable; marked down");
                 link.peers.mark_down(&owner);
@@ -342,7 +375,7 @@ impl Cache {
             }
             Err(PeerError::Status { .. }) if lookup => None,
             Err(PeerError::Status { status, code, retry_after }) => match verdict(status, &code, retry_after) {
-                Verdict::NotFound => Some(Ok(false)),
+                Verdict::NotFound => Some(Ok(None)),
                 Verdict::Final(e) => Some(Err(e)),
                 Verdict::Fallback => None,
             },
@@ -358,7 +391,9 @@ impl Cache {
         digest: &Digest,
     ) -> Result<Option<Arc<super::StoredManifest>>, Error> {
         match self.stored_manifest(digest).await? {
-            Some(m) if self.local_member(upstream, repo, digest).await? => Ok(Some(m)),
+            Some(m) if self.local_member(upstream, repo, digest).await? => {
+                Ok(Some(self.warned(m, upstream, repo).await?))
+            }
             _ => Ok(None),
         }
     }
@@ -376,7 +411,8 @@ impl Cache {
         if age >= upstream.config.tag_ttl(&self.config) && !upstream.config.tag_is_immutable(tag.as_str()) {
             return Ok(None);
         }
-        Ok(self.stored_manifest(&entry.digest).await?.map(|m| (m, entry.confirmed)))
+        let Some(m) = self.stored_manifest(&entry.digest).await? else { return Ok(None) };
+        Ok(Some((self.warned(m, upstream.name(), repo).await?, entry.confirmed)))
     }
 
     /// Whether this replica knows `repo` has `digest` (a membership row,

@@ -30,7 +30,8 @@ pub fn run(path: Option<&Path>, without_secrets: bool) -> u8 {
             return INVALID;
         }
     };
-    for warning in config.warnings() {
+    let warnings = if without_secrets { config.warnings_without_secrets() } else { config.warnings() };
+    for warning in warnings {
         eprintln!("larder: {source}: warning: {warning}");
     }
     // The warm file's bad lines are skipped at run time, not fatal:

@@ -18,10 +18,19 @@ impl Config {
         warnings
     }
 
+    /// [`Config::warnings`] but the ones read from secret files, for
+    /// `check-config --without-secrets`: the htpasswd file (password
+    /// hashes) is not opened, and the grant users it would check are
+    /// listed as not checked instead.
+    pub fn warnings_without_secrets(&self) -> Vec<String> {
+        let mut warnings = self.fallback_warnings();
+        warnings.extend(self.cleartext_password_warning());
+        warnings
+    }
+
     /// A grant that names a user the htpasswd file lacks gives nothing to
     /// anyone: nobody can sign in as them (a typo, or a user removed). The
-    /// file is read here; one that cannot be read is left to start-up
-    /// (and `--without-secrets` does not read it).
+    /// file is read here; one that cannot be read is left to start-up.
     fn grant_user_warnings(&self) -> Vec<String> {
         let Some(auth) = &self.server.auth else { return Vec::new() };
         let Ok(text) = std::fs::read_to_string(&auth.htpasswd) else { return Vec::new() };

@@ -385,6 +385,8 @@ containerd_version_key() {
 		v = $3; sub(/^v/, "", v)
 		if (!match(v, /^[0-9]+\.[0-9]+/)) exit
 		split(substr(v, 1, RLENGTH), p, ".")
+		# Beyond 6 digits awk prints 1e+23, which sh cannot compare.
+		if (length(p[1]) > 6 || length(p[2]) > 6) exit
 		pre = (v ~ /^[0-9]+\.[0-9]+\.0-(alpha|beta|rc)/) ? 1 : 0
 		print p[1] * 1000 + p[2] - pre
 	}'
@@ -415,7 +417,16 @@ detect_referrers() {
 	for dir in ${LARDER_CONTAINERD_BIN_DIRS:-}; do
 		bin="${dir%/}/containerd"
 		[ -e "$root$bin" ] || [ -L "$root$bin" ] || continue
-		if ! out=$(timeout 10 chroot "$root" "$bin" --version 2>&1); then
+		# Its answer goes to a file of at most 4 KiB (a binary that writes
+		# forever is stopped by SIGXFSZ, not this container's memory limit),
+		# and it is killed at 10 s (one that ignores SIGTERM holds nothing up).
+		if (ulimit -f 8 && exec timeout -s KILL 10 chroot "$root" "$bin" --version) >"$WORK/version" 2>&1; then
+			ran=1
+		else
+			ran=0
+		fi
+		out=$(head -c 4096 "$WORK/version")
+		if [ "$ran" = 0 ]; then
 			log "$bin --version failed: $(printf '%s' "$out" | head -n 1)"
 			unknown="$unknown $bin"
 			continue

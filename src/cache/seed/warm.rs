@@ -36,11 +36,16 @@ impl Cache {
             Reference::Digest(digest) => (*digest, None),
             Reference::Tag(tag) => {
                 let key = tag_key(upstream.name(), repo, tag);
-                let head = {
-                    let (upstream, repo, reference) = (Arc::clone(upstream), repo.clone(), reference.clone());
-                    move || async move { upstream.head_manifest_warned(&repo, &reference).await.map_err(Error::Upstream) }
+                let revalidate = {
+                    let (cache, upstream, repo, tag) =
+                        (Arc::clone(self), Arc::clone(upstream), repo.clone(), tag.clone());
+                    move || async move { cache.revalidate_tag(&upstream, &repo, &tag, Via::Client).await }
                 };
-                let answer = self.revalidations.run(key.clone(), head).await.0;
+                let answer = match self.revalidations.run(key.clone(), revalidate).await.0 {
+                    // The HEAD named a manifest its GET did not find.
+                    Err(Error::ManifestUnknown) => Ok(None),
+                    answer => answer,
+                };
                 let gone = matches!(answer, Ok(None));
                 if let Some(known) = self.warm_tags.write().unwrap_or_else(|p| p.into_inner()).get_mut(&key) {
                     *known = gone;
@@ -53,9 +58,9 @@ impl Cache {
         };
         match self.manifest_via(upstream, repo, &Reference::Digest(digest), Via::Client).await {
             // The tag's answer speaks for the manifest it points to now.
-            Ok((m, _)) => {
+            Ok(_) => {
                 if let Some(warnings) = warnings {
-                    self.rewarn(m, warnings).await?;
+                    self.rewarn(upstream.name(), repo, &digest, warnings).await?;
                 }
             }
             Err(Error::ManifestUnknown) => return Ok(Seen::Gone),
