@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use http::header::AUTHORIZATION;
-use http::{HeaderMap, Method};
+use http::{HeaderMap, Method, StatusCode};
 use sha2::{Digest as _, Sha256};
 
 use super::Upstream;
@@ -233,6 +233,11 @@ enum Answer {
     Verdict(Verdict),
     /// 404: nothing proven either way yet.
     Missing,
+    /// A redirect, which proves nothing about the credentials: a registry
+    /// sends a blob to its storage only after checking them, but a front
+    /// door (http to https, a regional redirector, a single sign-on proxy)
+    /// redirects whatever it is sent.
+    Redirected(StatusCode),
     /// No answer that says anything about the credentials (unreachable,
     /// 5xx, 429, a realm larder does not trust): the text is for the log.
     Unavailable(String),
@@ -346,17 +351,31 @@ impl Upstream {
         };
         let answer = match self.ask(credentials, repo, probe).await {
             Answer::Missing if !matches!(probe, Probe::Tags) => self.ask(credentials, repo, &Probe::Tags).await,
+            // A blob sent to storage: the tag list, which no registry
+            // redirects, says whether it was after a check.
+            Answer::Redirected(_) if !matches!(probe, Probe::Tags) => {
+                match self.ask(credentials, repo, &Probe::Tags).await {
+                    Answer::Missing => Answer::Unavailable("upstream redirected the check, and has no tag list".into()),
+                    answer => answer,
+                }
+            }
             answer => answer,
         };
         let counter = |result: &str| metrics().client_verifications.with_label_values(&[self.name(), result]).inc();
+        let unavailable = |why: String| {
+            counter("unavailable");
+            tracing::warn!(upstream = self.name(), %repo, user = credentials.username, why, "cannot check a client's credentials");
+            Error::CredentialsUnverified { upstream: self.name().to_owned() }
+        };
         let verdict = match answer {
             Answer::Verdict(verdict) => verdict,
             Answer::Missing => Verdict::NotFound,
-            Answer::Unavailable(why) => {
-                counter("unavailable");
-                tracing::warn!(upstream = self.name(), %repo, user = credentials.username, why, "cannot check a client's credentials");
-                return Err(Error::CredentialsUnverified { upstream: self.name().to_owned() });
+            Answer::Redirected(status) => {
+                return Err(unavailable(format!(
+                    "upstream answered {status} to the check, which proves nothing about the credentials"
+                )));
             }
+            Answer::Unavailable(why) => return Err(unavailable(why)),
         };
         let held = Held { verdict, until: Instant::now() + lifetime(verdict, verifier.ttl) };
         verifier.verdicts.insert(key, held);
@@ -393,7 +412,8 @@ impl Upstream {
         };
         let status = response.status();
         match status.as_u16() {
-            200..=399 => Answer::Verdict(Verdict::Granted),
+            200..=299 => Answer::Verdict(Verdict::Granted),
+            300..=399 => Answer::Redirected(status),
             // A Basic registry refuses wrong credentials with 401; a token
             // one answers 401 to a token without the repository's access.
             401 => match Challenge::from_headers(response.headers()) {
