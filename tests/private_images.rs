@@ -316,6 +316,19 @@ async fn odd_authorization_headers_are_refused_without_a_check() {
         assert_eq!(response.status(), 401, "{:?}", String::from_utf8_lossy(&value[..value.len().min(40)]));
         assert!(response.headers().contains_key("www-authenticate"));
     }
+    // Two Authorization headers, alice's first: which one counts would
+    // depend on who reads them (a proxy in front may take the last).
+    let basic = |c: &Credentials| {
+        use base64::Engine;
+        let pair = format!("{}:{}", c.user, c.password);
+        format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(pair))
+    };
+    let mut two = reqwest::header::HeaderMap::new();
+    for c in [alice(), bob()] {
+        two.append("authorization", basic(&c).parse().unwrap());
+    }
+    let response = http::client().get(&url).headers(two).send().await.unwrap();
+    assert_eq!(response.status(), 401, "two Authorization headers");
     assert!(t.origin.token_server().requests_since(tokens_mark).is_empty(), "none of them cost a check upstream");
     // A password with colons is the password (alice's has two).
     assert_eq!(fetch(reqwest::Method::GET, &url, Some(&alice())).await.0, 200);

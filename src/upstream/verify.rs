@@ -201,7 +201,12 @@ enum Presented {
 /// no credentials; anything else that is not `base64(user:password)` in
 /// UTF-8 is malformed. The password may hold colons (the user may not).
 fn presented(headers: &HeaderMap) -> Presented {
-    let Some(value) = headers.get(AUTHORIZATION) else { return Presented::None };
+    let mut values = headers.get_all(AUTHORIZATION).iter();
+    let Some(value) = values.next() else { return Presented::None };
+    // Which of two would another reader (a proxy in front, a log) take?
+    if values.next().is_some() {
+        return Presented::Malformed("more than one Authorization header");
+    }
     if value.len() > MAX_AUTHORIZATION_LEN {
         return Presented::Malformed("the Authorization header is too long");
     }
