@@ -473,6 +473,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--herd-timeout", type=float, default=900.0, help="seconds before a herd's clients are killed")
     ap.add_argument("--out", type=Path, default=None, help="results directory (default: a new temp dir)")
     ap.add_argument("--seed", type=int, default=20261205)
+    ap.add_argument("--report", type=Path, default=None,
+                    help="print the tables of an earlier run's fleet.json (written after every herd) and exit")
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)  # internal: the client process
     args = ap.parse_args()
     if args.client:
@@ -494,6 +496,13 @@ def main() -> int:
     args = parse_args()
     if args.client:
         return client_main()
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        for k in ("ns", "setups", "reps", "node_memory"):
+            setattr(args, k, saved["params"][k])
+        args.reps = max(r["rep"] for r in saved["results"]) + 1
+        print(f"{herd.machine_line(saved['machine'])}\n\n{report(saved['results'], args, saved['image'])}")
+        return 0
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, herd._raise_exit)
