@@ -23,10 +23,12 @@ use redb::{Database, ReadableDatabase, ReadableTable, Table, TableDefinition, Wr
 
 use crate::oci::{Digest, MediaType};
 
+mod import;
 mod migrate;
 mod quota;
 mod warm;
 
+pub use import::{ImportCommitError, ImportCommitted, ImportRows};
 pub use quota::Charged;
 pub use warm::WarmRow;
 
