@@ -292,6 +292,11 @@ impl Cache {
         upkeep::reconcile::reconcile(&store, &index, true, repair, unix_ms(SystemTime::now()))
     }
 
+    /// Most bytes one import may read from a layout (`cache.max_import_size`).
+    pub fn max_import_size(&self) -> u64 {
+        self.config.max_import_size
+    }
+
     /// Bytes of blobs and manifests on disk.
     pub fn usage(&self) -> u64 {
         self.evictor.usage()

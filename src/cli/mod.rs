@@ -8,6 +8,7 @@
 //! config's cache folder (`./larder-data/admin-token`) if there is one.
 
 pub mod client;
+pub mod import;
 pub mod prefetch;
 pub mod seed;
 pub mod status;
