@@ -414,3 +414,150 @@ pub fn read_dir(dir: &Path, limits: &ImportLimits, visitor: &mut dyn Visitor) ->
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a reader handed on.
+    #[derive(Default)]
+    struct Seen {
+        indexes: usize,
+        blobs: Vec<Digest>,
+    }
+
+    impl Visitor for Seen {
+        fn index(&mut self, _: LayoutIndex, _: &[u8]) -> Result<(), ImportError> {
+            self.indexes += 1;
+            Ok(())
+        }
+
+        fn blob(&mut self, named: Digest, _: &str, _: u64, data: &mut dyn Read) -> Result<(), ImportError> {
+            io::copy(data, &mut io::sink())?;
+            self.blobs.push(named);
+            Ok(())
+        }
+    }
+
+    const INDEX: &str = r#"{"schemaVersion":2,"manifests":[]}"#;
+    const LAYOUT: &str = r#"{"imageLayoutVersion":"1.0.0"}"#;
+
+    fn header(size: usize, kind: tar::EntryType) -> tar::Header {
+        let mut header = tar::Header::new_gnu();
+        header.set_size(size as u64);
+        header.set_mode(0o644);
+        header.set_entry_type(kind);
+        header
+    }
+
+    /// A tar of `files`, each a regular file, without its end-of-archive blocks.
+    fn entries(files: &[(&str, &[u8])]) -> tar::Builder<Vec<u8>> {
+        let mut tar = tar::Builder::new(Vec::new());
+        for (path, bytes) in files {
+            tar.append_data(&mut header(bytes.len(), tar::EntryType::Regular), path, *bytes).unwrap();
+        }
+        tar
+    }
+
+    fn read(bytes: &[u8], limits: &ImportLimits) -> (Result<(), ImportError>, Seen) {
+        let mut seen = Seen::default();
+        (read_tar(bytes, limits, &mut seen), seen)
+    }
+
+    fn limits() -> ImportLimits {
+        ImportLimits::with_max_bytes(1 << 30)
+    }
+
+    #[test]
+    fn a_layout_reads_whole_and_hands_index_json_on_once() {
+        let blob = b"a blob";
+        let name = format!("blobs/sha256/{}", Digest::of(blob).hex().as_str());
+        let tar = entries(&[("oci-layout", LAYOUT.as_bytes()), ("index.json", INDEX.as_bytes()), (&name, blob)]);
+        let (result, seen) = read(&tar.into_inner().unwrap(), &limits());
+        assert!(result.is_ok(), "{result:?}");
+        assert_eq!((seen.indexes, seen.blobs), (1, vec![Digest::of(blob)]));
+    }
+
+    #[test]
+    fn a_tar_cut_off_between_entries_is_refused() {
+        let tar = entries(&[("oci-layout", LAYOUT.as_bytes()), ("index.json", INDEX.as_bytes())]);
+        let mut bytes = tar.into_inner().unwrap();
+        bytes.truncate(bytes.len() - 1024); // the end-of-archive blocks
+        match read(&bytes, &limits()).0 {
+            Err(ImportError::NotALayout(m)) => assert!(m.contains("cut off"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_long_name_past_the_header_bound_is_refused_before_it_is_held() {
+        let long = "x/".repeat(200 << 10);
+        let tar = entries(&[("oci-layout", LAYOUT.as_bytes()), (&long, b"data")]);
+        let bytes = tar.into_inner().unwrap();
+        assert!(bytes.len() > 400 << 10);
+        match read(&bytes, &limits()).0 {
+            Err(ImportError::TooLarge(m)) => assert!(m.contains("headers"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        let fits = entries(&[
+            ("oci-layout", LAYOUT.as_bytes()),
+            ("x/".repeat(100).as_str(), b"data"),
+            ("index.json", INDEX.as_bytes()),
+        ]);
+        assert!(read(&fits.into_inner().unwrap(), &limits()).0.is_ok(), "a long name within the bound is fine");
+    }
+
+    #[test]
+    fn index_json_twice_a_sparse_file_and_too_many_bytes_or_entries_are_refused() {
+        let twice = entries(&[("index.json", INDEX.as_bytes()), ("./index.json", INDEX.as_bytes())]);
+        assert!(
+            matches!(read(&twice.into_inner().unwrap(), &limits()).0, Err(ImportError::NotALayout(m)) if m.contains("twice"))
+        );
+
+        let mut sparse = entries(&[("oci-layout", LAYOUT.as_bytes())]);
+        sparse.append_data(&mut header(0, tar::EntryType::GNUSparse), "blobs/sha256/sparse", &b""[..]).unwrap();
+        assert!(read(&sparse.into_inner().unwrap(), &limits()).0.is_err(), "a sparse entry");
+
+        let blob = vec![7u8; 64 << 10];
+        let name = format!("blobs/sha256/{}", Digest::of(&blob).hex().as_str());
+        let big = entries(&[("oci-layout", LAYOUT.as_bytes()), ("index.json", INDEX.as_bytes()), (&name, &blob)]);
+        let small = ImportLimits { max_bytes: 32 << 10, ..limits() };
+        assert!(
+            matches!(read(&big.into_inner().unwrap(), &small).0, Err(ImportError::TooLarge(m)) if m.contains("max_import_size"))
+        );
+
+        let files: Vec<(String, Vec<u8>)> = (0..20).map(|i| (format!("junk/{i}"), vec![])).collect();
+        let refs: Vec<(&str, &[u8])> = files.iter().map(|(p, b)| (p.as_str(), b.as_slice())).collect();
+        let few = ImportLimits { max_entries: 10, ..limits() };
+        assert!(
+            matches!(read(&entries(&refs).into_inner().unwrap(), &few).0, Err(ImportError::TooLarge(m)) if m.contains("entries"))
+        );
+    }
+
+    /// Appends an entry named `name` as it is (the `tar` crate's builder
+    /// refuses `..` and absolute paths; a hostile tar need not).
+    fn raw(tar: &mut tar::Builder<Vec<u8>>, name: &str, kind: tar::EntryType, data: &[u8]) {
+        let mut h = header(data.len(), kind);
+        h.as_old_mut().name[..name.len()].copy_from_slice(name.as_bytes());
+        h.set_cksum();
+        tar.append(&h, data).unwrap();
+    }
+
+    #[test]
+    fn only_regular_files_at_plain_paths_are_layout_files() {
+        let blob = b"a blob";
+        let hex = Digest::of(blob).hex();
+        let mut tar = entries(&[("oci-layout", LAYOUT.as_bytes())]);
+        raw(&mut tar, "../index.json", tar::EntryType::Regular, INDEX.as_bytes());
+        raw(&mut tar, &format!("/blobs/sha256/{}", hex.as_str()), tar::EntryType::Regular, blob);
+        raw(&mut tar, "index.json", tar::EntryType::Symlink, b"");
+        raw(&mut tar, &format!("blobs/sha256/{}", hex.as_str()), tar::EntryType::Link, b"");
+        let (result, seen) = read(&tar.into_inner().unwrap(), &limits());
+        assert!(matches!(result, Err(ImportError::NotALayout(m)) if m == "no index.json"));
+        assert!(seen.blobs.is_empty(), "an absolute path or a link is no blob of the layout");
+
+        let bad = entries(&[("blobs/sha256/not-hex", b"x")]);
+        let result = read(&bad.into_inner().unwrap(), &limits()).0;
+        assert!(matches!(result, Err(ImportError::NotALayout(m)) if m.contains("not named by a sha256 digest")));
+    }
+}
