@@ -740,6 +740,14 @@ async fn post_import_refuses_an_oversized_body_and_a_refused_destination_before_
     assert_eq!(out.status.code(), Some(1), "refused");
     assert!(text(&out.stderr).contains("413"), "{}", text(&out.stderr));
     assert_eq!(files_under(&larder.cache_dir().join("blobs/sha256")), 0, "nothing committed");
+    // The CLI says what larder said, not that its upload was cut.
+    let out = larder_cli(&larder, &["import", &layout.path(), "--as", &format!("{ORIGIN_NAME}/private/x")]);
+    assert_eq!(out.status.code(), Some(1), "refused");
+    assert!(
+        text(&out.stderr).contains("403 DENIED") && text(&out.stderr).contains("deny rule"),
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 /// An `oci-archive:` from skopeo has `index.json` after its blobs. Posted

@@ -52,10 +52,10 @@ pub async fn import(
     terminal: bool,
 ) -> Result<(), CallError> {
     let is_dir = std::fs::metadata(path).map_err(|e| CallError::Usage(format!("{}: {e}", path.display())))?.is_dir();
-    let progress = Progress::shared(terminal);
     let imported = match Cache::open(config.cache.clone()).await {
         Ok(cache) => {
             println!("importing {} into {} (larder is not running)", path.display(), config.cache.dir.display());
+            let progress = Progress::shared(terminal);
             let upstreams = Arc::new(Upstreams::new(config).map_err(CallError::Usage)?);
             let as_name = as_name.map(str::to_owned);
             let resolver = Box::new(move |index: &LayoutIndex| targets(&upstreams, index, as_name.as_deref()));
@@ -68,6 +68,7 @@ pub async fn import(
         Err(Error::CacheInUse(_)) => {
             let client = client()?;
             println!("importing {} through {}", path.display(), client.base());
+            let progress = Progress::shared(terminal);
             let mut query = form_urlencoded::Serializer::new(String::new());
             if let Some(name) = as_name {
                 query.append_pair("as", name);
@@ -153,6 +154,8 @@ fn layout_tar(
         });
         match written {
             Ok(()) => progress.phase(Phase::Committing, "larder checks and commits it", 0),
+            // larder stopped reading (it answered already, a refusal): its answer says why.
+            Err(ImportError::Io(e)) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
             Err(e) => {
                 writer.fail(Box::new(std::io::Error::other(e.to_string())));
                 *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
