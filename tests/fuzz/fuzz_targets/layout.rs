@@ -29,6 +29,7 @@ const LIMITS: ImportLimits = ImportLimits {
     max_references: 512,
     max_manifest_references: 128,
     max_memberships: 1024,
+    max_absent_blobs: 64,
     max_entries: 256,
     max_header_bytes: 4096,
 };
@@ -107,6 +108,7 @@ fuzz_target!(|data: &[u8]| {
         assert!(seen.insert(b.digest), "blob {} planned twice", b.digest);
         assert_eq!(carried(&b.digest), Some(b.size), "a planned blob is carried, at its size");
     }
+    assert!(plan.absent.len() <= LIMITS.max_absent_blobs);
     for a in &plan.absent {
         assert_eq!(carried(&a.digest), None, "{} is carried, yet absent", a.digest);
         assert!(a.target < targets.len());

@@ -30,6 +30,12 @@ pub const MAX_IMPORT_REFERENCES: usize = 200_000;
 /// likes. Past it: refused, naming the manifest.
 pub const MAX_MANIFEST_REFERENCES: usize = 10_000;
 
+/// Blobs an import's images name that its layout lacks: each is checked
+/// against the repository's membership and, failing that, with one
+/// upstream `HEAD`. A layout carries its content; this bounds the
+/// requests a layout can make larder send. Past it: refused.
+pub const MAX_IMPORT_ABSENT_BLOBS: usize = 10_000;
+
 /// Membership rows an import writes (a digest in a repository). Past it:
 /// refused. Many images imported into many repositories multiply here.
 pub const MAX_IMPORT_MEMBERSHIPS: usize = 200_000;
@@ -64,6 +70,7 @@ pub struct ImportLimits {
     pub max_references: usize,
     pub max_manifest_references: usize,
     pub max_memberships: usize,
+    pub max_absent_blobs: usize,
     pub max_entries: usize,
     pub max_header_bytes: u64,
 }
@@ -85,6 +92,7 @@ impl ImportLimits {
             max_references: MAX_IMPORT_REFERENCES,
             max_manifest_references: MAX_MANIFEST_REFERENCES,
             max_memberships: MAX_IMPORT_MEMBERSHIPS,
+            max_absent_blobs: MAX_IMPORT_ABSENT_BLOBS,
             max_entries: MAX_LAYOUT_ENTRIES,
             max_header_bytes: MAX_TAR_HEADER_BYTES,
         }

@@ -289,7 +289,15 @@ impl Rows {
                         plan.blobs.push(PlannedBlob { digest: *blob, size, upstream: upstream.to_owned() });
                     }
                 }
-                None if fresh => plan.absent.push(AbsentBlob { target: i, digest: *blob, declared: *declared }),
+                None if fresh => {
+                    if plan.absent.len() >= limits.max_absent_blobs {
+                        return Err(ImportError::TooLarge(format!(
+                            "the layout lacks over {} blobs its images name (each would be asked upstream)",
+                            limits.max_absent_blobs
+                        )));
+                    }
+                    plan.absent.push(AbsentBlob { target: i, digest: *blob, declared: *declared });
+                }
                 None => {}
             }
         }
@@ -439,6 +447,10 @@ mod tests {
         let plan = files.plan(&targets, &ImportLimits::with_max_bytes(u64::MAX)).unwrap();
         let absent: Vec<_> = plan.absent.iter().map(|a| (a.target, a.digest)).collect();
         assert_eq!(absent, vec![(0, Digest::of(b"not carried")), (2, Digest::of(b"not carried"))]);
+        let one = ImportLimits { max_absent_blobs: 1, ..ImportLimits::with_max_bytes(u64::MAX) };
+        assert!(
+            matches!(files.plan(&targets, &one), Err(ImportError::TooLarge(m)) if m.contains("lacks over 1 blobs"))
+        );
 
         let inner = index_of(&[&child]);
         let outer = index_of(&[&inner]);
