@@ -789,3 +789,51 @@ async fn blobs_before_index_json_are_staged_within_a_quota_and_the_cli_sends_ind
     let pulled = skopeo::pull(&larder.image_ref("team/tool:2.0"), false).await.expect("pull with the origin gone");
     assert_eq!(pulled.manifest_digest, image.digest);
 }
+
+/// Imports at once of layouts that share blobs (two run, the third waits
+/// its turn): each commits whole, every image pulls, and the cache is
+/// consistent (`larder verify`).
+#[tokio::test(flavor = "multi_thread")]
+async fn imports_at_once_of_overlapping_layouts_each_commit_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared: Vec<Vec<u8>> = (0..50).map(|_| common::push::random(KIB)).collect();
+    let mut layouts = Vec::new();
+    for (i, tag) in ["a", "b", "c"].into_iter().enumerate() {
+        let mut layout = Layout::create(&dir.path().join(tag));
+        let config = format!(r#"{{"architecture":"amd64","os":"linux","n":{i}}}"#).into_bytes();
+        let config_digest = layout.blob(&config);
+        let mut layers: Vec<(String, usize)> = shared.iter().map(|b| (layout.blob(b), b.len())).collect();
+        let own = common::push::random(64 * KIB);
+        layers.push((layout.blob(&own), own.len()));
+        let manifest = image_manifest((&config_digest, config.len()), &layers);
+        let digest = layout.blob(&manifest);
+        layout.image(OCI_MANIFEST, &digest, manifest.len(), json!({REF_NAME: tag}));
+        layouts.push((layout, layers.into_iter().map(|(d, _)| d).collect::<Vec<_>>()));
+    }
+    let (mut larder, _admin) = larder_without_origin(|b| b).await;
+
+    let runs: Vec<_> = layouts
+        .iter()
+        .map(|(layout, _)| {
+            let (config, path) = (larder.config_path().to_owned(), layout.path());
+            tokio::task::spawn_blocking(move || {
+                std::process::Command::new(common::larder::binary())
+                    .args(["import", &path, "--as", &format!("{ORIGIN_NAME}/team/app"), "--config"])
+                    .arg(config)
+                    .output()
+                    .expect("run larder import")
+            })
+        })
+        .collect();
+    for run in runs {
+        let out = run.await.unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+    }
+    for ((_, blobs), tag) in layouts.iter().zip(["a", "b", "c"]) {
+        assert_eq!(served(&larder, tag, blobs).await, (true, blobs.len()), "team/app:{tag}");
+    }
+    larder.send_sigterm();
+    assert!(larder.wait_exit(Duration::from_secs(40)).await.is_some_and(|s| s.success()), "larder stopped");
+    let verify = larder_cli(&larder, &["verify"]);
+    assert!(verify.status.success(), "larder verify finds nothing wrong: {}", text(&verify.stdout));
+}

@@ -164,6 +164,8 @@ pub struct Cache {
     /// last found each gone upstream: served from the cache, within
     /// `stale_if_error`, when upstream says they are gone.
     warm_tags: std::sync::RwLock<std::collections::HashMap<String, bool>>,
+    /// Imports running at once (see [`import::MAX_IMPORTS_AT_ONCE`]).
+    imports: Arc<tokio::sync::Semaphore>,
 }
 
 /// The tiers beyond this replica's own memory and disk: both optional,
@@ -281,6 +283,7 @@ impl Cache {
             pins: std::sync::RwLock::default(),
             pinned_usage: std::sync::Mutex::default(),
             warm_tags: std::sync::RwLock::default(),
+            imports: Arc::new(tokio::sync::Semaphore::new(import::MAX_IMPORTS_AT_ONCE)),
         }))
     }
 

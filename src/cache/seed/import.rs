@@ -61,6 +61,11 @@ use staging::{Staged, Stager};
 /// Upstream `HEAD`s at once while confirming the blobs a layout lacks.
 const CONFIRMATIONS_AT_ONCE: usize = 8;
 
+/// Imports that run at once; another waits for its turn before a byte of
+/// its layout is read. Each import's memory is bounded by [`limits`];
+/// this bounds how many such bounds add up.
+pub const MAX_IMPORTS_AT_ONCE: usize = 2;
+
 /// Why an import was refused; nothing was imported.
 #[derive(Debug, thiserror::Error)]
 pub enum ImportError {
@@ -122,6 +127,8 @@ pub type Resolve = Box<dyn FnMut(&LayoutIndex) -> Result<Vec<ImportTarget>, Erro
 /// The phases of an import, in order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
+    /// Waiting for another import to end ([`MAX_IMPORTS_AT_ONCE`]).
+    Queued,
     /// Reading the layout and staging its blobs, each hashed.
     Reading,
     /// Walking each image's manifests.
@@ -224,6 +231,15 @@ impl Cache {
         resolve: Resolve,
         watch: Box<dyn ImportWatch>,
     ) -> Result<Imported, Error> {
+        let mut watch = watch;
+        let queue = Arc::clone(&self.imports);
+        let permit = match Arc::clone(&queue).try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                watch.phase(Phase::Queued, "waiting for another import to end", 0);
+                queue.acquire_owned().await.map_err(|_| Error::Internal("the import queue closed".into()))?
+            }
+        };
         let limits = ImportLimits::of(&self.config);
         let store = self.store.clone();
         let (staged, plan, mut watch) = blocking(move || {
@@ -251,9 +267,12 @@ impl Cache {
             self.confirm_absent(&staged.targets, &plan.absent).await?;
         }
         let cache = Arc::clone(self);
-        tokio::spawn(async move { cache.commit_import(staged, plan, watch).await })
-            .await
-            .map_err(|e| Error::Internal(format!("the import's commit failed: {e}")))?
+        tokio::spawn(async move {
+            let _permit = permit;
+            cache.commit_import(staged, plan, watch).await
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("the import's commit failed: {e}")))?
     }
 
     /// The membership rule for each blob an image names and the layout

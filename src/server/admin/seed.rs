@@ -68,9 +68,10 @@ pub async fn export(app: &Arc<App>, params: &Params) -> Result<Response<Body>, E
     Ok(resp)
 }
 
-/// What `POST /import` does while it works: from the end of the upload
-/// on, the connection is marked as working, so that its checks and commit
-/// take the time the layout's size needs rather than the idle timeout.
+/// What `POST /import` does while it works: while it waits for its turn
+/// and from the end of the upload on, the connection is marked as working,
+/// so that the queue, the checks and the commit take the time they need
+/// rather than the idle timeout.
 struct HoldWhileWorking {
     activity: Arc<Activity>,
     working: Option<Working>,
@@ -78,8 +79,11 @@ struct HoldWhileWorking {
 
 impl ImportWatch for HoldWhileWorking {
     fn phase(&mut self, phase: Phase, _what: &str, _total: u64) {
-        if phase != Phase::Reading && self.working.is_none() {
-            self.working = Some(self.activity.working());
+        match phase {
+            // The upload moves bytes: the idle timeout watches it.
+            Phase::Reading => self.working = None,
+            _ if self.working.is_none() => self.working = Some(self.activity.working()),
+            _ => {}
         }
     }
 }
