@@ -205,6 +205,29 @@ impl<R: Seek> Seek for Metered<R> {
     }
 }
 
+/// An entry's data, which must deliver the size its header gives: a tar
+/// that ends inside an entry was cut off (the `tar` crate reads a short
+/// entry as a short file).
+struct Whole<'a, R> {
+    inner: R,
+    left: u64,
+    meter: &'a Meter,
+    path: &'a Path,
+}
+
+impl<R: Read> Read for Whole<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        if n == 0 && self.left > 0 && !buf.is_empty() {
+            let shown: String = self.path.display().to_string().chars().take(200).collect();
+            let why = format!("the tar ends inside {shown}, {} bytes short: it was cut off", self.left);
+            return Err(self.meter.refuse(ImportError::NotALayout(why)));
+        }
+        self.left = self.left.saturating_sub(n as u64);
+        Ok(n)
+    }
+}
+
 /// What a tar's first pass found: whether it has an `oci-layout` file,
 /// and its `index.json`.
 pub struct Head {
@@ -233,9 +256,10 @@ fn walk_tar<R: Read>(
     let mut entries = entries;
     let mut count = 0usize;
     loop {
-        let Some(mut entry) = next_entry(&mut entries, meter, &mut count)? else { break };
+        let Some(entry) = next_entry(&mut entries, meter, &mut count)? else { break };
         let (kind, path) = (entry.header().entry_type(), entry_path(&entry, meter)?);
         let size = entry.size();
+        let mut entry = Whole { inner: entry, left: size, meter, path: &path };
         match (kind.is_file(), name_of(&path)?) {
             (true, Name::LayoutFile) => {
                 check_layout_file(&mut entry).map_err(|e| refusal_in(meter, e))?;
@@ -339,11 +363,14 @@ pub fn archive_head(file: &mut File, limits: &ImportLimits) -> Result<Head, Impo
         let mut archive = tar::Archive::new(Metered { inner: &mut *file, meter: Rc::clone(&meter) });
         let mut entries = archive.entries_with_seek().map_err(|e| meter.refusal_or(e, "reading the layout's tar"))?;
         let mut count = 0usize;
-        while let Some(mut entry) = next_entry(&mut entries, &meter, &mut count)? {
+        while let Some(entry) = next_entry(&mut entries, &meter, &mut count)? {
             if !entry.header().entry_type().is_file() {
                 continue;
             }
-            match name_of(&entry_path(&entry, &meter)?)? {
+            let path = entry_path(&entry, &meter)?;
+            let size = entry.size();
+            let mut entry = Whole { inner: entry, left: size, meter: &meter, path: &path };
+            match name_of(&path)? {
                 Name::LayoutFile => {
                     check_layout_file(&mut entry).map_err(|e| refusal_in(&meter, e))?;
                     head.layout_file = true;
@@ -476,6 +503,19 @@ mod tests {
         let (result, seen) = read(&tar.into_inner().unwrap(), &limits());
         assert!(result.is_ok(), "{result:?}");
         assert_eq!((seen.indexes, seen.blobs), (1, vec![Digest::of(blob)]));
+    }
+
+    #[test]
+    fn a_tar_cut_off_inside_an_entry_is_refused_as_cut_off() {
+        let blob = vec![1u8; 4096];
+        let name = format!("blobs/sha256/{}", Digest::of(&blob).hex().as_str());
+        let tar = entries(&[("oci-layout", LAYOUT.as_bytes()), ("index.json", INDEX.as_bytes()), (&name, &blob)]);
+        let mut bytes = tar.into_inner().unwrap();
+        bytes.truncate(bytes.len() - 1024 - 2048);
+        match read(&bytes, &limits()).0 {
+            Err(ImportError::NotALayout(m)) => assert!(m.contains("2048 bytes short: it was cut off"), "{m}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

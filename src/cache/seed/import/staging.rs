@@ -1,7 +1,7 @@
 //! The staging area of one import: a folder of its own under the store's
 //! `tmp/` (`tmp/import-*`, removed when the import ends however it ends,
 //! and at start-up after a crash), holding each blob of the layout under
-//! its hex digest once its bytes hashed to that name, fsynced and closed.
+//! its hex digest once its bytes hashed to that name, and closed.
 //! One file is open at a time, whatever the layout's size: an import never
 //! takes the descriptors the listeners need.
 //!
@@ -146,8 +146,8 @@ impl Visitor for Stager<'_> {
         if actual != named {
             return Err(ImportError::Tampered { path: path.to_owned(), actual });
         }
-        temp.as_file().sync_all()?;
-        // Closed once written: the staging area holds names, not descriptors.
+        // Closed once written: the staging area holds names, not
+        // descriptors. Made durable at the commit (`Store::commit_staged`).
         temp.into_temp_path().persist(self.dir.path().join(named.hex().as_str())).map_err(|e| e.error)?;
         self.blobs.insert(named, written);
         self.bytes += written;
