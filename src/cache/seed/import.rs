@@ -291,7 +291,11 @@ impl Cache {
                 let t = &targets[a.target];
                 let (upstream, repo, digest) = (t.upstream.name(), &t.repo, &a.digest);
                 let why = match confirmed {
-                    Ok(()) => continue,
+                    Ok(Some(size)) if a.declared.is_some_and(|d| d != size) => format!(
+                        "upstream {upstream} has it in {repo} at {size} bytes where the manifest declares {}",
+                        a.declared.unwrap_or_default()
+                    ),
+                    Ok(_) => continue,
                     Err(Error::BlobUnknown(_)) => format!("upstream {upstream} says {repo} does not have it"),
                     Err(e) => format!("upstream {upstream} could not confirm {repo} has it: {e}"),
                 };
@@ -378,7 +382,13 @@ impl Cache {
                 let Some(m) = plan.manifests.iter().find(|m| m.digest == *digest) else { continue };
                 let Ok(bytes) = staged.manifest_bytes(digest) else { continue };
                 if let Ok((media_type, refs)) = inspect_manifest(&bytes, Some(m.media_type)) {
-                    let fetched = FetchedManifest { bytes: Bytes::from(bytes), media_type, digest: *digest, refs };
+                    let fetched = FetchedManifest {
+                        bytes: Bytes::from(bytes),
+                        media_type,
+                        digest: *digest,
+                        refs,
+                        warnings: None,
+                    };
                     self.share_manifest(&fetched).await;
                 }
             }

@@ -82,6 +82,10 @@ pub struct UpstreamStatus {
     /// Its own `max_size`, if it has one.
     #[serde(default)]
     pub max_size_bytes: Option<u64>,
+    /// `client_credentials = "verify"`: every client's own credentials are
+    /// checked with this upstream before anything of it is served.
+    #[serde(default)]
+    pub verifies_clients: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -230,6 +234,7 @@ pub async fn gather(app: &App, holdings: &HoldingsCache, started: Instant) -> Re
                 rate_limit: figures.rate_limit,
                 cache_bytes: app.cache.upstream_usage(&c.name),
                 max_size_bytes: app.cache.upstream_max_size(&c.name),
+                verifies_clients: c.client_credentials.verifies(),
             }
         })
         .collect();

@@ -5,11 +5,14 @@
 //! Content is immutable by digest: a row already in the index is never
 //! rewritten (only its access time moves, as a pull would move it). A
 //! manifest the index holds under another media type than the layout
-//! declares refuses the whole import.
+//! declares refuses the whole import. A new membership row of a manifest
+//! records the blob sizes it declares for its repository (`declared`), as
+//! a fill's does; an imported manifest carries no upstream warnings, so
+//! it adds no `manifest_warnings` row and removes none.
 
 use redb::{ReadableDatabase, ReadableTable};
 
-use super::{Content, Index, Kind, MANIFESTS, MEMBERS, MEMBERS_BY_DIGEST, TAGS, begin_write, by_digest_key};
+use super::{Content, Index, Kind, MANIFESTS, MEMBERS, MEMBERS_BY_DIGEST, TAGS, begin_write, by_digest_key, declared};
 use crate::oci::{Digest, MediaType};
 
 /// What an import writes. Blob files are in place already.
@@ -115,6 +118,7 @@ impl Index {
             }
         }
         let changes = content.close()?;
+        let mut new_members = Vec::new();
         {
             let mut members = db(txn.open_table(MEMBERS))?;
             let mut by_digest = db(txn.open_table(MEMBERS_BY_DIGEST))?;
@@ -126,12 +130,16 @@ impl Index {
                 if let Some(k) = by_digest_key(key) {
                     db(by_digest.insert(k.as_str(), ()))?;
                 }
+                new_members.push(key.clone());
             }
             let mut tags = db(txn.open_table(TAGS))?;
             for (key, digest) in rows.tags {
                 db(tags.insert(key.as_str(), (digest.to_string().as_str(), rows.now_ms)))?;
             }
         }
+        // The blob sizes the new members' manifests declare, for their
+        // repositories (as a fill's manifest records them).
+        declared::record(&txn, &new_members)?;
         self.commit(txn, changes)?;
         Ok(committed)
     }
