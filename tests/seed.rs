@@ -73,6 +73,7 @@ async fn a_layout_from_skopeo_imported_while_larder_runs_pulls_with_the_origin_g
         "import: sending the layout".to_owned(),
         "import: sending the layout done: ".to_owned(),
         "import: larder checks and commits it".to_owned(),
+        "import: larder checks and commits it done in ".to_owned(),
         "imported 1 image: 3 manifests, 6 blobs, ".to_owned(),
         format!("  {ORIGIN_NAME}/team/app:v1@{}", image.digest),
     ];
@@ -110,7 +111,9 @@ async fn an_archive_imported_into_a_stopped_cache_pulls_after_the_start() {
         "import: reading and hashing the layout".to_owned(),
         "import: reading and hashing the layout done: ".to_owned(),
         "import: checking 1 image".to_owned(),
+        "import: checking 1 image done in ".to_owned(),
         "import: committing 3 blobs and 1 manifest".to_owned(),
+        "import: committing 3 blobs and 1 manifest done in ".to_owned(),
         "imported 1 image: 1 manifest, 3 blobs, ".to_owned(),
         format!("  {ORIGIN_NAME}/team/tool:2.0@{}", image.digest),
     ];

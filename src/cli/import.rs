@@ -6,20 +6,20 @@
 //! archive has them in, so that larder knows where the images go (and
 //! whether policy admits them) before a byte of blobs arrives.
 //!
-//! Progress as `prefetch` shows it: on a terminal a bar (bytes of the
-//! total, rate, the blob being read or sent), otherwise a line when each
-//! phase starts and ends and one every [`PLAIN_INTERVAL`] between. Then
-//! where each image went.
+//! Progress as `verify` shows it ([`super::progress`]): on a terminal a
+//! bar (bytes of the total, rate, the blob being read or sent), otherwise
+//! a line when each phase starts and ends and one every
+//! [`super::progress::PLAIN_INTERVAL`] between. Then where each image went.
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use http::Method;
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use super::client::{AdminClient, CallError, RequestBody, read_body};
+use super::progress::Progress;
 use crate::cache::Cache;
 use crate::cache::import::reader::{self, Visitor};
 use crate::cache::import::{ImportError, ImportLimits, ImportWatch, Imported, LayoutSource, Phase};
@@ -33,14 +33,10 @@ use crate::upstream::Upstreams;
 
 /// Longest an import's upload and check may take before the answer.
 pub const IMPORT_TIMEOUT: Duration = Duration::from_secs(3600);
-/// Longest time between two plain progress lines while a phase runs.
-pub const PLAIN_INTERVAL: Duration = Duration::from_secs(10);
 /// Request body chunks in flight to the connection.
 const CHUNKS_IN_FLIGHT: usize = 16;
 /// Bytes of a layout tar sent per request body chunk.
 const UPLOAD_CHUNK: usize = 256 << 10;
-/// The bar: spinner, elapsed time, bar, bytes of total, what is worked on, rate and ETA.
-const BAR_TEMPLATE: &str = "{spinner:.green} [{elapsed_precise}] [{bar:32.cyan/blue}] {bytes}/{total_bytes} {msg} {binary_bytes_per_sec} ETA {eta}";
 
 /// `larder import`: on the stopped cache folder of `config`, or through
 /// `client` when larder runs.
@@ -55,7 +51,7 @@ pub async fn import(
     let imported = match Cache::open(config.cache.clone()).await {
         Ok(cache) => {
             println!("importing {} into {} (larder is not running)", path.display(), config.cache.dir.display());
-            let progress = Progress::shared(terminal);
+            let progress = SharedProgress::new(terminal);
             let upstreams = Arc::new(Upstreams::new(config).map_err(CallError::Usage)?);
             let as_name = as_name.map(str::to_owned);
             let resolver = Box::new(move |index: &LayoutIndex| targets(&upstreams, index, as_name.as_deref()));
@@ -68,7 +64,7 @@ pub async fn import(
         Err(Error::CacheInUse(_)) => {
             let client = client()?;
             println!("importing {} through {}", path.display(), client.base());
-            let progress = Progress::shared(terminal);
+            let progress = SharedProgress::new(terminal);
             let mut query = form_urlencoded::Serializer::new(String::new());
             if let Some(name) = as_name {
                 query.append_pair("as", name);
@@ -217,122 +213,16 @@ impl Read for Counted<'_> {
     }
 }
 
-/// An import's progress through its phases: a bar on a terminal, plain
-/// lines otherwise. The same calls as the progress of `prefetch` and
-/// `verify` (`phase`, `item`, `advance`, `finish`), so that it folds onto
-/// one shared helper.
-pub struct Progress {
-    shown: Shown,
-    phase: Option<PhaseState>,
-}
-
-enum Shown {
-    Bar(ProgressBar),
-    Plain { last: Instant },
-}
-
-struct PhaseState {
-    what: String,
-    started: Instant,
-    total: u64,
-    done: u64,
-    item: String,
-}
-
-/// A [`Progress`] shared by the task reading the layout and the command.
+/// An import's progress (the shared [`Progress`] of `verify` and
+/// `export`), held by the task reading the layout and the command alike.
 #[derive(Clone)]
 pub struct SharedProgress(Arc<Mutex<Progress>>);
 
-impl Progress {
-    fn shared(terminal: bool) -> SharedProgress {
-        let shown = if terminal {
-            let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stdout());
-            let style = ProgressStyle::with_template(BAR_TEMPLATE)
-                .unwrap_or_else(|_| ProgressStyle::default_bar())
-                .progress_chars("=> ");
-            bar.set_style(style);
-            bar.enable_steady_tick(Duration::from_millis(200));
-            Shown::Bar(bar)
-        } else {
-            Shown::Plain { last: Instant::now() }
-        };
-        SharedProgress(Arc::new(Mutex::new(Progress { shown, phase: None })))
-    }
-
-    fn phase(&mut self, what: &str, total: u64) {
-        self.end_phase();
-        match &mut self.shown {
-            Shown::Bar(bar) => {
-                bar.set_length(total);
-                bar.set_position(0);
-                bar.reset_elapsed();
-                bar.set_message(what.to_owned());
-            }
-            Shown::Plain { last } => {
-                line(format_args!("import: {what}"));
-                *last = Instant::now();
-            }
-        }
-        let state = PhaseState { what: what.to_owned(), started: Instant::now(), total, done: 0, item: String::new() };
-        self.phase = Some(state);
-    }
-
-    fn item(&mut self, item: &str) {
-        let Some(phase) = &mut self.phase else { return };
-        phase.item = item.to_owned();
-        if let Shown::Bar(bar) = &self.shown {
-            bar.set_message(short(item));
-        }
-    }
-
-    fn advance(&mut self, n: u64) {
-        let Some(phase) = &mut self.phase else { return };
-        phase.done += n;
-        match &mut self.shown {
-            Shown::Bar(bar) => {
-                bar.set_length(phase.total.max(phase.done));
-                bar.set_position(phase.done);
-            }
-            Shown::Plain { last } if last.elapsed() >= PLAIN_INTERVAL => {
-                *last = Instant::now();
-                line(format_args!(
-                    "import: {} / {} {}/s, at {}",
-                    bytes(phase.done),
-                    bytes(phase.total.max(phase.done)),
-                    bytes(rate(phase.done, phase.started)),
-                    phase.item
-                ));
-            }
-            Shown::Plain { .. } => {}
-        }
-    }
-
-    /// Ends the phase running: on plain output, a line with what it did.
-    fn end_phase(&mut self) {
-        let Some(phase) = self.phase.take() else { return };
-        if let Shown::Plain { .. } = self.shown {
-            let secs = phase.started.elapsed().as_secs_f64();
-            match phase.done {
-                0 => line(format_args!("import: {} done in {secs:.1} s", phase.what)),
-                done => line(format_args!(
-                    "import: {} done: {} in {secs:.1} s ({}/s)",
-                    phase.what,
-                    bytes(done),
-                    bytes(rate(done, phase.started))
-                )),
-            }
-        }
-    }
-
-    fn finish(&mut self) {
-        self.end_phase();
-        if let Shown::Bar(bar) = &self.shown {
-            bar.finish_and_clear();
-        }
-    }
-}
-
 impl SharedProgress {
+    fn new(terminal: bool) -> SharedProgress {
+        SharedProgress(Arc::new(Mutex::new(Progress::new("import", terminal))))
+    }
+
     fn with(&self, f: impl FnOnce(&mut Progress)) {
         f(&mut self.0.lock().unwrap_or_else(|p| p.into_inner()));
     }
@@ -355,19 +245,4 @@ impl ImportWatch for SharedProgress {
     fn advance(&mut self, n: u64) {
         self.with(|p| p.advance(n));
     }
-}
-
-/// A blob's path as the bar shows it: `blobs/sha256/` and 12 hex digits.
-fn short(item: &str) -> String {
-    item.chars().take("blobs/sha256/".len() + 12).collect()
-}
-
-fn line(args: std::fmt::Arguments<'_>) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{args}");
-    let _ = out.flush();
-}
-
-fn rate(done: u64, since: Instant) -> u64 {
-    (done as f64 / since.elapsed().as_secs_f64().max(0.001)) as u64
 }
