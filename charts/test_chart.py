@@ -2059,6 +2059,27 @@ def check_hub() -> None:
         check("[deployment without hub] no via", all("via" not in u for u in r.toml()["upstream"]))
 
 
+def check_tracing() -> None:
+    """tracing.* becomes larder.toml's [tracing], which larder check-config
+    accepts; without tracing.otlpEndpoint there is no [tracing] at all."""
+    L = "tracing"
+    endpoint = "http://otel-collector.observability:4318"
+    r = render(L, {"tracing": {"otlpEndpoint": endpoint, "samplingRatio": 0.25, "serviceName": "larder-eu"}})
+    if not r:
+        return
+    want = {"otlp_endpoint": endpoint, "sampling_ratio": 0.25, "service_name": "larder-eu"}
+    check(f"[{L}] [tracing] from the values", r.toml().get("tracing") == want, r.toml().get("tracing"))
+    check_config(L, r.toml_text())
+    r = render(f"{L}, defaults", {"tracing": {"otlpEndpoint": endpoint}})
+    if r:
+        want = {"otlp_endpoint": endpoint, "sampling_ratio": 1.0}
+        check(f"[{L}, defaults] every trace, service name larder's own", r.toml().get("tracing") == want, r.toml().get("tracing"))
+        check_config(f"{L}, defaults", r.toml_text())
+    r = render("tracing off", {})
+    if r:
+        check("[tracing off] no [tracing]", "tracing" not in r.toml(), r.toml().get("tracing"))
+
+
 def render_values() -> dict:
     return yaml.safe_load((CHART / "values.yaml").read_text())
 
@@ -2498,6 +2519,10 @@ def check_refused() -> None:
             "holds the credentials",
         ),
         ("hub URL with a path", {"mode": "node", "hub": {"url": "http://hub:5000/v2"}}, "/hub/url"),
+        ("tracing endpoint without a scheme", {"tracing": {"otlpEndpoint": "otel-collector:4318"}}, "otlpEndpoint"),
+        ("tracing endpoint with credentials", {"tracing": {"otlpEndpoint": "http://u:p@c:4318"}}, "otlpEndpoint"),
+        ("sampling ratio above 1", {"tracing": {"otlpEndpoint": "http://c:4318", "samplingRatio": 2}}, "samplingRatio"),
+        ("a misspelt tracing value", {"tracing": {"endpoint": "http://c:4318"}}, "endpoint"),
         ("the release as its own hub", {"hub": {"url": "http://larder.cache.svc:5000"}}, "loop"),
     ]
     for label, values, needle in cases:
@@ -2738,6 +2763,7 @@ def main() -> int:
         check_admin_tls_and_hosts,
         check_cluster_network_policy,
         check_hub,
+        check_tracing,
         check_persistence,
         check_pdb_and_bind,
         check_warm,

@@ -32,9 +32,10 @@ pub fn active() -> bool {
     BACKGROUND.try_with(|b| *b).unwrap_or(false)
 }
 
-/// `f`, with the current task's priority: for a task spawned on its behalf.
+/// `f`, with the current task's priority: for a task spawned on its
+/// behalf. Its trace goes along too (see [`crate::otel::follow`]).
 pub fn inherit<F: Future>(f: F) -> impl Future<Output = F::Output> {
-    BACKGROUND.scope(active(), f)
+    BACKGROUND.scope(active(), crate::otel::follow(f))
 }
 
 #[cfg(test)]

@@ -12,8 +12,8 @@
 //!   (which hosts are one operator's), [`config`] (one room per section);
 //! - plumbing: [`error`] (the one mapping to responses), [`metrics`],
 //!   [`blocking`], [`coalesce`], [`background`], [`body`], [`sendfile`],
-//!   [`log_filter`], [`log_writer`], [`shutdown`], and [`faults`] (the
-//!   test build's injected I/O errors);
+//!   [`log_filter`], [`log_writer`], [`otel`] (traces), [`shutdown`], and
+//!   [`faults`] (the test build's injected I/O errors);
 //! - [`upstream`]: registries larder pulls from (auth, redirects and the
 //!   dial guard, credentials, pull limits);
 //! - [`cluster`]: the other replicas (ring, peer set, peer client);
@@ -43,6 +43,7 @@ pub mod log_filter;
 pub mod log_writer;
 pub mod metrics;
 pub mod oci;
+pub mod otel;
 pub mod peer_slots;
 pub mod policy;
 pub mod sendfile;

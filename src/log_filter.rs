@@ -11,7 +11,8 @@
 //! worker threads; measured on warm manifest GETs (benches/README.md,
 //! "The log filter"), the static filter is the cheaper one.
 
-use tracing_subscriber::filter::{EnvFilter, ParseError, Targets};
+use tracing_subscriber::filter::{EnvFilter, FilterExt, ParseError, Targets, filter_fn};
+use tracing_subscriber::layer::Filter;
 use tracing_subscriber::{Layer, Registry};
 
 /// A parsed filter, static when the directives allow it (made once, at
@@ -49,6 +50,21 @@ impl LogFilter {
         match self {
             LogFilter::Static(targets) => targets,
             LogFilter::Dynamic(env) => env,
+        }
+    }
+
+    /// The same filter for one layer (the log's, beside the OpenTelemetry
+    /// layer when tracing is on), leaving out the spans made for
+    /// OpenTelemetry alone ([`crate::otel::TARGET`]): log lines read the
+    /// same with tracing on or off.
+    pub fn into_log_filter<S>(self) -> Box<dyn Filter<S> + Send + Sync>
+    where
+        S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    {
+        let not_otel = filter_fn(|meta| meta.target() != crate::otel::TARGET);
+        match self {
+            LogFilter::Static(targets) => Box::new((*targets).and(not_otel)),
+            LogFilter::Dynamic(env) => Box::new((*env).and(not_otel)),
         }
     }
 }

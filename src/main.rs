@@ -9,10 +9,11 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use larder::cli::Target;
-use larder::config::{Config, LogConfig, LogFormat};
+use larder::config::{Config, LogFormat};
 use larder::log_filter::LogFilter;
 use larder::log_writer::{Flush, LogWriter};
 use larder::server::access_log;
+use tracing_subscriber::Layer;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
@@ -163,29 +164,47 @@ const DESCRIPTOR_RESERVE: u64 = 1024;
 /// the container runtime) never blocks serving: lines past its queue limit
 /// are dropped and counted. The returned guard writes what is queued when
 /// `main` returns.
-fn init_logs(config: &LogConfig, cli: Option<CliLogFormat>) -> std::io::Result<Flush> {
-    let filter = LogFilter::from_env_or(&config.level).into_layer();
+///
+/// With `[tracing]` on, OpenTelemetry's layer goes beside the log's, each
+/// with its own filter (see `larder::otel`); without it the subscriber is
+/// the log alone, as it always was: nothing of tracing is on the path.
+fn init_logs(
+    config: &Config,
+    cli: Option<CliLogFormat>,
+    runtime: tokio::runtime::Handle,
+) -> Result<(Flush, Option<larder::otel::Tracing>), String> {
+    let filter = LogFilter::from_env_or(&config.log.level);
     let format = match cli {
         Some(CliLogFormat::Text) => LogFormat::Text,
         Some(CliLogFormat::Json) => LogFormat::Json,
-        None => config.format,
+        None => config.log.format,
     };
     let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
     let ansi = std::io::stderr().is_terminal() && !no_color;
-    let (writer, flush) = LogWriter::start(std::io::stderr())?;
+    let (writer, flush) =
+        LogWriter::start(std::io::stderr()).map_err(|e| format!("cannot start the log writer: {e}"))?;
     larder::metrics::count_dropped_log_lines(writer.clone());
     // Request lines are formatted by larder itself into the same writer,
     // in the same layout; coloured terminal lines stay tracing's.
     if !ansi {
         access_log::install(writer.clone(), format);
     }
-    let logs = tracing_subscriber::registry().with(filter);
+    let Some((otel, tracing)) = larder::otel::start(&config.tracing, runtime)? else {
+        let logs = tracing_subscriber::registry().with(filter.into_layer());
+        let layer = tracing_subscriber::fmt::layer().with_writer(writer);
+        match format {
+            LogFormat::Text => logs.with(layer.with_ansi(ansi)).init(),
+            LogFormat::Json => logs.with(layer.json().with_ansi(false)).init(),
+        }
+        return Ok((flush, None));
+    };
     let layer = tracing_subscriber::fmt::layer().with_writer(writer);
-    match format {
-        LogFormat::Text => logs.with(layer.with_ansi(ansi)).init(),
-        LogFormat::Json => logs.with(layer.json().with_ansi(false)).init(),
-    }
-    Ok(flush)
+    let log = match format {
+        LogFormat::Text => layer.with_ansi(ansi).boxed(),
+        LogFormat::Json => layer.json().with_ansi(false).boxed(),
+    };
+    tracing_subscriber::registry().with(log.with_filter(filter.into_log_filter())).with(otel).init();
+    Ok((flush, Some(tracing)))
 }
 
 /// Runs an operator command against the admin listener: exit status 0
@@ -288,13 +307,29 @@ fn main() -> ExitCode {
     if let Some(Command::Verify { repair }) = cli.command {
         return ExitCode::from(larder::cli::verify::run(&config, repair, std::io::stdout().is_terminal()));
     }
-    let _logs = match init_logs(&config.log, cli.log_format) {
-        Ok(flush) => flush,
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
         Err(e) => {
-            eprintln!("larder: cannot start the log writer: {e}");
+            eprintln!("larder: cannot start the runtime: {e}");
             return ExitCode::FAILURE;
         }
     };
+    let (_logs, traces) = match init_logs(&config, cli.log_format, runtime.handle().clone()) {
+        Ok(started) => started,
+        Err(e) => {
+            eprintln!("larder: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Some(export) = &config.tracing.export {
+        tracing::info!(
+            endpoint = %export.url,
+            from = export.from.as_str(),
+            sampling_ratio = config.tracing.sampling_ratio,
+            service_name = config.tracing.service_name,
+            "traces: exporting spans over OTLP/HTTP"
+        );
+    }
     for warning in config.warnings() {
         tracing::warn!("config: {warning}");
     }
@@ -311,14 +346,7 @@ fn main() -> ExitCode {
         Ok(limit) => tracing::debug!(limit, "open file limit"),
         Err(e) => tracing::warn!(error = %e, "cannot raise the open file limit"),
     }
-    let runtime = match tokio::runtime::Runtime::new() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("larder: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    runtime.block_on(async {
+    let status = runtime.block_on(async {
         let (stop, shutdown) = tokio::sync::watch::channel(());
         let started = match larder::app::start(config, shutdown).await {
             Ok(s) => s,
@@ -340,7 +368,12 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         }
-    })
+    });
+    // The last spans go out on the runtime, which still runs here.
+    if let Some(traces) = traces {
+        traces.shutdown();
+    }
+    status
 }
 
 /// The operator commands end as Unix filters do when whoever reads their

@@ -160,6 +160,11 @@ pub struct Metrics {
     /// `warm_images{state}`: warm images by state,
     /// `ready|fetching|missing_upstream|not_found|failed`.
     pub warm_images: IntGaugeVec,
+    /// `trace_spans_total{result}`: OpenTelemetry spans, with `[tracing]`
+    /// on; result `exported` (the collector took them), `failed` (the
+    /// export failed: collector down, hung past the export timeout, or an
+    /// error answer) or `dropped` (the export queue was full: never waited for).
+    pub trace_spans: IntCounterVec,
 }
 
 const PREFIX: &str = "larder";
@@ -386,6 +391,11 @@ fn build() -> Result<Metrics, prometheus::Error> {
             "Upstream tags/list or referrers answers that were not a tag list or an image index",
             &["upstream", "listing"],
         )?,
+        trace_spans: counter_vec(
+            "trace_spans_total",
+            "OpenTelemetry spans: exported, failed (export failed) or dropped (export queue full)",
+            &["result"],
+        )?,
         registry,
     })
 }
@@ -420,6 +430,9 @@ pub fn init_known_series() {
     }
     for reason in ["client", "peer", "ahead"] {
         m.fills.with_label_values(&[reason]);
+    }
+    for result in ["exported", "failed", "dropped"] {
+        m.trace_spans.with_label_values(&[result]);
     }
 }
 

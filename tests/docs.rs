@@ -10,7 +10,10 @@
 //! * `toml` blocks headed `# /etc/containerd/certs.d/<registry>/hosts.toml`
 //!   must be what containerd reads, pointing at larder's port;
 //! * `json` blocks are dockerd's daemon.json, pointing at larder's port;
-//! * `yaml` blocks are Helm values: every key is in the chart's
+//! * `yaml` blocks headed `# OpenTelemetry Collector` are a collector's
+//!   config: an OTLP/HTTP receiver on the port larder's `otlp_endpoint`
+//!   examples name, in a traces pipeline whose exporters are defined;
+//! * other `yaml` blocks are Helm values: every key is in the chart's
 //!   values.schema.json, and the chart renders with them (Helm's engine,
 //!   through tests/docs/helm_render.py);
 //! * `sh` blocks are split as a shell splits them, and each command is
@@ -87,6 +90,7 @@ enum Kind {
     HostsToml,
     DaemonJson,
     HelmValues,
+    CollectorConfig,
     Shell,
     Console,
     PromQl,
@@ -98,6 +102,7 @@ fn kind(b: &Block) -> Kind {
         "toml" if b.text.starts_with("# /etc/containerd/certs.d/") => Kind::HostsToml,
         "toml" => Kind::Config,
         "json" => Kind::DaemonJson,
+        "yaml" if b.text.starts_with("# OpenTelemetry Collector") => Kind::CollectorConfig,
         "yaml" => Kind::HelmValues,
         "sh" => Kind::Shell,
         "console" => Kind::Console,
@@ -388,6 +393,32 @@ fn hosts_toml_blocks_are_what_containerd_reads_and_point_at_larder() {
             }
         }
     }
+    assert!(!blocks.is_empty());
+}
+
+#[test]
+fn collector_configs_receive_otlp_http_where_larder_sends_it() {
+    let blocks = blocks_of(Kind::CollectorConfig);
+    for b in &blocks {
+        let config = yaml_to_json(&b.at(), &b.text);
+        let http = &config["receivers"]["otlp"]["protocols"]["http"];
+        let endpoint = http["endpoint"].as_str().unwrap_or_else(|| panic!("{}: no OTLP/HTTP receiver", b.at()));
+        assert_eq!(port_of(&format!("http://{endpoint}")), Some(4318), "{}: OTLP/HTTP's port", b.at());
+        let pipeline = &config["service"]["pipelines"]["traces"];
+        let names = |key: &str| -> Vec<String> {
+            pipeline[key].as_array().into_iter().flatten().filter_map(|v| v.as_str().map(str::to_owned)).collect()
+        };
+        assert!(names("receivers").contains(&"otlp".to_owned()), "{}: the traces pipeline takes OTLP", b.at());
+        let exporters = names("exporters");
+        assert!(!exporters.is_empty(), "{}: the traces pipeline exports", b.at());
+        for e in exporters.iter().chain(names("processors").iter()) {
+            let section = if exporters.contains(e) { "exporters" } else { "processors" };
+            assert!(config[section].get(e).is_some(), "{}: {e} is used but not defined under {section}", b.at());
+        }
+    }
+    // And larder's side: the operating guide's [tracing] example names that port.
+    let guide = std::fs::read_to_string(root().join("docs/operating.md")).unwrap();
+    assert!(guide.contains("otlp_endpoint = \"http://otel-collector.observability:4318\""));
     assert!(!blocks.is_empty());
 }
 

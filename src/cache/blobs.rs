@@ -5,6 +5,8 @@ use std::fs::File;
 use std::sync::Arc;
 use std::time::SystemTime;
 
+use tracing::Instrument;
+
 use super::*;
 
 /// Times a request may find that the fill it joined, started for another
@@ -218,6 +220,7 @@ impl Cache {
         };
         metrics().fills.with_label_values(&[reason]).inc();
         metrics().fills_in_flight.inc();
+        let trace = crate::otel::fill(&digest, reason, upstream.name());
         let guard = FlightGuard { cache: Arc::clone(self), digest, tx, ended: false };
         let purges_seen = upkeep::purges::lock_purges(&self.purges).count();
         // A fill the warm loop starts stays background work (clients first).
@@ -225,10 +228,16 @@ impl Cache {
             let mut guard = guard;
             let tx = &guard.tx;
             let timer = fill::deadline(tx.subscribe(), cache.config.max_blob_size);
+            let filling =
+                cache.fill(&upstream, &repo, digest, (via, &priority), purges_seen, tx).instrument(trace.clone());
             let result = tokio::select! {
-                filled = cache.fill(&upstream, &repo, digest, (via, &priority), purges_seen, tx) => filled,
+                filled = filling => filled,
                 late = timer => Err(late),
             };
+            match &result {
+                Ok((_, size)) => crate::otel::filled(&trace, Ok(*size)),
+                Err(e) => crate::otel::filled(&trace, Err(e)),
+            }
             match result {
                 Ok((file, size)) => {
                     if priority.is_ahead() {

@@ -17,6 +17,7 @@ use hyper_rustls::{FixedServerNameResolver, HttpsConnector};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use tracing::Instrument;
 
 use super::PeerUrl;
 use crate::config::ClusterConfig;
@@ -235,9 +236,22 @@ impl PeerClient {
             req = req.header(SHARED_MISSED_HEADER, "1");
         }
         let req = req.body(Empty::new()).map_err(|e| PeerError::NoAnswer(format!("building request: {e}")))?;
-        let resp = match tokio::time::timeout(ask.timeout, self.http.request(req)).await {
+        let (mut head, body) = req.into_parts();
+        let trace = crate::otel::client(&head.method, &head.uri, &mut head.headers, Some(peer.as_str()));
+        let answer = self.answer(Request::from_parts(head, body), ask.timeout).instrument(trace.clone()).await;
+        match &answer {
+            Ok(resp) => crate::otel::answered(&trace, Ok(resp.status())),
+            Err(PeerError::Status { status, .. }) => crate::otel::answered(&trace, Ok(*status)),
+            Err(e) => crate::otel::answered(&trace, Err(e)),
+        }
+        answer
+    }
+
+    /// Sends `req` and reads what the peer answered (see [`PeerClient::send`]).
+    async fn answer(&self, req: Request<Empty<Bytes>>, timeout: Duration) -> Result<Response<Incoming>, PeerError> {
+        let resp = match tokio::time::timeout(timeout, self.http.request(req)).await {
             Err(_) => {
-                let waited = humantime::format_duration(ask.timeout);
+                let waited = humantime::format_duration(timeout);
                 return Err(PeerError::NoAnswer(format!("no response headers within {waited}")));
             }
             Ok(Err(e)) if e.is_connect() => return Err(PeerError::Unreachable(crate::upstream::error_chain(&e))),

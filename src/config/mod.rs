@@ -4,7 +4,8 @@
 //!
 //! One room per section, each holding its raw struct, its typed struct and
 //! its own validation: `server`, `cache`, `log`, `admin`,
-//! `upstream` (with its `credentials`), `shared`, `cluster`, `warm`. Here: loading, the error type, the
+//! `upstream` (with its `credentials`), `shared`, `cluster`, `warm`, `traces`
+//! (`[tracing]`). Here: loading, the error type, the
 //! validator's common parsers (durations, sizes, paths, secret files,
 //! `${ENV}`), and the order sections are checked in, where one depends on
 //! another (`[admin] tls` and `[cluster]` on `[server]`, `grants` on the
@@ -23,6 +24,7 @@ mod parse_error;
 mod secret;
 mod server;
 mod shared;
+mod traces;
 pub mod units;
 mod upstream;
 mod warm;
@@ -48,6 +50,7 @@ pub use server::{
     TlsConfig,
 };
 pub use shared::{MIN_SHARED_MAX_AGE, SharedConfig, SharedCredentials};
+pub use traces::{DEFAULT_SERVICE_NAME, EndpointSource, TraceExport, TracingConfig};
 pub use upstream::{
     ClientCredentialsMode, DEFAULT_BODY_IDLE_TIMEOUT, DEFAULT_CLIENT_CREDENTIALS_TTL, DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_FILL_CONNECTIONS, DEFAULT_MAX_CONCURRENCY, DEFAULT_RESPONSE_TIMEOUT, FallbackUrl, MAX_FILL_CONNECTIONS,
@@ -78,6 +81,8 @@ pub struct Config {
     pub cluster: Option<ClusterConfig>,
     /// Images kept warm and pinned (`[[warm]]`); `cache.warm_file` adds more.
     pub warm: Vec<WarmImage>,
+    /// OpenTelemetry spans (`[tracing]`); off unless a collector is named.
+    pub tracing: TracingConfig,
 }
 
 /// What `larder check-config --without-secrets` did not look at: a file
@@ -125,6 +130,7 @@ struct RawConfig {
     cluster: Option<cluster::RawCluster>,
     #[serde(default)]
     warm: Vec<warm::RawWarm>,
+    tracing: Option<traces::RawTracing>,
 }
 
 impl Config {
@@ -318,7 +324,8 @@ impl Validator<'_> {
         cache.upstream_max_size = upstreams.iter().filter_map(|u| Some((u.name.clone(), u.max_size?))).collect();
         // Warm images name upstreams, and obey their allow/deny.
         let warm = self.warm(raw.warm, &upstreams)?;
-        Ok(Config { server, cache, upstreams, log, admin, shared, cluster, warm })
+        let tracing = self.tracing(raw.tracing)?;
+        Ok(Config { server, cache, upstreams, log, admin, shared, cluster, warm, tracing })
     }
 
     /// A secret read from a file: trailing line breaks and spaces dropped

@@ -216,30 +216,47 @@ fn next_page_link(link: &HeaderValue, uri: &Uri) -> Option<HeaderValue> {
     HeaderValue::from_str(&format!("<{}?{}>{rest}", uri.path(), query.finish())).ok()
 }
 
-/// Dispatches a parsed route to its handler.
+/// Dispatches a parsed route to its handler; the cache's decision (the
+/// handler's whole run) is the request's `cache` span in a trace.
 pub async fn route(
     app: &Arc<App>,
     route: Route,
+    request: &http::request::Parts,
+) -> Result<(Response<Body>, Option<CacheResult>), Error> {
+    use tracing::Instrument;
+    let trace = crate::otel::cache(route.endpoint.label());
+    let decided = answer(app, &route, request).instrument(trace.clone()).await;
+    match &decided {
+        Ok((_, Some(c))) => crate::otel::decided(&trace, Ok(c.as_str())),
+        Ok((_, None)) => {}
+        Err(e) => crate::otel::decided(&trace, Err(e)),
+    }
+    decided
+}
+
+async fn answer(
+    app: &Arc<App>,
+    route: &Route,
     request: &http::request::Parts,
 ) -> Result<(Response<Body>, Option<CacheResult>), Error> {
     use super::routes::Endpoint;
     let (method, headers, uri) = (&request.method, &request.headers, &request.uri);
     match &route.endpoint {
         Endpoint::Manifest(reference) => {
-            let (r, c) = manifest(app, &route, reference, method, headers).await?;
+            let (r, c) = manifest(app, route, reference, method, headers).await?;
             Ok((r, Some(c)))
         }
         Endpoint::Blob(digest) => {
             let sink = request.extensions.get::<FileSink>();
-            let (r, c) = blob(app, &route, *digest, method, headers, sink).await?;
+            let (r, c) = blob(app, route, *digest, method, headers, sink).await?;
             Ok((r, Some(c)))
         }
         Endpoint::TagsList(query) => {
-            let (r, c) = listing(app, &route, &Listing::Tags, query.as_deref(), method, uri).await?;
+            let (r, c) = listing(app, route, &Listing::Tags, query.as_deref(), method, uri).await?;
             Ok((r, Some(c)))
         }
         Endpoint::Referrers(digest, query) => {
-            let (r, c) = listing(app, &route, &Listing::Referrers(*digest), query.as_deref(), method, uri).await?;
+            let (r, c) = listing(app, route, &Listing::Referrers(*digest), query.as_deref(), method, uri).await?;
             Ok((r, Some(c)))
         }
     }

@@ -92,7 +92,8 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, peer: std::net::IpAdd
     let span = tracing::info_span!("request", id = %id);
     let hex = id.hex();
     let namespace = routes::namespace_echo(req.uri());
-    let mut resp = handle_request(app, req, &hex, peer).instrument(span).await;
+    let trace = crate::otel::server(req.method(), req.uri(), req.headers(), "registry", Some(&hex));
+    let mut resp = handle_request(app, req, &hex, peer, &trace).instrument(trace.clone()).instrument(span).await;
     if let Ok(value) = http::HeaderValue::from_bytes(&hex) {
         resp.headers_mut().insert("x-request-id", value);
     }
@@ -143,12 +144,14 @@ fn check_grants(
 /// the client's own credentials checked with that upstream. `GET /v2/`
 /// challenges a client without credentials when any upstream verifies, so
 /// that skopeo, podman and dockerd (which send credentials only where
-/// `/v2/` asked for them) send theirs.
+/// `/v2/` asked for them) send theirs. The request's trace span `trace`
+/// names the route's upstream and repository once parsed, refused or not.
 async fn authorize(
     app: &App,
     parts: &http::request::Parts,
     user: Option<String>,
     peer: std::net::IpAddr,
+    trace: &tracing::Span,
 ) -> (&'static str, Result<Parsed, crate::error::Error>) {
     let parsed = match routes::parse(&parts.method, &parts.uri, &app.upstreams) {
         Ok(parsed) => parsed,
@@ -157,6 +160,7 @@ async fn authorize(
     match &parsed {
         Parsed::Repo(route) => {
             let label = route.endpoint.label();
+            crate::otel::route(trace, route.upstream.name(), route.repo.as_str());
             if let Err(e) = check_grants(app, &parts.extensions, user, route) {
                 return (label, Err(e));
             }
@@ -208,11 +212,13 @@ impl std::fmt::Display for RequestId {
 }
 
 /// `id`: the request's id as its 16 hex digits.
+/// `trace`: the request's OpenTelemetry span (disabled when tracing is off).
 async fn handle_request(
     app: Arc<App>,
     req: Request<Incoming>,
     id: &[u8; 16],
     peer: std::net::IpAddr,
+    trace: &tracing::Span,
 ) -> Response<Body> {
     let started = Instant::now();
     let (parts, _body) = req.into_parts();
@@ -222,7 +228,7 @@ async fn handle_request(
         None => Ok(None),
     };
     let (label, parsed) = match user {
-        Ok(user) => authorize(&app, &parts, user, peer).await,
+        Ok(user) => authorize(&app, &parts, user, peer, trace).await,
         Err(e) => ("invalid", Err(e)),
     };
     let (route, outcome) = match parsed {
@@ -246,6 +252,7 @@ async fn handle_request(
         }
     };
     let elapsed = started.elapsed();
+    crate::otel::response(trace, resp.status(), cache.map(|c| c.as_str()), error.as_deref());
     let m = metrics();
     let method = match parts.method.as_str() {
         m @ ("GET" | "HEAD") => m,

@@ -21,6 +21,7 @@ use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
+use tracing::Instrument;
 
 use super::routes::{self, Endpoint, Parsed, Route};
 use super::{handlers, listener};
@@ -94,7 +95,8 @@ async fn handle(app: Arc<App>, secret: [u8; 32], req: Request<Incoming>) -> Resp
         path if path.contains("/blobs/") => "blob",
         _ => "manifest",
     };
-    let (resp, result) = match serve_peer(&app, &secret, &parts).await {
+    let trace = crate::otel::server(&parts.method, &parts.uri, &parts.headers, "peer", None);
+    let (resp, result) = match serve_peer(&app, &secret, &parts).instrument(trace.clone()).await {
         Ok(resp) => (resp, "ok"),
         Err(Refused::Refused(e @ Error::UnknownUpstream(_))) => {
             // Still a 404 (with NAME_UNKNOWN), but marked: the asker must
@@ -109,6 +111,7 @@ async fn handle(app: Arc<App>, secret: [u8; 32], req: Request<Incoming>) -> Resp
             (e.into_response(head), result)
         }
     };
+    crate::otel::response(&trace, resp.status(), None, None);
     metrics().peer_requests.with_label_values(&["in", kind, result]).inc();
     if result == "refused" {
         tracing::warn!(method = %parts.method, path = parts.uri.path(), status = resp.status().as_u16(), "peer request refused");

@@ -17,6 +17,7 @@ use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use tracing::Instrument;
 
 use super::dial::{DialPolicy, GuardedConnector};
 use crate::config::UpstreamConfig;
@@ -81,8 +82,20 @@ impl HttpClient {
 
     /// Sends a request to a host named by `named` and waits for the
     /// response headers, at most the configured response timeout. A dial
-    /// refused by the guard is counted and logged here.
+    /// refused by the guard is counted and logged here. With tracing on,
+    /// the request is a client span and carries its `traceparent`.
     pub async fn send(&self, req: Request<Empty<Bytes>>, named: Named) -> Result<Response<Incoming>, UpstreamError> {
+        let (mut head, body) = req.into_parts();
+        let trace = crate::otel::client(&head.method, &head.uri, &mut head.headers, None);
+        let sent = self.send_traced(Request::from_parts(head, body), named).instrument(trace.clone()).await;
+        match &sent {
+            Ok(resp) => crate::otel::answered(&trace, Ok(resp.status())),
+            Err(e) => crate::otel::answered(&trace, Err(e)),
+        }
+        sent
+    }
+
+    async fn send_traced(&self, req: Request<Empty<Bytes>>, named: Named) -> Result<Response<Incoming>, UpstreamError> {
         let sent = match named {
             Named::ByOperator => tokio::time::timeout(self.response_timeout, self.own.request(req)).await,
             Named::ByUpstream => tokio::time::timeout(self.response_timeout, self.guarded.request(req)).await,

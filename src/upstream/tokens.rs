@@ -154,8 +154,20 @@ impl From<UpstreamError> for FetchError {
 }
 
 /// `GET <realm>?service=…&scope=…` (one `scope` per scope; `service` only
-/// when the challenge named one), with Basic credentials when given.
+/// when the challenge named one), with Basic credentials when given; a
+/// `token` span in a trace.
 pub async fn fetch(
+    http: &HttpClient,
+    realm: &Uri,
+    key: &TokenKey,
+    basic: Option<HeaderValue>,
+) -> Result<Token, FetchError> {
+    use tracing::Instrument;
+    let trace = crate::otel::token(realm, key.service.as_deref(), &mut key.scopes.iter());
+    fetch_token(http, realm, key, basic).instrument(trace).await
+}
+
+async fn fetch_token(
     http: &HttpClient,
     realm: &Uri,
     key: &TokenKey,

@@ -31,6 +31,7 @@ use base64::Engine;
 use http::header::AUTHORIZATION;
 use http::{HeaderMap, Method};
 use sha2::{Digest as _, Sha256};
+use tracing::Instrument;
 
 use super::Upstream;
 use super::auth::Who;
@@ -272,7 +273,13 @@ impl Upstream {
                     let (me, credentials, repo) = (Arc::clone(self), credentials.clone(), repo.clone());
                     move || async move { me.check(key, &credentials, &repo, &probe, peer).await }
                 };
-                verifier.flights.run(key, work).await.0?
+                let trace = crate::otel::verify(self.name());
+                let checked = verifier.flights.run(key, work).instrument(trace.clone()).await.0;
+                match &checked {
+                    Ok(verdict) => crate::otel::verified(&trace, Ok(verdict.label())),
+                    Err(e) => crate::otel::verified(&trace, Err(e)),
+                }
+                checked?
             }
         };
         match verdict {

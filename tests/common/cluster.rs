@@ -35,6 +35,8 @@ pub struct ClusterBuilder {
     /// The `[shared]` table, and the folder of the key files it names.
     shared: Option<(String, TempDir)>,
     customize: Vec<fn(LarderBuilder) -> LarderBuilder>,
+    /// TOML every replica's config ends with.
+    appended: Vec<String>,
 }
 
 /// Running replicas, each a [`Larder`] with an admin listener for `/metrics`.
@@ -47,6 +49,7 @@ pub struct Cluster {
     tls: Option<TestCa>,
     shared: Option<(String, TempDir)>,
     customize: Vec<fn(LarderBuilder) -> LarderBuilder>,
+    appended: Vec<String>,
     dir: TempDir,
 }
 
@@ -59,6 +62,7 @@ impl Cluster {
             tls: None,
             shared: None,
             customize: Vec::new(),
+            appended: Vec::new(),
         }
     }
 
@@ -136,6 +140,12 @@ impl ClusterBuilder {
         self
     }
 
+    /// Raw TOML every replica's config ends with (whole tables).
+    pub fn append_toml(mut self, toml: &str) -> Self {
+        self.appended.push(toml.to_owned());
+        self
+    }
+
     /// A change every replica's builder gets (extra config lines).
     pub fn each(mut self, f: fn(LarderBuilder) -> LarderBuilder) -> Self {
         self.customize.push(f);
@@ -156,6 +166,7 @@ impl ClusterBuilder {
             tls: self.tls,
             shared: self.shared,
             customize: self.customize,
+            appended: self.appended,
             dir,
         };
         for (port, me) in ports.iter().zip(cluster.peer_urls.clone()) {
@@ -191,6 +202,9 @@ impl Cluster {
         }
         builder = builder.append_toml(&table);
         if let Some((toml, _)) = &self.shared {
+            builder = builder.append_toml(toml);
+        }
+        for toml in &self.appended {
             builder = builder.append_toml(toml);
         }
         self.customize.iter().fold(builder, |b, f| f(b))

@@ -169,6 +169,8 @@ pub struct Logged {
     pub authorization: Option<String>,
     /// The query string, if any.
     pub query: Option<String>,
+    /// The W3C `traceparent` header, if the request carried one.
+    pub traceparent: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -262,9 +264,16 @@ impl State {
         self.changed.send_modify(|v| *v += 1);
     }
 
-    fn record(&self, method: &str, path: &str, query: Option<&str>, range: Option<String>, auth: Option<String>) {
+    fn record(
+        &self,
+        method: &str,
+        path: &str,
+        query: Option<&str>,
+        headers: (Option<String>, Option<String>, Option<String>),
+    ) {
         let (method, path, query) = (method.to_owned(), path.to_owned(), query.map(str::to_owned));
-        lock(&self.log).push(Logged { method, path, range, authorization: auth, query });
+        let (range, authorization, traceparent) = headers;
+        lock(&self.log).push(Logged { method, path, range, authorization, query, traceparent });
     }
 
     fn progress(&self, key: &str, f: impl FnOnce(&mut BodyProgress)) {
@@ -738,7 +747,7 @@ async fn serve_connection(mut stream: TcpStream, state: Arc<State>) {
         if stream.read_exact(&mut head).await.is_err() {
             return;
         }
-        state.record(&peeked.method, &peeked.path, None, peeked.range, None);
+        state.record(&peeked.method, &peeked.path, None, (peeked.range, None, None));
         let _guard = OpenGuard::new(&state);
         raw.send(&mut stream, &state).await;
         return;
@@ -875,7 +884,8 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<FakeBody>
     let path = req.uri().path().to_owned();
     let range = req.headers().get(RANGE).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
     let authorization = req.headers().get(AUTHORIZATION).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
-    state.record(method.as_str(), &path, req.uri().query(), range.clone(), authorization.clone());
+    let traceparent = req.headers().get("traceparent").map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+    state.record(method.as_str(), &path, req.uri().query(), (range.clone(), authorization.clone(), traceparent));
     let guard = OpenGuard::new(&state);
     let head = method == Method::HEAD;
 

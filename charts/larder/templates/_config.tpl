@@ -182,6 +182,18 @@ max_age = {{ include "larder.toml.string" . }}
 {{- end }}
 {{- end }}
 {{- end }}
+{{- with .Values.tracing }}
+{{- if .otlpEndpoint }}
+
+# OpenTelemetry traces over OTLP/HTTP (tracing.* values).
+[tracing]
+otlp_endpoint = {{ include "larder.toml.string" .otlpEndpoint }}
+sampling_ratio = {{ include "larder.toml.float" .samplingRatio }}
+{{- with .serviceName }}
+service_name = {{ include "larder.toml.string" . }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if .Values.cluster.enabled }}
 
 [cluster]

@@ -34,7 +34,8 @@ impl Cache {
         }
         let Ok((_, refs)) = inspect_manifest(&manifest.bytes, Some(manifest.media_type)) else { return };
         let (cache, upstream, repo) = (Arc::clone(self), Arc::clone(upstream), repo.clone());
-        tokio::spawn(async move {
+        // In a trace, the fills ahead are the manifest request's.
+        tokio::spawn(crate::otel::follow(async move {
             let at_once = upstream.config.fill_connections.get();
             futures_util::stream::iter(refs.blobs)
                 .for_each_concurrent(at_once, |digest| {
@@ -42,7 +43,7 @@ impl Cache {
                     async move { cache.fill_one_ahead(upstream, repo, digest).await }
                 })
                 .await;
-        });
+        }));
     }
 
     /// Starts the fill of `digest` for `repo` unless it is cached or in

@@ -28,6 +28,7 @@ use object_store::{
     Attribute, Attributes, BackoffConfig, ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutOptions,
     RetryConfig,
 };
+use tracing::Instrument;
 
 use crate::config::{SharedConfig, SharedCredentials};
 use crate::metrics::metrics;
@@ -285,6 +286,25 @@ impl SharedStore {
     /// other than "not found" opens the breaker; an answer closes it.
     async fn lookup<T>(
         &self,
+        op: &'static str,
+        key: &ObjectPath,
+        request: impl std::future::Future<Output = Result<T, object_store::Error>>,
+    ) -> Result<Option<T>, SharedError> {
+        let trace = crate::otel::shared(op, key.as_ref());
+        let result = self.lookup_traced(op, request).instrument(trace.clone()).await;
+        crate::otel::shared_result(
+            &trace,
+            match &result {
+                Ok(Some(_)) => "found",
+                Ok(None) => "not_found",
+                Err(_) => "error",
+            },
+        );
+        result
+    }
+
+    async fn lookup_traced<T>(
+        &self,
         op: &str,
         request: impl std::future::Future<Output = Result<T, object_store::Error>>,
     ) -> Result<Option<T>, SharedError> {
@@ -321,7 +341,8 @@ impl SharedStore {
 
     /// The size of the object for `digest`, or `None` if there is none.
     pub async fn head(&self, kind: ObjectKind, digest: &Digest) -> Result<Option<u64>, SharedError> {
-        self.lookup("head", self.store.head(&self.path(kind, digest))).await.map(|m| m.map(|m| m.size))
+        let path = self.path(kind, digest);
+        self.lookup("head", &path, self.store.head(&path)).await.map(|m| m.map(|m| m.size))
     }
 
     /// Streams the blob `digest`, or the part of it in `range` (`..` for
@@ -334,7 +355,8 @@ impl SharedStore {
     ) -> Result<Option<SharedBlob>, SharedError> {
         let range = get_range(range)?;
         let options = GetOptions { range, ..GetOptions::default() };
-        let result = self.lookup("get", self.store.get_opts(&self.path(ObjectKind::Blob, digest), options)).await;
+        let path = self.path(ObjectKind::Blob, digest);
+        let result = self.lookup("get", &path, self.store.get_opts(&path, options)).await;
         let Some(got) = result? else { return Ok(None) };
         let (size, range) = (got.meta.size, got.range.clone());
         let downloaded = metrics().shared_bytes.with_label_values(&["download"]);
@@ -380,7 +402,7 @@ impl SharedStore {
             let content_type = got.attributes.get(&Attribute::ContentType).map(|v| v.as_ref().to_owned());
             Ok(Ok((content_type, got.bytes().await?)))
         };
-        let result = self.lookup("get", read).await;
+        let result = self.lookup("get", &path, read).await;
         let (content_type, bytes) = match result? {
             None => return Ok(None),
             Some(Err(size)) => return Err(SharedError::Corrupt { what: what(), detail: format!("{size} bytes") }),
