@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{HeaderMap, Method, Uri};
+use http::{Method, Uri};
 use http_body_util::BodyExt;
 use larder::cache::fill::{Writer, read_body};
 use larder::config::Config;
@@ -61,11 +61,11 @@ fn main() {
     let (app, digest) = rt.block_on(support::manifest_app(dir.path()));
     for (name, path) in support::manifest_paths(&digest) {
         let (route, reference) = support::manifest_route(&app, &path);
-        let headers = HeaderMap::new();
+        let (request, ()) = http::Request::new(()).into_parts();
         let (a, b) = per_op(n, || {
             rt.block_on(async {
                 let (resp, _) =
-                    handlers::manifest(&app, &route, &reference, &Method::GET, &headers).await.expect("hit");
+                    handlers::manifest(&app, &route, &reference, &Method::GET, &request).await.expect("hit");
                 resp.into_body().collect().await.expect("body").to_bytes()
             });
         });

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use http::{HeaderMap, Method, Uri};
+use http::{Method, Uri};
 use http_body_util::BodyExt;
 use larder::cache::fill::{Writer, read_body};
 use larder::cache::index::Index;
@@ -165,13 +165,13 @@ fn memory_tier_hit(c: &mut Criterion) {
     let mut group = c.benchmark_group("manifest_memory_hit");
     for (name, path) in support::manifest_paths(&digest) {
         let (route, reference) = support::manifest_route(&app, &path);
-        let headers = HeaderMap::new();
+        let (request, ()) = http::Request::new(()).into_parts();
         // Warm: the first request fetches from the one-manifest upstream.
-        rt.block_on(handlers::manifest(&app, &route, &reference, &Method::GET, &headers)).expect("warm");
+        rt.block_on(handlers::manifest(&app, &route, &reference, &Method::GET, &request)).expect("warm");
         group.bench_function(name, |b| {
             b.to_async(&rt).iter(|| async {
                 let (resp, _) =
-                    handlers::manifest(&app, &route, &reference, &Method::GET, &headers).await.expect("hit");
+                    handlers::manifest(&app, &route, &reference, &Method::GET, &request).await.expect("hit");
                 resp.into_body().collect().await.expect("body").to_bytes()
             })
         });

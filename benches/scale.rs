@@ -319,6 +319,7 @@ fn cache_config(dir: &Path) -> larder::config::CacheConfig {
         dir: dir.to_owned(),
         max_size: 1 << 40,
         max_blob_size: 1 << 30,
+        max_import_size: 1 << 40,
         high_watermark: 0.9,
         low_watermark: 0.8,
         memory: 1 << 20,

@@ -79,6 +79,10 @@ pub enum Error {
     /// with or not a layout: nothing of it was imported.
     #[error("{0}")]
     LayoutInvalid(String),
+    /// An import past `cache.max_import_size` or one of the import's
+    /// named limits (`crate::cache::import::limits`): nothing imported.
+    #[error("{0}")]
+    ImportTooLarge(String),
     /// Another larder process holds the cache folder (its index's lock).
     #[error("{0} is in use by another larder process (its index is locked); stop it first")]
     CacheInUse(String),
@@ -154,6 +158,7 @@ impl Error {
             Error::BlobUnknown(_) => (S::NOT_FOUND, "BLOB_UNKNOWN", None),
             Error::DigestInvalid(_) => (S::BAD_REQUEST, "DIGEST_INVALID", None),
             Error::LayoutInvalid(_) => (S::BAD_REQUEST, "MANIFEST_INVALID", None),
+            Error::ImportTooLarge(_) => (S::PAYLOAD_TOO_LARGE, "SIZE_INVALID", None),
             Error::RangeNotSatisfiable { size } => {
                 (S::RANGE_NOT_SATISFIABLE, "RANGE_INVALID", Some((header::CONTENT_RANGE, format!("bytes */{size}"))))
             }

@@ -249,7 +249,8 @@ fn operator(command: Command, config_path: Option<&PathBuf>) -> ExitCode {
                 Err(e) => return Err(larder::cli::client::CallError::Usage(e.to_string())),
             };
             let client = || target.client(Some(&config));
-            return larder::cli::seed::import(&config, client, path, as_name.as_deref()).await;
+            let terminal = std::io::stdout().is_terminal();
+            return larder::cli::import::import(&config, client, path, as_name.as_deref(), terminal).await;
         }
         let client = target.client(config.as_ref())?;
         match &command {

@@ -11,7 +11,8 @@
 //! upstream's own timeouts are longer or add up: a raised
 //! `response_timeout`, a body trickled a byte at a time (each byte within
 //! the idle timeout), a slow token service before a slow answer, a hub
-//! (`via`) in front of such an upstream, a cluster owner asked first.
+//! (`via`) in front of such an upstream, a cluster owner asked first, a
+//! slow check of the client's credentials (`client_credentials = "verify"`).
 //! The bound is a correctness bound on the wire (real time, a fake
 //! upstream that stalls), not a performance figure. `Docker-Content-Digest`
 //! is on every manifest response, stale ones included.
@@ -60,13 +61,22 @@ impl Timed {
 /// Sends `method url` (every manifest media type accepted) and times the
 /// arrival of the response headers; the body is left unread.
 async fn timed(method: reqwest::Method, url: String) -> Timed {
+    timed_as(method, url, None).await
+}
+
+/// [`timed`] with HTTP Basic credentials `(user, password)`.
+async fn timed_as(method: reqwest::Method, url: String, credentials: Option<(&str, &str)>) -> Timed {
     let http = reqwest::Client::builder()
         .no_proxy()
         .pool_max_idle_per_host(0)
         .timeout(Duration::from_secs(90))
         .build()
         .expect("an HTTP client");
-    let request = MANIFEST_MEDIA_TYPES.iter().fold(http.request(method.clone(), &url), |r, t| r.header("Accept", *t));
+    let mut request =
+        MANIFEST_MEDIA_TYPES.iter().fold(http.request(method.clone(), &url), |r, t| r.header("Accept", *t));
+    if let Some((user, password)) = credentials {
+        request = request.basic_auth(user, Some(password));
+    }
     let started = Instant::now();
     let resp = request.send().await.unwrap_or_else(|e| panic!("{method} {url}: no response headers: {e}"));
     let took = started.elapsed();
@@ -207,6 +217,36 @@ async fn through_a_hub_and_from_a_cluster_owner_the_answer_still_comes_within_28
     ];
     for answer in join_all(asks).await {
         assert_gateway_timeout_in_time(&answer);
+    }
+}
+
+/// With `client_credentials = "verify"`, the check of a client's
+/// credentials is part of the answer's time: here it takes a slow token
+/// (19 s) and a slow `HEAD` (19 s), and a missing blob a second round for
+/// `tags/list`. Whatever is left of the deadline, the client gets a `503`
+/// by then (its credentials could not be checked), never an answer after
+/// 30 s; the check goes on and its verdict serves the client's retry.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slow_check_of_the_clients_credentials_is_answered_within_28s() {
+    let up = slow_token_upstream(13).await;
+    let larder = Larder::builder()
+        .upstream(Upstream::new("token.test", &up.url()).line(r#"client_credentials = "verify""#))
+        .ready_on_tcp()
+        .start()
+        .await;
+    let blob = format!("{}/v2/{REPO}/blobs/{}?ns=token.test", larder.url(), digest(b"no such blob"));
+    let asks = [
+        timed_as(reqwest::Method::HEAD, manifest_url(&larder, "token.test", "v1"), Some(("alice", "one"))),
+        timed_as(reqwest::Method::GET, manifest_url(&larder, "token.test", "v1"), Some(("bob", "two"))),
+        timed_as(reqwest::Method::GET, blob, Some(("carol", "three"))),
+    ];
+    for answer in join_all(asks).await {
+        assert!(answer.took < BOUND, "{}: response headers after {:?}, more than {BOUND:?}", answer.what, answer.took);
+        assert_eq!(answer.status, 503, "{}: answered in {:?}", answer.what, answer.took);
+        if let Some(body) = &answer.error {
+            assert_eq!(body["errors"][0]["code"], "UNAVAILABLE", "{}: {body}", answer.what);
+        }
+        eprintln!("{}: {} after {:.1}s", answer.what, answer.status, answer.took.as_secs_f64());
     }
 }
 

@@ -6,6 +6,7 @@
 //! verified client's.
 
 mod common;
+mod fake;
 
 use std::time::Duration;
 
@@ -315,6 +316,19 @@ async fn odd_authorization_headers_are_refused_without_a_check() {
         assert_eq!(response.status(), 401, "{:?}", String::from_utf8_lossy(&value[..value.len().min(40)]));
         assert!(response.headers().contains_key("www-authenticate"));
     }
+    // Two Authorization headers, alice's first: which one counts would
+    // depend on who reads them (a proxy in front may take the last).
+    let basic = |c: &Credentials| {
+        use base64::Engine;
+        let pair = format!("{}:{}", c.user, c.password);
+        format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(pair))
+    };
+    let mut two = reqwest::header::HeaderMap::new();
+    for c in [alice(), bob()] {
+        two.append("authorization", basic(&c).parse().unwrap());
+    }
+    let response = http::client().get(&url).headers(two).send().await.unwrap();
+    assert_eq!(response.status(), 401, "two Authorization headers");
     assert!(t.origin.token_server().requests_since(tokens_mark).is_empty(), "none of them cost a check upstream");
     // A password with colons is the password (alice's has two).
     assert_eq!(fetch(reqwest::Method::GET, &url, Some(&alice())).await.0, 200);
@@ -407,4 +421,255 @@ async fn a_flood_of_made_up_credentials_is_bounded_and_spares_verified_clients()
     assert_eq!(checks, statuses.get(&401).copied().unwrap_or(0), "one check per refused pair, none for a 429");
     let cached = metric(&t.larder, "larder_client_verdicts_cached{upstream=\"origin.test\"}").await;
     assert!(cached <= 1.0 + checks as f64, "{cached} verdicts for {checks} checks");
+}
+
+/// Fills use a verified client's credentials only while that client's
+/// verdict lasts, and a token fetched with them only while they are the
+/// ones lent: carol's fill asks a token with carol's credentials (not
+/// alice's cached one), and once alice's verdict is over (she was revoked
+/// meanwhile) nothing larder fetches uses her credentials or her token,
+/// although she was the last client served.
+#[tokio::test(flavor = "multi_thread")]
+async fn lent_credentials_and_their_tokens_end_with_the_verdict_that_lent_them() {
+    let t = tenants(&["client_credentials_ttl = \"4s\""]).await;
+    let carol = Credentials::new("carol", "carol-S3cret-pw");
+    let tokens = t.origin.token_server();
+    tokens.add_user(&carol, &["team-a/"]);
+    ImageBuilder::oci().layers(&[12 * KIB]).push(&t.origin, "team-a/app", "v2").await;
+    ImageBuilder::oci().layers(&[14 * KIB]).push(&t.origin, "team-a/app", "v3").await;
+    let manifest = |tag: &str| format!("{}/v2/team-a/app/manifests/{tag}", t.larder.url());
+
+    assert_eq!(fetch(reqwest::Method::HEAD, &manifest("v1"), Some(&alice())).await.0, 200);
+    // alice's verdict ends at most a ttl from now.
+    let alice_verified = std::time::Instant::now();
+
+    // carol's first request: her check, then a fill with her credentials.
+    let mark = tokens.mark();
+    assert_eq!(fetch(reqwest::Method::HEAD, &manifest("v2"), Some(&carol)).await.0, 200);
+    let asked: Vec<_> = tokens.requests_since(mark).into_iter().map(|r| r.user).collect();
+    assert_eq!(
+        asked,
+        [Some("carol".to_owned()), Some("carol".to_owned())],
+        "carol's check and carol's fill (alice's token is not carol's)"
+    );
+
+    // alice again, on the verdict she got at first: her credentials are
+    // lent once more, but only until that verdict ends.
+    assert_eq!(fetch(reqwest::Method::HEAD, &manifest("v1"), Some(&alice())).await.0, 200);
+    tokens.set_pulls("alice", &[]);
+    tokio::time::sleep_until((alice_verified + Duration::from_millis(4500)).into()).await;
+
+    // larder's own request for team-a/app (a prefetch: no client, no
+    // credentials of larder's own) after alice's verdict ended.
+    let (mark, tokens_mark) = (t.origin.log_mark().await, tokens.mark());
+    let admin = format!("http://{}", common::metrics::admin_address(&t.larder));
+    let prefetch = http::client()
+        .post(format!("{admin}/prefetch?image=team-a/app:v3"))
+        .bearer_auth(common::admin::generated_token(&t.larder))
+        .send()
+        .await
+        .unwrap();
+    let status = prefetch.status();
+    eprintln!("prefetch after alice's verdict: {status} {}", prefetch.text().await.unwrap_or_default());
+    let asked = tokens.requests_since(tokens_mark);
+    assert!(asked.iter().all(|r| r.user.is_none()), "no token asked with anyone's credentials: {asked:#?}");
+    let seen = t.origin.requests_since(&mark).await;
+    assert_eq!(seen.blob_gets(), 0, "no blob of v3 fetched with alice's credentials or token: {:?}", seen.entries());
+    assert_ne!(status, 200, "larder has no credentials for team-a/app any more");
+}
+
+/// A token service that trickles its answer (the headers at once, then a
+/// byte a second, each pause within the body idle timeout) holds neither
+/// a client's check nor larder's own fill past the upstream's
+/// `response_timeout`: the whole token answer must arrive within it. A
+/// check held for the whole trickle (here 90 s) would keep one of the
+/// upstream's eight places for checks all along.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_token_answer_trickled_byte_by_byte_ends_at_the_response_timeout() {
+    use fake::{FakeUpstream, OCI_MANIFEST, REPO, digest, image_manifest, random_bytes};
+    let (config, layer) = (random_bytes(256, 21), random_bytes(4096, 22));
+    let manifest = image_manifest((&digest(&config), config.len()), &[(&digest(&layer), layer.len())]);
+    let token = format!(r#"{{"token":"tok","expires_in":300}}{}"#, " ".repeat(60));
+    let up = FakeUpstream::builder()
+        .manifest(REPO, "v1", OCI_MANIFEST, manifest)
+        .blob(layer.clone())
+        .token_response(token)
+        .token_trickle(Duration::from_secs(1))
+        .accept_authorization("Bearer tok")
+        .start()
+        .await;
+    up.set_challenge(Some(&format!(r#"Bearer realm="{}/token",service="fake""#, up.url())));
+    let timeout = r#"response_timeout = "2s""#;
+    let verifying = Larder::builder()
+        .upstream(Upstream::new("trickle.test", &up.url()).line(timeout).line("client_credentials = \"verify\""))
+        .ready_on_tcp()
+        .start()
+        .await;
+    let filling = Larder::builder()
+        .upstream(Upstream::new("trickle.test", &up.url()).line(timeout).credentials(&Credentials::new("larder", "pw")))
+        .start()
+        .await;
+
+    let check = format!("{}/v2/{REPO}/manifests/v1?ns=trickle.test", verifying.url());
+    let fill = format!("{}/v2/{REPO}/blobs/{}?ns=trickle.test", filling.url(), digest(&layer));
+    for (url, credentials, expected) in [(fill, None, 504), (check, Some(alice()), 503)] {
+        let started = std::time::Instant::now();
+        let (status, _, body) = fetch(reqwest::Method::GET, &url, credentials.as_ref()).await;
+        let took = started.elapsed();
+        eprintln!("{url}: {status} after {:.1}s", took.as_secs_f64());
+        assert!(took < Duration::from_secs(10), "{url}: answered after {took:?}, the token trickled on");
+        assert_eq!(status, expected, "{url}: {}", String::from_utf8_lossy(&body));
+    }
+}
+
+/// Waits until larder's background fills have fetched each of `blobs`
+/// from `up` (a manifest's blobs are fetched after it is served), so that
+/// faults set next are met by the checks alone.
+async fn fills_done(up: &fake::FakeUpstream, blobs: &[&[u8]]) {
+    for _ in 0..100 {
+        if blobs.iter().all(|b| up.blob_gets(&fake::digest(b)) > 0) {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("larder did not fetch the manifest's blobs");
+}
+
+/// No spelling of a path reaches alice's cached image for bob: a second
+/// namespace form (`/v2/<upstream>/…`, `?ns=`), a repeated `ns`, another
+/// case, an encoded or doubled slash, `.` and `..` segments, a trailing
+/// slash, an upper-case digest, or alice's digests asked through bob's own
+/// repository. Each is refused (or, for bob's own referrers, answered
+/// about bob's repository), and none carries a byte of alice's image.
+#[tokio::test(flavor = "multi_thread")]
+async fn no_spelling_of_the_path_reaches_another_tenants_cached_image() {
+    let t = tenants(&[]).await;
+    let pulled = skopeo::Pull::new(&t.larder.image_ref(&t.a.reference())).credentials(&alice()).run().await;
+    assert_eq!(pulled.unwrap_or_else(|e| panic!("alice pulls team-a/app: {e}")).manifest_digest, t.a.digest);
+    let secrets = content(&t.origin, &t.a).await;
+    let (base, layer, manifest) = (t.larder.url(), t.a.blob_digests()[0].clone(), t.a.digest.clone());
+    let refused = [
+        format!("{base}/v2/origin.test/team-a/app/manifests/v1"),
+        format!("{base}/v2/origin.test/team-a/app/blobs/{layer}"),
+        format!("{base}/v2/team-a/app/manifests/v1?ns=origin.test"),
+        format!("{base}/v2/team-a/app/blobs/{layer}?ns=origin.test"),
+        format!("{base}/v2/team-a/app/blobs/{layer}?ns=origin.test&ns=other"),
+        format!("{base}/v2/Team-A/app/manifests/v1"),
+        format!("{base}/v2/team-a%2fapp/manifests/v1"),
+        format!("{base}/v2/team-a//app/manifests/v1"),
+        format!("{base}/v2//team-a/app/manifests/v1"),
+        format!("{base}/v2/team-a/./app/manifests/v1"),
+        format!("{base}/v2/team-b/../team-a/app/manifests/v1"),
+        format!("{base}/v2/team-a/app/manifests/v1/"),
+        format!("{base}/v2/team-a/app/blobs/{}", layer.to_uppercase()),
+        format!("{base}/v2/team-b/app/blobs/{layer}"),
+        format!("{base}/v2/team-b/app/manifests/{manifest}"),
+    ];
+    let bobs_referrers = format!("{base}/v2/team-b/app/referrers/{manifest}");
+    for url in refused.iter().chain([&bobs_referrers]) {
+        for method in [reqwest::Method::GET, reqwest::Method::HEAD] {
+            let (status, _, body) = fetch(method.clone(), url, Some(&bob())).await;
+            let text = String::from_utf8_lossy(&body);
+            assert!(secrets.iter().all(|s| !contains(&body, s)), "{method} {url} leaked content to bob: {text}");
+            if *url != bobs_referrers {
+                assert!(status >= 400, "bob: {method} {url}: {status} {text}");
+            } else {
+                assert!(!text.contains("\"mediaType\":\"application/vnd.oci.image.manifest"), "{text}");
+            }
+        }
+    }
+}
+
+/// A redirect proves nothing about a client's credentials: a front door
+/// (http to https, a regional redirector, a single sign-on proxy) sends
+/// every request on, whoever sent it. A check answered `3xx` asks the tag
+/// list, which no registry redirects; redirected too, the client gets a
+/// `503` and nothing cached. Before, a `3xx` was a grant: anyone whose
+/// check was redirected read what larder had cached. A blob sent to its
+/// storage (the `HEAD` redirected, the tag list answered) is granted.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_check_answered_with_a_redirect_grants_nothing() {
+    use fake::{FakeUpstream, OCI_MANIFEST, REPO, digest, image_manifest, random_bytes};
+    let (config, layer) = (random_bytes(256, 31), random_bytes(4096, 32));
+    let manifest = image_manifest((&digest(&config), config.len()), &[(&digest(&layer), layer.len())]);
+    let up = FakeUpstream::builder()
+        .manifest(REPO, "v1", OCI_MANIFEST, manifest.clone())
+        .blob(config.clone())
+        .blob(layer.clone())
+        .tag_list(REPO, &["v1"])
+        .token_response(r#"{"token":"tok","expires_in":300}"#)
+        .accept_authorization("Bearer tok")
+        .start()
+        .await;
+    up.set_challenge(Some(&format!(r#"Bearer realm="{}/token",service="fake""#, up.url())));
+    let larder = Larder::builder()
+        .upstream(
+            Upstream::new("door.test", &up.url())
+                .line("client_credentials = \"verify\"")
+                .credentials(&Credentials::new("larder", "pw")),
+        )
+        .ready_on_tcp()
+        .start()
+        .await;
+    let blob = format!("{}/v2/{REPO}/blobs/{}?ns=door.test", larder.url(), digest(&layer));
+    let tag = format!("{}/v2/{REPO}/manifests/v1?ns=door.test", larder.url());
+    for url in [&blob, &tag] {
+        let (status, _, _) = fetch(reqwest::Method::GET, url, Some(&alice())).await;
+        assert_eq!(status, 200, "alice fills {url}");
+    }
+    fills_done(&up, &[&config, &layer]).await;
+
+    // Every request of mallory's checks is redirected (the HEAD, then the tag list).
+    for (i, (url, status)) in [(&blob, 302), (&tag, 301), (&blob, 307), (&tag, 308)].into_iter().enumerate() {
+        let mallory = Credentials::new("mallory", &format!("guess-{i}"));
+        up.fail_next(2, status, None);
+        let (answer, _, body) = fetch(reqwest::Method::GET, url, Some(&mallory)).await;
+        assert_eq!(answer, 503, "{status} to mallory's check of {url}: {}", String::from_utf8_lossy(&body));
+        assert!(!contains(&body, &layer) && !contains(&body, &manifest), "{url} leaked to mallory");
+    }
+    // A blob redirected to its storage after the check: the tag list says.
+    up.fail_next(1, 307, None);
+    let (answer, _, body) = fetch(reqwest::Method::GET, &blob, Some(&bob())).await;
+    assert_eq!((answer, body == layer), (200, true), "a blob's HEAD redirected, the tag list answered");
+}
+
+/// Whatever upstream answers a check, the client gets what it proves and
+/// nothing more: a server error, a `429` or a `400` says nothing about the
+/// credentials (`503`, content withheld); a `401` or `403` to a token that
+/// was handed out refuses them (`403`); a `404` asks the tag list, which
+/// decides. Each answer costs its own check: none is taken for another.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_answer_upstream_gives_a_check_proves_only_what_it_says() {
+    use fake::{FakeUpstream, OCI_MANIFEST, REPO, digest, image_manifest, random_bytes};
+    let (config, layer) = (random_bytes(256, 41), random_bytes(4096, 42));
+    let manifest = image_manifest((&digest(&config), config.len()), &[(&digest(&layer), layer.len())]);
+    let up = FakeUpstream::builder()
+        .manifest(REPO, "v1", OCI_MANIFEST, manifest.clone())
+        .blob(config.clone())
+        .blob(layer.clone())
+        .tag_list(REPO, &["v1"])
+        .token_response(r#"{"token":"tok","expires_in":300}"#)
+        .accept_authorization("Bearer tok")
+        .start()
+        .await;
+    up.set_challenge(Some(&format!(r#"Bearer realm="{}/token",service="fake""#, up.url())));
+    let larder = Larder::builder()
+        .upstream(Upstream::new("faults.test", &up.url()).line("client_credentials = \"verify\""))
+        .ready_on_tcp()
+        .start()
+        .await;
+    let url = format!("{}/v2/{REPO}/manifests/v1?ns=faults.test", larder.url());
+    let (status, _, _) = fetch(reqwest::Method::GET, &url, Some(&alice())).await;
+    assert_eq!(status, 200, "alice's manifest is cached");
+    fills_done(&up, &[&config, &layer]).await;
+
+    let answers = [(500, 503), (502, 503), (503, 503), (429, 503), (400, 503), (403, 403), (401, 403), (404, 200)];
+    for (i, (upstream_says, client_gets)) in answers.into_iter().enumerate() {
+        up.fail_next(1, upstream_says, Some("7"));
+        let someone = Credentials::new("someone", &format!("password-{i}"));
+        let (status, _, body) = fetch(reqwest::Method::GET, &url, Some(&someone)).await;
+        assert_eq!(status, client_gets, "upstream answered {upstream_says}: {}", String::from_utf8_lossy(&body));
+        assert_eq!(contains(&body, &manifest), status == 200, "upstream answered {upstream_says}");
+    }
 }

@@ -57,7 +57,7 @@ async fn a_layout_from_skopeo_imported_while_larder_runs_pulls_with_the_origin_g
     let layout = dir.path().join("layout");
     let source = origin.image_ref("team/app:v1");
     skopeo_copy(&["--all", &source, &format!("oci:{}:v1", layout.display())]).await;
-    let (builder, _admin) = Admin::open(Larder::builder().upstream(&origin));
+    let (builder, admin) = Admin::open(Larder::builder().upstream(&origin));
     let larder = builder.start().await;
     drop(origin);
 
@@ -65,7 +65,22 @@ async fn a_layout_from_skopeo_imported_while_larder_runs_pulls_with_the_origin_g
     let out =
         larder_cli(&larder, &["import", &layout.display().to_string(), "--as", &format!("{ORIGIN_NAME}/team/app")]);
     assert!(out.status.success(), "import through the admin listener");
-    assert!(String::from_utf8_lossy(&out.stdout).contains("imported through"), "larder was running");
+    // Its progress, a line per phase (stdout is not a terminal), and where the image went.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let admin = format!("http://127.0.0.1:{}", admin.port);
+    let expected = [
+        format!("importing {} through {admin}", layout.display()),
+        "import: sending the layout".to_owned(),
+        "import: sending the layout done: ".to_owned(),
+        "import: larder checks and commits it".to_owned(),
+        "import: larder checks and commits it done in ".to_owned(),
+        "imported 1 image: 3 manifests, 6 blobs, ".to_owned(),
+        format!("  {ORIGIN_NAME}/team/app:v1@{}", image.digest),
+    ];
+    let mut lines = stdout.lines();
+    for line in &expected {
+        assert!(lines.any(|l| l.starts_with(line.as_str())), "{line:?} in this order:\n{stdout}");
+    }
 
     let pulled = skopeo::pull(&larder.image_ref("team/app:v1"), true).await.expect("pull with the origin gone");
     assert_same_image(&pulled, &image, "pull by tag after the import");
@@ -90,7 +105,22 @@ async fn an_archive_imported_into_a_stopped_cache_pulls_after_the_start() {
     let out =
         larder_cli(&larder, &["import", &archive.display().to_string(), "--as", &format!("{ORIGIN_NAME}/team/tool")]);
     assert!(out.status.success(), "import into the stopped cache");
-    assert!(String::from_utf8_lossy(&out.stdout).contains("larder is not running"), "imported offline");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let expected = [
+        format!("importing {} into {} (larder is not running)", archive.display(), larder.cache_dir().display()),
+        "import: reading and hashing the layout".to_owned(),
+        "import: reading and hashing the layout done: ".to_owned(),
+        "import: checking 1 image".to_owned(),
+        "import: checking 1 image done in ".to_owned(),
+        "import: committing 3 blobs and 1 manifest".to_owned(),
+        "import: committing 3 blobs and 1 manifest done in ".to_owned(),
+        "imported 1 image: 1 manifest, 3 blobs, ".to_owned(),
+        format!("  {ORIGIN_NAME}/team/tool:2.0@{}", image.digest),
+    ];
+    let mut lines = stdout.lines();
+    for line in &expected {
+        assert!(lines.any(|l| l.starts_with(line.as_str())), "{line:?} in this order:\n{stdout}");
+    }
     assert_eq!(cached_blob_files(&larder, &image), image.blob_digests().len(), "every blob is in the cache folder");
 
     larder.restart().await;

@@ -165,6 +165,8 @@ pub struct Cache {
     /// last found each gone upstream: served from the cache, within
     /// `stale_if_error`, when upstream says they are gone.
     warm_tags: std::sync::RwLock<std::collections::HashMap<String, bool>>,
+    /// Imports running at once (see [`import::MAX_IMPORTS_AT_ONCE`]).
+    imports: Arc<tokio::sync::Semaphore>,
 }
 
 /// The tiers beyond this replica's own memory and disk: both optional,
@@ -282,6 +284,7 @@ impl Cache {
             pins: std::sync::RwLock::default(),
             pinned_usage: std::sync::Mutex::default(),
             warm_tags: std::sync::RwLock::default(),
+            imports: Arc::new(tokio::sync::Semaphore::new(import::MAX_IMPORTS_AT_ONCE)),
         }))
     }
 
@@ -296,6 +299,11 @@ impl Cache {
     ) -> Result<Report, Error> {
         let (store, index) = open_locked(&config.dir)?;
         upkeep::reconcile::reconcile(&store, &index, true, repair, unix_ms(SystemTime::now()), watch)
+    }
+
+    /// Most bytes one import may read from a layout (`cache.max_import_size`).
+    pub fn max_import_size(&self) -> u64 {
+        self.config.max_import_size
     }
 
     /// Bytes of blobs and manifests on disk.

@@ -19,6 +19,7 @@ pub async fn temporary_with(edit: impl FnOnce(&mut CacheConfig)) -> (tempfile::T
         dir: dir.path().join("cache"),
         max_size: 1 << 30,
         max_blob_size: 1 << 28,
+        max_import_size: 1 << 30,
         high_watermark: 0.9,
         low_watermark: 0.8,
         memory: 1 << 20,

@@ -9,6 +9,7 @@
 
 pub mod check_config;
 pub mod client;
+pub mod import;
 pub mod prefetch;
 pub mod progress;
 pub mod seed;

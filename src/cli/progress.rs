@@ -1,5 +1,5 @@
 //! Progress of long work, shared by the commands that do it (`prefetch`,
-//! `export`, `verify`, and `import` once its path is rewritten): on a
+//! `export`, `verify` and `import`): on a
 //! terminal an `indicatif` bar (bytes done of the total, the rate, the ETA
 //! and what is being worked on); otherwise plain lines, one when a phase
 //! starts and one when it ends, and between them one every
@@ -118,6 +118,13 @@ impl Progress {
         let Some(phase) = self.phase.take() else { return };
         if let Shown::Plain { .. } = self.shown {
             let secs = phase.started.elapsed().as_secs_f64();
+            if phase.total == 0 && phase.done == 0 {
+                // A phase that moves no bytes here (larder committing an
+                // import it was sent): only its time.
+                println!("{}: {} done in {secs:.1} s", self.command, phase.what);
+                let _ = std::io::stdout().flush();
+                return;
+            }
             println!(
                 "{}: {} done: {} in {secs:.1} s ({}/s)",
                 self.command,

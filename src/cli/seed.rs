@@ -7,37 +7,25 @@
 //! as a tar (admin `POST /export`), unpacked into `--output` and merged
 //! with what the folder already holds, so one folder carries many images.
 //!
-//! `import` loads a layout into the cache. On a stopped cache folder it
-//! opens the cache itself; while larder runs (the folder is locked) it
-//! sends the layout as a tar to the admin listener (`POST /import`). Either
-//! way every blob is verified before anything is committed.
+//! `import` loads a layout into the cache: see [`super::import`].
 
 use std::io::Write;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Component, Path};
 use std::time::Duration;
 
 use http::Method;
 use http_body_util::BodyExt;
 
-use super::client::{AdminClient, CallError, RequestBody, read_body};
+use super::client::{AdminClient, CallError};
 use crate::body::BodyReader;
-use crate::cache::Cache;
-use crate::cache::import::{Imported, LayoutSource};
-use crate::config::Config;
-use crate::error::Error;
 use crate::oci::layout::{CONTAINERD_NAME, LayoutIndex, OCI_LAYOUT, REF_NAME};
-use crate::server::admin::seed::{LAYOUT_TAR, targets};
-use crate::upstream::Upstreams;
+use crate::server::admin::seed::LAYOUT_TAR;
 
-/// Longest an import's upload and check may take before the answer.
-pub const IMPORT_TIMEOUT: Duration = Duration::from_secs(3600);
 /// Longest an export waits for the layout's first bytes (the image is
 /// cached by the prefetch before it, so this is only the manifests' read).
 pub const EXPORT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Response chunks in flight to the unpacker.
 const CHUNKS_IN_FLIGHT: usize = 16;
-/// Bytes of a layout tar sent per request body chunk.
-const UPLOAD_CHUNK: usize = 256 << 10;
 
 /// `larder export IMAGE... --output DIR [--platform P]`.
 pub async fn export(
@@ -162,94 +150,4 @@ fn manifest_hexes(dir: &Path, index: &LayoutIndex) -> std::collections::HashSet<
         }
     }
     found
-}
-
-/// `larder import PATH [--as UPSTREAM/REPO]`: on the stopped cache folder
-/// of `config`, or through `client` when larder runs.
-pub async fn import(
-    config: &Config,
-    client: impl FnOnce() -> Result<AdminClient, CallError>,
-    path: &Path,
-    as_name: Option<&str>,
-) -> Result<(), CallError> {
-    let is_dir = std::fs::metadata(path).map_err(|e| CallError::Usage(format!("{}: {e}", path.display())))?.is_dir();
-    let imported = match Cache::open(config.cache.clone()).await {
-        Ok(cache) => {
-            let upstreams = Upstreams::new(config).map_err(CallError::Usage)?;
-            let source = if is_dir {
-                LayoutSource::Dir(path.to_owned())
-            } else {
-                let file =
-                    std::fs::File::open(path).map_err(|e| CallError::Usage(format!("{}: {e}", path.display())))?;
-                LayoutSource::Tar(Box::new(file))
-            };
-            let staged = cache.stage_layout(source).await.map_err(refused)?;
-            let targets = targets(&upstreams, &staged.index, as_name).map_err(refused)?;
-            let imported = cache.import(staged, &targets).await.map_err(refused)?;
-            println!("imported into {} (larder is not running)", config.cache.dir.display());
-            imported
-        }
-        Err(Error::CacheInUse(_)) => {
-            let client = client()?;
-            let mut query = form_urlencoded::Serializer::new(String::new());
-            if let Some(name) = as_name {
-                query.append_pair("as", name);
-            }
-            let body = layout_tar(path.to_owned(), is_dir);
-            let resp = client
-                .send(Method::POST, &format!("/import?{}", query.finish()), "application/json", body, IMPORT_TIMEOUT)
-                .await?;
-            let answer = read_body(resp.into_body()).await?;
-            println!("imported through {}", client.base());
-            serde_json::from_slice(&answer).map_err(|e| CallError::Protocol(format!("the answer is not JSON: {e}")))?
-        }
-        Err(e) => return Err(CallError::Usage(format!("{}: {e}", config.cache.dir.display()))),
-    };
-    report(&imported);
-    Ok(())
-}
-
-fn refused(e: Error) -> CallError {
-    CallError::Protocol(e.to_string())
-}
-
-fn report(imported: &Imported) {
-    println!(
-        "{} {}: {} manifests, {} blobs, {}",
-        imported.images,
-        if imported.images == 1 { "image" } else { "images" },
-        imported.manifests,
-        imported.blobs,
-        crate::server::admin::status_page::bytes(imported.bytes)
-    );
-    if imported.missing_platforms > 0 {
-        println!(
-            "{} platforms of a multi-platform image are not in the layout: pulls of them go upstream",
-            imported.missing_platforms
-        );
-    }
-}
-
-/// The layout at `path` as a tar request body: a folder tarred on the fly
-/// (its `oci-layout`, `index.json` and `blobs/`), an archive as it is.
-fn layout_tar(path: PathBuf, is_dir: bool) -> RequestBody {
-    let (writer, body) = crate::body::written_body(CHUNKS_IN_FLIGHT);
-    tokio::task::spawn_blocking(move || {
-        let mut out = std::io::BufWriter::with_capacity(UPLOAD_CHUNK, writer.clone());
-        let written = if is_dir {
-            let mut tar = tar::Builder::new(&mut out);
-            tar.follow_symlinks(false);
-            ["oci-layout", "index.json"]
-                .iter()
-                .try_for_each(|name| tar.append_path_with_name(path.join(name), name))
-                .and_then(|()| tar.append_dir_all("blobs", path.join("blobs")))
-                .and_then(|()| tar.finish())
-        } else {
-            std::fs::File::open(&path).and_then(|mut f| std::io::copy(&mut f, &mut out).map(|_| ()))
-        };
-        if let Err(e) = written.and_then(|()| out.flush()) {
-            writer.fail(Box::new(e));
-        }
-    });
-    body
 }

@@ -30,6 +30,9 @@ pub struct CacheConfig {
     /// Largest blob a fill may write when no manifest declared its size
     /// (an upstream streaming without `Content-Length` is cut off here).
     pub max_blob_size: u64,
+    /// Most bytes one `larder import` (or `POST /import`, whose body past
+    /// it is a `413`) may read from a layout.
+    pub max_import_size: u64,
     /// Share of `max_size` above which eviction starts.
     pub high_watermark: f64,
     /// Share of `max_size` eviction brings usage down to.
@@ -64,6 +67,7 @@ pub(super) struct RawCache {
     dir: Option<String>,
     max_size: Option<String>,
     max_blob_size: Option<String>,
+    max_import_size: Option<String>,
     high_watermark: Option<f64>,
     low_watermark: Option<f64>,
     memory: Option<String>,
@@ -96,10 +100,15 @@ impl Validator<'_> {
                 ),
             ));
         }
+        let max_import_size = self.size("cache.max_import_size", rc.max_import_size.as_deref(), max_size)?;
+        if max_import_size == 0 {
+            return Err(self.err("cache.max_import_size", "must be more than 0"));
+        }
         let cache = CacheConfig {
             dir: self.path(rc.dir.as_deref().unwrap_or("./larder-data")),
             max_size,
             max_blob_size,
+            max_import_size,
             high_watermark: rc.high_watermark.unwrap_or(DEFAULT_HIGH_WATERMARK),
             low_watermark: rc.low_watermark.unwrap_or(DEFAULT_LOW_WATERMARK),
             memory: self.size("cache.memory", rc.memory.as_deref(), 256 << 20)?,

@@ -35,17 +35,29 @@ pub fn base(method: &Method) -> Result<Response<Body>, Error> {
     built(response(StatusCode::OK).header(CONTENT_TYPE, "application/json").header(CONTENT_LENGTH, 2).body(body))
 }
 
+/// When a client's request must have its response headers: its
+/// `server.manifest_deadline` from its arrival, set by the registry
+/// listener before anything else is waited for (a check of the client's
+/// credentials with upstream included). A request without it (a peer's)
+/// counts from when its handler starts.
+#[derive(Clone, Copy, Debug)]
+pub struct Deadline(pub tokio::time::Instant);
+
 /// `GET/HEAD /v2/<name>/manifests/<reference>`
 pub async fn manifest(
     app: &App,
     route: &Route,
     reference: &Reference,
     method: &Method,
-    headers: &HeaderMap,
+    request: &http::request::Parts,
 ) -> Result<(Response<Body>, CacheResult), Error> {
+    let headers = &request.headers;
     // Headers within `server.manifest_deadline` of the request, whatever
     // upstream does (containerd 2.3 gives up on a response at 30 s).
-    let deadline = tokio::time::Instant::now() + app.config.server.manifest_deadline;
+    let deadline = match request.extensions.get::<Deadline>() {
+        Some(Deadline(at)) => *at,
+        None => tokio::time::Instant::now() + app.config.server.manifest_deadline,
+    };
     let (m, result) = app.cache.manifest_by(&route.upstream, &route.repo, reference, route.via, deadline).await?;
     // A client that only speaks Docker v2 must never get an OCI index it
     // cannot read (distribution answers MANIFEST_UNKNOWN there too). By
@@ -243,7 +255,7 @@ async fn answer(
     let (method, headers, uri) = (&request.method, &request.headers, &request.uri);
     match &route.endpoint {
         Endpoint::Manifest(reference) => {
-            let (r, c) = manifest(app, route, reference, method, headers).await?;
+            let (r, c) = manifest(app, route, reference, method, request).await?;
             Ok((r, Some(c)))
         }
         Endpoint::Blob(digest) => {

@@ -242,6 +242,22 @@ where
     H: Fn(Request<Incoming>) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Response<Body>> + Send + 'static,
 {
+    serve_watched_with(builder, io, watcher, move |req, _: &Arc<watchdog::Activity>| handler(req)).await
+}
+
+/// [`serve_watched`], the handler also given the connection's watchdog
+/// activity, to hold a [`watchdog::Working`] mark while it works.
+pub async fn serve_watched_with<I, H, Fut>(
+    builder: &auto::Builder<TokioExecutor>,
+    io: I,
+    watcher: Option<Watcher>,
+    handler: H,
+) -> Result<(), BoxError>
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    H: Fn(Request<Incoming>, &Arc<watchdog::Activity>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Response<Body>> + Send + 'static,
+{
     let activity = watchdog::Activity::new();
     let io = watchdog::Tracked::new(io, Arc::clone(&activity));
     let requests = Arc::clone(&activity);
@@ -251,7 +267,7 @@ where
     // held by each idle keep-alive connection of a hub's thousands.
     let service = service_fn(move |req| {
         requests.request();
-        let response = handler(req);
+        let response = handler(req, &requests);
         Box::pin(async move { Ok::<_, Infallible>(response.await) })
             as Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>
     });

@@ -158,6 +158,7 @@ async fn authorize(
     user: Option<String>,
     peer: std::net::IpAddr,
     trace: &tracing::Span,
+    deadline: tokio::time::Instant,
 ) -> (&'static str, Result<Parsed, crate::error::Error>) {
     let parsed = match routes::parse(&parts.method, &parts.uri, &app.upstreams) {
         Ok(parsed) => parsed,
@@ -176,7 +177,7 @@ async fn authorize(
                 routes::Endpoint::TagsList(_) => crate::upstream::Probe::Tags,
                 routes::Endpoint::Referrers(d, _) => crate::upstream::Probe::Referrers(*d),
             };
-            if let Err(e) = route.upstream.verify_client(&parts.headers, &route.repo, probe, peer).await {
+            if let Err(e) = route.upstream.verify_client(&parts.headers, &route.repo, probe, peer, deadline).await {
                 return (label, Err(e));
             }
         }
@@ -227,14 +228,19 @@ async fn handle_request(
     trace: &tracing::Span,
 ) -> Response<Body> {
     let started = Instant::now();
-    let (parts, _body) = req.into_parts();
+    // Response headers go out within `server.manifest_deadline` of the
+    // request: a check of the client's credentials with upstream counts
+    // against it, and a manifest's fetch gets what is left.
+    let deadline = tokio::time::Instant::now() + app.config.server.manifest_deadline;
+    let (mut parts, _body) = req.into_parts();
+    parts.extensions.insert(handlers::Deadline(deadline));
     let head = parts.method == http::Method::HEAD;
     let user = match &app.auth {
         Some(auth) => auth.check(&parts.headers, peer).await.map(Some),
         None => Ok(None),
     };
     let (label, parsed) = match user {
-        Ok(user) => authorize(&app, &parts, user, peer, trace).await,
+        Ok(user) => authorize(&app, &parts, user, peer, trace, deadline).await,
         Err(e) => ("invalid", Err(e)),
     };
     let (route, outcome) = match parsed {

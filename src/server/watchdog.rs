@@ -4,7 +4,10 @@
 //! sends nothing, or trickles bytes, would hold a connection forever. The
 //! watchdog closes a connection that has not delivered its first request
 //! within [`FIRST_REQUEST_TIMEOUT`], and after that one on which no byte
-//! moved either way for [`IDLE_TIMEOUT`].
+//! moved either way for [`IDLE_TIMEOUT`], unless a request on it holds a
+//! [`Working`] mark: work the server does itself after the request was
+//! read (an import's checks and commit) takes the time its size needs,
+//! bounded by its own limits, not by the client's idleness.
 
 use std::io;
 use std::pin::Pin;
@@ -33,11 +36,36 @@ pub struct Activity {
     /// Milliseconds since `start` of the last byte moved.
     last_ms: AtomicU64,
     requested: AtomicBool,
+    /// [`Working`] marks held.
+    working: AtomicU64,
+}
+
+/// Held while the server works on a request with nothing to send or read
+/// yet: the connection's idle timeout waits, and starts again from when
+/// the mark is dropped.
+pub struct Working(Arc<Activity>);
+
+impl Drop for Working {
+    fn drop(&mut self) {
+        self.0.touch();
+        self.0.working.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Activity {
     pub fn new() -> Arc<Activity> {
-        Arc::new(Activity { start: Instant::now(), last_ms: AtomicU64::new(0), requested: AtomicBool::new(false) })
+        Arc::new(Activity {
+            start: Instant::now(),
+            last_ms: AtomicU64::new(0),
+            requested: AtomicBool::new(false),
+            working: AtomicU64::new(0),
+        })
+    }
+
+    /// Marks the connection as working until the mark is dropped.
+    pub fn working(self: &Arc<Self>) -> Working {
+        self.working.fetch_add(1, Ordering::Relaxed);
+        Working(Arc::clone(self))
     }
 
     fn touch(&self) {
@@ -63,7 +91,12 @@ impl Activity {
     /// Resolves when the connection should be closed.
     pub async fn expired(&self) {
         let first_deadline = self.start + FIRST_REQUEST_TIMEOUT;
-        until(|| if self.requested.load(Ordering::Relaxed) { self.last() + IDLE_TIMEOUT } else { first_deadline }).await
+        until(|| match self.requested.load(Ordering::Relaxed) {
+            false => first_deadline,
+            true if self.working.load(Ordering::Relaxed) > 0 => Instant::now() + IDLE_TIMEOUT,
+            true => self.last() + IDLE_TIMEOUT,
+        })
+        .await
     }
 }
 
@@ -161,6 +194,23 @@ mod tests {
         let started = Instant::now();
         activity.quiet_for(Duration::from_secs(1)).await;
         assert_eq!(started.elapsed(), Duration::from_secs(1), "a second after the last byte, not after the start");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_the_server_works_on_is_not_idle_until_the_work_ends() {
+        let activity = Activity::new();
+        activity.request();
+        let started = Instant::now();
+        let working = activity.working();
+        let expired = tokio::spawn({
+            let activity = Arc::clone(&activity);
+            async move { activity.expired().await }
+        });
+        tokio::time::sleep(IDLE_TIMEOUT * 5).await;
+        assert!(!expired.is_finished(), "five idle timeouts of work, and the connection is still open");
+        drop(working);
+        expired.await.unwrap();
+        assert_eq!(started.elapsed(), IDLE_TIMEOUT * 6, "one idle timeout after the work ended");
     }
 
     #[tokio::test(start_paused = true)]

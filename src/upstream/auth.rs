@@ -30,7 +30,7 @@ use http::{HeaderValue, Uri};
 use super::challenge::Challenge;
 use super::client::HttpClient;
 use super::credentials::CredentialStore;
-use super::lent::Lent;
+use super::lent::{Lend, Lent};
 use super::realm;
 use super::scope::{Scopes, repository_of};
 use super::tokens::{self, FetchError, Identity, TokenCache, TokenKey};
@@ -100,7 +100,7 @@ enum Source {
     /// larder's configured credentials.
     Store(Arc<CredentialStore>),
     /// A verified client's, lent for the requested repository.
-    Lent(Credentials),
+    Lent(Arc<Lend>),
     /// The client's being checked.
     Client(Credentials),
 }
@@ -111,7 +111,7 @@ impl Source {
         match self {
             Source::Anonymous { own: false } => Identity::Anonymous,
             Source::Anonymous { own: true } | Source::Store(_) => Identity::Upstream,
-            Source::Lent(_) => Identity::Lent,
+            Source::Lent(lend) => Identity::Lent(lend.id),
             // Never cached: a key only for the token request's query.
             Source::Client(_) => Identity::Client,
         }
@@ -119,7 +119,8 @@ impl Source {
 
     fn fixed(&self) -> Option<&Credentials> {
         match self {
-            Source::Lent(c) | Source::Client(c) => Some(c),
+            Source::Lent(lend) => Some(&lend.credentials),
+            Source::Client(c) => Some(c),
             _ => None,
         }
     }
@@ -161,7 +162,7 @@ impl Auth {
                 .as_ref()
                 .map(|c| Arc::new(CredentialStore::new(&config.name, config.authority(), c))),
             lent: match config.client_credentials {
-                ClientCredentialsMode::Verify { ttl } if config.credentials.is_none() => Some(Lent::new(ttl)),
+                ClientCredentialsMode::Verify { .. } if config.credentials.is_none() => Some(Lent::new()),
                 _ => None,
             },
             challenges: moka::sync::Cache::new(MAX_REMEMBERED_CHALLENGES),
@@ -171,10 +172,11 @@ impl Auth {
     }
 
     /// A verified client's `credentials` may be used for larder's own
-    /// requests for `repo` (on an upstream without credentials of its own).
-    pub fn lend(&self, repo: &RepoName, credentials: &Credentials) {
+    /// requests for `repo` (on an upstream without credentials of its own)
+    /// until `until`, when the verdict that accepted them ends.
+    pub fn lend(&self, repo: &RepoName, credentials: &Credentials, until: std::time::Instant) {
         if let Some(lent) = &self.lent {
-            lent.lend(repo, credentials);
+            lent.lend(repo, credentials, until);
         }
     }
 
@@ -187,7 +189,7 @@ impl Auth {
             (Who::Client(c), _, _) => Source::Client(c.clone()),
             (Who::Larder, Some(store), _) => Source::Store(Arc::clone(store)),
             (Who::Larder, None, Some(lent)) if hop.for_requested() => match lent.get(hop.requested) {
-                Some(c) => Source::Lent(c),
+                Some(lend) => Source::Lent(lend),
                 None => Source::Anonymous { own: true },
             },
             (Who::Larder, None, _) => Source::Anonymous { own: true },
@@ -217,7 +219,10 @@ impl Auth {
                     let c = store.current().await?;
                     Ok((Some(basic(&c)?), Presented::Basic(c)))
                 }
-                Source::Lent(c) => Ok((Some(basic(&c)?), Presented::Lent(hop.requested.clone(), c))),
+                Source::Lent(lend) => Ok((
+                    Some(basic(&lend.credentials)?),
+                    Presented::Lent(hop.requested.clone(), lend.credentials.clone()),
+                )),
                 _ => Ok((None, Presented::Nothing)),
             },
             Challenge::Bearer { realm, service, scope } => {
@@ -338,7 +343,8 @@ impl Auth {
         }
         let credentials = match source {
             Source::Store(store) => store.current().await?,
-            Source::Lent(c) | Source::Client(c) => c,
+            Source::Lent(lend) => lend.credentials.clone(),
+            Source::Client(c) => c,
             Source::Anonymous { .. } => {
                 self.failed("denied");
                 return Err(UpstreamError::Denied);

@@ -76,6 +76,11 @@ impl HttpClient {
         })
     }
 
+    /// The upstream's `response_timeout`.
+    pub fn response_timeout(&self) -> Duration {
+        self.response_timeout
+    }
+
     pub fn body_idle_timeout(&self) -> Duration {
         self.body_idle_timeout
     }

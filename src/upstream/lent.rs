@@ -5,10 +5,15 @@
 //! (`super::verify`). They go only where the upstream's own credentials
 //! would (its origins that get credentials, its trusted realms), only for
 //! requests naming that repository, and never to another repository,
-//! a redirect target, a peer or a hub.
+//! a redirect target, a peer or a hub. They are held only as long as the
+//! verdict that lent them: a credential whose verdict ended (revoked
+//! upstream, perhaps) is not used again until it is verified again, and
+//! neither is a token fetched with it ([`Lend::id`] is in its key).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use sha2::{Digest as _, Sha256};
 
 use crate::config::Credentials;
 use crate::oci::RepoName;
@@ -18,32 +23,70 @@ use crate::oci::RepoName;
 /// next client is verified or served again).
 pub const MAX_LENT: u64 = 10_000;
 
+/// Credentials lent for a repository, until the verdict that lent them ends.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Lend {
+    pub credentials: Credentials,
+    /// Salted SHA-256 of the credentials: whose tokens these are (a token
+    /// fetched with one client's credentials is never presented for
+    /// another's, nor once its own are no longer lent).
+    pub id: [u8; 32],
+    /// When the verdict that lent them ends.
+    until: Instant,
+}
+
+/// Keeps a lend until its verdict ends.
+struct UntilVerdictEnds;
+
+impl moka::Expiry<RepoName, Arc<Lend>> for UntilVerdictEnds {
+    fn expire_after_create(&self, _: &RepoName, lend: &Arc<Lend>, now: Instant) -> Option<Duration> {
+        Some(lend.until.saturating_duration_since(now))
+    }
+
+    fn expire_after_update(
+        &self,
+        _: &RepoName,
+        lend: &Arc<Lend>,
+        now: Instant,
+        _: Option<Duration>,
+    ) -> Option<Duration> {
+        Some(lend.until.saturating_duration_since(now))
+    }
+}
+
 pub struct Lent {
+    /// Mixed into every [`Lend::id`].
+    salt: [u8; 32],
     /// The credentials of the client verified or served last for each
-    /// repository, for as long as a verdict on them lasts. Behind an `Arc`,
-    /// so that looking them up on every request copies no strings.
-    by_repo: moka::sync::Cache<RepoName, Arc<Credentials>>,
+    /// repository. Behind an `Arc`, so that looking them up on every
+    /// request copies no strings.
+    by_repo: moka::sync::Cache<RepoName, Arc<Lend>>,
 }
 
 impl Lent {
-    /// Credentials are kept for `ttl` after they were last lent: no longer
-    /// than a verdict on them is trusted.
-    pub fn new(ttl: Duration) -> Lent {
-        Lent { by_repo: moka::sync::Cache::builder().max_capacity(MAX_LENT).time_to_live(ttl).build() }
-    }
-
-    /// `credentials` were accepted upstream for `repo`: larder's requests
-    /// for it may use them. Written only when they differ from those held,
-    /// so that a client pulling blob after blob costs one lookup each.
-    pub fn lend(&self, repo: &RepoName, credentials: &Credentials) {
-        if self.by_repo.get(repo).as_deref() != Some(credentials) {
-            self.by_repo.insert(repo.clone(), Arc::new(credentials.clone()));
+    pub fn new() -> Lent {
+        Lent {
+            salt: rand::random(),
+            by_repo: moka::sync::Cache::builder().max_capacity(MAX_LENT).expire_after(UntilVerdictEnds).build(),
         }
     }
 
-    /// The credentials lent for `repo`, if any.
-    pub fn get(&self, repo: &RepoName) -> Option<Credentials> {
-        self.by_repo.get(repo).map(|c| Credentials::clone(&c))
+    /// `credentials` were accepted upstream for `repo` by a verdict that
+    /// lasts `until`: larder's requests for it may use them until then.
+    /// Written only when they (or their verdict) differ from those held,
+    /// so that a client pulling blob after blob costs one lookup each.
+    pub fn lend(&self, repo: &RepoName, credentials: &Credentials, until: Instant) {
+        let held = self.by_repo.get(repo);
+        if held.is_some_and(|h| h.credentials == *credentials && h.until == until) {
+            return;
+        }
+        let lend = Lend { credentials: credentials.clone(), id: self.id(credentials), until };
+        self.by_repo.insert(repo.clone(), Arc::new(lend));
+    }
+
+    /// The credentials lent for `repo`, if their verdict still lasts.
+    pub fn get(&self, repo: &RepoName) -> Option<Arc<Lend>> {
+        self.by_repo.get(repo).filter(|l| l.until > Instant::now())
     }
 
     /// Upstream refused `used` for `repo` (revoked since they were
@@ -51,9 +94,19 @@ impl Lent {
     /// others since.
     pub fn refused(&self, repo: &RepoName, used: &Credentials) {
         self.by_repo.entry(repo.clone()).and_compute_with(|held| match held {
-            Some(e) if e.value().as_ref() == used => moka::ops::compute::Op::Remove,
+            Some(e) if e.value().credentials == *used => moka::ops::compute::Op::Remove,
             _ => moka::ops::compute::Op::Nop,
         });
+    }
+
+    fn id(&self, credentials: &Credentials) -> [u8; 32] {
+        let mut h = Sha256::new();
+        h.update(self.salt);
+        for field in [credentials.username.as_str(), credentials.password.expose()] {
+            h.update((field.len() as u64).to_be_bytes());
+            h.update(field.as_bytes());
+        }
+        h.finalize().into()
     }
 }
 
@@ -68,23 +121,41 @@ mod tests {
 
     #[test]
     fn lent_credentials_serve_their_repository_only_and_a_refusal_drops_them() {
-        let lent = Lent::new(Duration::from_secs(60));
+        let lent = Lent::new();
+        let until = Instant::now() + Duration::from_secs(60);
         let (a, b): (RepoName, RepoName) = ("team-a/app".parse().unwrap(), "team-b/app".parse().unwrap());
-        lent.lend(&a, &creds("alice"));
-        assert_eq!(lent.get(&a), Some(creds("alice")));
-        assert_eq!(lent.get(&b), None, "never another repository's");
+        lent.lend(&a, &creds("alice"), until);
+        assert_eq!(lent.get(&a).map(|l| l.credentials.clone()), Some(creds("alice")));
+        assert!(lent.get(&b).is_none(), "never another repository's");
         lent.refused(&a, &creds("bob"));
-        assert_eq!(lent.get(&a), Some(creds("alice")), "a refusal of other credentials changes nothing");
+        assert_eq!(lent.get(&a).map(|l| l.credentials.clone()), Some(creds("alice")), "a refusal of others: nothing");
         lent.refused(&a, &creds("alice"));
-        assert_eq!(lent.get(&a), None);
+        assert!(lent.get(&a).is_none());
     }
 
     #[test]
-    fn lent_credentials_expire() {
-        let lent = Lent::new(Duration::from_millis(50));
+    fn lent_credentials_end_with_the_verdict_that_lent_them() {
+        let lent = Lent::new();
         let a: RepoName = "team-a/app".parse().unwrap();
-        lent.lend(&a, &creds("alice"));
+        let soon = Instant::now() + Duration::from_millis(50);
+        lent.lend(&a, &creds("alice"), soon);
+        lent.lend(&a, &creds("carol"), Instant::now() + Duration::from_secs(60));
+        // alice served again on her first verdict: lent only until it ends,
+        // not for a whole ttl from now.
+        lent.lend(&a, &creds("alice"), soon);
+        let alice = lent.get(&a).expect("alice's verdict still lasts");
+        assert_eq!(alice.credentials, creds("alice"));
         std::thread::sleep(Duration::from_millis(100));
-        assert_eq!(lent.get(&a), None);
+        assert!(lent.get(&a).is_none(), "alice's verdict ended");
+    }
+
+    #[test]
+    fn a_lends_id_tells_credentials_apart_and_is_salted() {
+        let (one, two) = (Lent::new(), Lent::new());
+        assert_eq!(one.id(&creds("alice")), one.id(&creds("alice")));
+        assert_ne!(one.id(&creds("alice")), one.id(&creds("carol")));
+        let split = |u: &str, p: &str| Credentials { username: u.into(), password: Secret::new(p) };
+        assert_ne!(one.id(&split("ab", "c")), one.id(&split("a", "bc")));
+        assert_ne!(one.id(&creds("alice")), two.id(&creds("alice")));
     }
 }

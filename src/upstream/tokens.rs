@@ -40,14 +40,15 @@ const TOKEN_EXPIRY_MARGIN_DIVISOR: u32 = 4;
 const MAX_TOKEN_EXPIRY_MARGIN: Duration = Duration::from_secs(30);
 
 /// Whose token: the upstream's (obtained with its credentials, if it has
-/// any), an anonymous one for a redirect target, one obtained with a
-/// verified client's credentials lent for the repository in its scope, or
-/// (never cached) one for a client being checked.
+/// any), an anonymous one for a redirect target, one obtained with the
+/// credentials a verified client lent for the repository in its scope
+/// (those credentials' [`super::lent::Lend::id`]: used only while they are
+/// lent), or (never cached) one for a client being checked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Identity {
     Upstream,
     Anonymous,
-    Lent,
+    Lent([u8; 32]),
     Client,
 }
 
@@ -204,7 +205,15 @@ async fn fetch_token(
         429 => return Err(UpstreamError::RateLimited { retry_after: super::retry_after(resp.headers()) }.into()),
         _ => return Err(UpstreamError::Auth(format!("token service answered {status}")).into()),
     }
-    let body = http.read_body(resp.into_body(), MAX_TOKEN_RESPONSE).await?;
+    // A token answer is small: its body, too, comes within the response
+    // timeout, not one byte per body idle timeout for as long as the realm
+    // likes (which would hold a fill, or a client's check and its place).
+    let body = match tokio::time::timeout(http.response_timeout(), http.read_body(resp.into_body(), MAX_TOKEN_RESPONSE))
+        .await
+    {
+        Ok(body) => body?,
+        Err(_) => return Err(UpstreamError::Timeout("token response body").into()),
+    };
     let parsed: TokenResponse =
         serde_json::from_slice(&body).map_err(|e| UpstreamError::Auth(format!("token response: {e}")))?;
     let token = parsed

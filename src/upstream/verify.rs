@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use http::header::AUTHORIZATION;
-use http::{HeaderMap, Method};
+use http::{HeaderMap, Method, StatusCode};
 use sha2::{Digest as _, Sha256};
 use tracing::Instrument;
 
@@ -112,17 +112,29 @@ impl Verdict {
 /// The metric labels of `client_verifications_total{result}`.
 const RESULTS: [&str; 5] = ["granted", "rejected", "denied", "not_found", "unavailable"];
 
-/// Keeps a granted verdict for the ttl, any other for [`NEGATIVE_TTL`].
-struct VerdictExpiry {
-    ttl: Duration,
+/// How long `verdict` is remembered: a granted one for the upstream's
+/// `ttl`, any other for [`NEGATIVE_TTL`] (at most the ttl).
+fn lifetime(verdict: Verdict, ttl: Duration) -> Duration {
+    match verdict {
+        Verdict::Granted => ttl,
+        _ => NEGATIVE_TTL.min(ttl),
+    }
 }
 
-impl moka::Expiry<[u8; 32], Verdict> for VerdictExpiry {
-    fn expire_after_create(&self, _: &[u8; 32], verdict: &Verdict, _: Instant) -> Option<Duration> {
-        Some(match verdict {
-            Verdict::Granted => self.ttl,
-            _ => NEGATIVE_TTL.min(self.ttl),
-        })
+/// A verdict and when it ends (what credentials it granted are lent
+/// until, see `super::lent`).
+#[derive(Clone, Copy, Debug)]
+struct Held {
+    verdict: Verdict,
+    until: Instant,
+}
+
+/// Keeps a verdict until it ends.
+struct UntilItEnds;
+
+impl moka::Expiry<[u8; 32], Held> for UntilItEnds {
+    fn expire_after_create(&self, _: &[u8; 32], held: &Held, now: Instant) -> Option<Duration> {
+        Some(held.until.saturating_duration_since(now))
     }
 }
 
@@ -132,8 +144,10 @@ pub struct Verifier {
     /// Mixed into every key, so that a key (were it ever seen) cannot be
     /// checked against guessed passwords without this process's memory.
     salt: [u8; 32],
-    verdicts: moka::sync::Cache<[u8; 32], Verdict>,
-    flights: SingleFlight<[u8; 32], Verdict>,
+    /// `client_credentials_ttl`.
+    ttl: Duration,
+    verdicts: moka::sync::Cache<[u8; 32], Held>,
+    flights: SingleFlight<[u8; 32], Held>,
     checks: tokio::sync::Semaphore,
     peers: PeerSlots,
 }
@@ -148,10 +162,8 @@ impl Verifier {
         Verifier {
             upstream: upstream.to_owned(),
             salt: rand::random(),
-            verdicts: moka::sync::Cache::builder()
-                .max_capacity(MAX_VERDICTS)
-                .expire_after(VerdictExpiry { ttl })
-                .build(),
+            ttl,
+            verdicts: moka::sync::Cache::builder().max_capacity(MAX_VERDICTS).expire_after(UntilItEnds).build(),
             flights: SingleFlight::default(),
             checks: tokio::sync::Semaphore::new(MAX_CONCURRENT_CHECKS),
             peers: PeerSlots::new(MAX_CHECKS_PER_PEER),
@@ -190,7 +202,12 @@ enum Presented {
 /// no credentials; anything else that is not `base64(user:password)` in
 /// UTF-8 is malformed. The password may hold colons (the user may not).
 fn presented(headers: &HeaderMap) -> Presented {
-    let Some(value) = headers.get(AUTHORIZATION) else { return Presented::None };
+    let mut values = headers.get_all(AUTHORIZATION).iter();
+    let Some(value) = values.next() else { return Presented::None };
+    // Which of two would another reader (a proxy in front, a log) take?
+    if values.next().is_some() {
+        return Presented::Malformed("more than one Authorization header");
+    }
     if value.len() > MAX_AUTHORIZATION_LEN {
         return Presented::Malformed("the Authorization header is too long");
     }
@@ -222,6 +239,11 @@ enum Answer {
     Verdict(Verdict),
     /// 404: nothing proven either way yet.
     Missing,
+    /// A redirect, which proves nothing about the credentials: a registry
+    /// sends a blob to its storage only after checking them, but a front
+    /// door (http to https, a regional redirector, a single sign-on proxy)
+    /// redirects whatever it is sent.
+    Redirected(StatusCode),
     /// No answer that says anything about the credentials (unreachable,
     /// 5xx, 429, a realm larder does not trust): the text is for the log.
     Unavailable(String),
@@ -245,13 +267,17 @@ impl Upstream {
     /// credentials are ones this upstream lets pull `repo` (remembered, or
     /// checked now), else the error to answer. Checked before any cache
     /// read, membership check or fill, after policy and grants. `peer` is
-    /// the client's address. Without `verify`: `Ok` at once.
+    /// the client's address. A check not finished by `deadline` (the
+    /// request's `server.manifest_deadline`) is a `503` for this request;
+    /// it goes on, and its verdict answers the client's retry. Without
+    /// `verify`: `Ok` at once.
     pub async fn verify_client(
         self: &Arc<Self>,
         headers: &HeaderMap,
         repo: &RepoName,
         probe: Probe,
         peer: IpAddr,
+        deadline: tokio::time::Instant,
     ) -> Result<(), Error> {
         let Some(verifier) = &self.verifier else { return Ok(()) };
         let credentials = match presented(headers) {
@@ -266,7 +292,7 @@ impl Upstream {
             Presented::Malformed(why) => return Err(self.challenge(why.to_owned())),
         };
         let key = verifier.key(&credentials, repo);
-        let verdict = match verifier.verdicts.get(&key) {
+        let held = match verifier.verdicts.get(&key) {
             Some(verdict) => verdict,
             None => {
                 let work = {
@@ -274,17 +300,25 @@ impl Upstream {
                     move || async move { me.check(key, &credentials, &repo, &probe, peer).await }
                 };
                 let trace = crate::otel::verify(self.name());
-                let checked = verifier.flights.run(key, work).instrument(trace.clone()).await.0;
-                match &checked {
-                    Ok(verdict) => crate::otel::verified(&trace, Ok(verdict.label())),
+                let checked =
+                    tokio::time::timeout_at(deadline, verifier.flights.run(key, work).instrument(trace.clone())).await;
+                let held = match checked {
+                    Ok((checked, _)) => checked,
+                    Err(_) => {
+                        tracing::warn!(upstream = self.name(), %repo, user = credentials.username, "a client's credentials check did not finish by the request's deadline: 503 (the check goes on)");
+                        Err(Error::CredentialsUnverified { upstream: self.name().to_owned() })
+                    }
+                };
+                match &held {
+                    Ok(held) => crate::otel::verified(&trace, Ok(held.verdict.label())),
                     Err(e) => crate::otel::verified(&trace, Err(e)),
                 }
-                checked?
+                held?
             }
         };
-        match verdict {
+        match held.verdict {
             Verdict::Granted => {
-                self.auth.lend(repo, &credentials);
+                self.auth.lend(repo, &credentials, held.until);
                 Ok(())
             }
             Verdict::Rejected => {
@@ -312,11 +346,13 @@ impl Upstream {
         repo: &RepoName,
         probe: &Probe,
         peer: IpAddr,
-    ) -> Result<Verdict, Error> {
-        let Some(verifier) = &self.verifier else { return Ok(Verdict::Granted) };
+    ) -> Result<Held, Error> {
+        let Some(verifier) = &self.verifier else {
+            return Err(Error::Internal(format!("upstream {:?} does not verify clients", self.name())));
+        };
         // A flight that ended just before this one started left its verdict.
-        if let Some(verdict) = verifier.verdicts.get(&key) {
-            return Ok(verdict);
+        if let Some(held) = verifier.verdicts.get(&key) {
+            return Ok(held);
         }
         let throttled = |reason: &str| {
             tracing::debug!(upstream = self.name(), %peer, reason, "credentials check refused: too many waiting");
@@ -329,19 +365,34 @@ impl Upstream {
         };
         let answer = match self.ask(credentials, repo, probe).await {
             Answer::Missing if !matches!(probe, Probe::Tags) => self.ask(credentials, repo, &Probe::Tags).await,
+            // A blob sent to storage: the tag list, which no registry
+            // redirects, says whether it was after a check.
+            Answer::Redirected(_) if !matches!(probe, Probe::Tags) => {
+                match self.ask(credentials, repo, &Probe::Tags).await {
+                    Answer::Missing => Answer::Unavailable("upstream redirected the check, and has no tag list".into()),
+                    answer => answer,
+                }
+            }
             answer => answer,
         };
         let counter = |result: &str| metrics().client_verifications.with_label_values(&[self.name(), result]).inc();
+        let unavailable = |why: String| {
+            counter("unavailable");
+            tracing::warn!(upstream = self.name(), %repo, user = credentials.username, why, "cannot check a client's credentials");
+            Error::CredentialsUnverified { upstream: self.name().to_owned() }
+        };
         let verdict = match answer {
             Answer::Verdict(verdict) => verdict,
             Answer::Missing => Verdict::NotFound,
-            Answer::Unavailable(why) => {
-                counter("unavailable");
-                tracing::warn!(upstream = self.name(), %repo, user = credentials.username, why, "cannot check a client's credentials");
-                return Err(Error::CredentialsUnverified { upstream: self.name().to_owned() });
+            Answer::Redirected(status) => {
+                return Err(unavailable(format!(
+                    "upstream answered {status} to the check, which proves nothing about the credentials"
+                )));
             }
+            Answer::Unavailable(why) => return Err(unavailable(why)),
         };
-        verifier.verdicts.insert(key, verdict);
+        let held = Held { verdict, until: Instant::now() + lifetime(verdict, verifier.ttl) };
+        verifier.verdicts.insert(key, held);
         counter(verdict.label());
         metrics().client_verdicts_cached.with_label_values(&[self.name()]).set(verifier.held() as i64);
         match verdict {
@@ -352,7 +403,7 @@ impl Upstream {
                 tracing::info!(upstream = self.name(), %repo, user = credentials.username, verdict = refused.label(), "client credentials refused upstream")
             }
         }
-        Ok(verdict)
+        Ok(held)
     }
 
     /// One request for `probe` with the client's credentials, the way a
@@ -375,7 +426,8 @@ impl Upstream {
         };
         let status = response.status();
         match status.as_u16() {
-            200..=399 => Answer::Verdict(Verdict::Granted),
+            200..=299 => Answer::Verdict(Verdict::Granted),
+            300..=399 => Answer::Redirected(status),
             // A Basic registry refuses wrong credentials with 401; a token
             // one answers 401 to a token without the repository's access.
             401 => match Challenge::from_headers(response.headers()) {
@@ -440,17 +492,19 @@ mod tests {
     #[test]
     fn refusals_are_remembered_briefly_and_the_number_of_verdicts_is_bounded() {
         let v = Verifier::new("verify-bound.test", Duration::from_secs(300));
-        let expiry = VerdictExpiry { ttl: Duration::from_secs(300) };
+        let ttl = Duration::from_secs(300);
+        assert_eq!(lifetime(Verdict::Granted, ttl), ttl);
+        assert_eq!(lifetime(Verdict::Denied, ttl), NEGATIVE_TTL);
+        assert_eq!(lifetime(Verdict::Rejected, Duration::from_secs(2)), Duration::from_secs(2));
         use moka::Expiry;
         let now = Instant::now();
-        assert_eq!(expiry.expire_after_create(&[0; 32], &Verdict::Granted, now), Some(Duration::from_secs(300)));
-        assert_eq!(expiry.expire_after_create(&[0; 32], &Verdict::Denied, now), Some(NEGATIVE_TTL));
-        let short = VerdictExpiry { ttl: Duration::from_secs(2) };
-        assert_eq!(short.expire_after_create(&[0; 32], &Verdict::Rejected, now), Some(Duration::from_secs(2)));
+        let held = Held { verdict: Verdict::Granted, until: now + ttl };
+        assert_eq!(UntilItEnds.expire_after_create(&[0; 32], &held, now), Some(ttl));
+        let until = Instant::now() + NEGATIVE_TTL;
         for i in 0..(MAX_VERDICTS + 20_000) {
             let mut key = [0u8; 32];
             key[..8].copy_from_slice(&i.to_be_bytes());
-            v.verdicts.insert(key, Verdict::Rejected);
+            v.verdicts.insert(key, Held { verdict: Verdict::Rejected, until });
         }
         assert!(v.held() <= MAX_VERDICTS, "{} verdicts held", v.held());
     }

@@ -229,6 +229,8 @@ struct Content {
     token_response: Option<Bytes>,
     /// How long `GET /token` waits before it answers.
     token_delay: Option<Duration>,
+    /// `GET /token` sends its body one byte at a time, this long apart.
+    token_trickle: Option<Duration>,
     /// `tags/list` of a repository, answered as a registry that paginates
     /// does: sorted, `n` and `last` applied, a `Link` to the next page.
     tag_lists: HashMap<String, Vec<String>>,
@@ -417,6 +419,13 @@ impl FakeUpstreamBuilder {
     /// `GET /token` waits `d` before it answers (a slow token service).
     pub fn token_delay(mut self, d: Duration) -> Self {
         self.content.token_delay = Some(d);
+        self
+    }
+
+    /// `GET /token` sends its headers at once, then its body one byte
+    /// every `every` (each pause within larder's body idle timeout).
+    pub fn token_trickle(mut self, every: Duration) -> Self {
+        self.content.token_trickle = Some(every);
         self
     }
 
@@ -889,20 +898,35 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<FakeBody>
     let guard = OpenGuard::new(&state);
     let head = method == Method::HEAD;
 
-    let (challenge, accepted, token, token_delay) = {
+    let (challenge, accepted, token, token_delay, token_trickle) = {
         let content = lock(&state.content);
         let token = content.token_response.clone();
-        (content.challenge.clone(), content.accepted_authorization.clone(), token, content.token_delay)
+        let (delay, trickle) = (content.token_delay, content.token_trickle);
+        (content.challenge.clone(), content.accepted_authorization.clone(), token, delay, trickle)
     };
     if let (Some(body), "/token") = (token, path.as_str()) {
         if let Some(d) = token_delay {
             tokio::time::sleep(d).await;
         }
-        return Response::builder()
-            .header(CONTENT_TYPE, "application/json")
-            .header(CONTENT_LENGTH, body.len())
-            .body(if head { empty() } else { full(body) })
-            .expect("a valid token response");
+        let builder = Response::builder().header(CONTENT_TYPE, "application/json").header(CONTENT_LENGTH, body.len());
+        let body = match (head, token_trickle) {
+            (true, _) => empty(),
+            (false, None) => full(body),
+            (false, Some(every)) => {
+                let bytes = futures_util::stream::unfold((body, 0), move |(body, at)| async move {
+                    if at == body.len() {
+                        return None;
+                    }
+                    if at > 0 {
+                        tokio::time::sleep(every).await;
+                    }
+                    let frame: FrameResult = Ok(Frame::data(body.slice(at..at + 1)));
+                    Some((frame, (body, at + 1)))
+                });
+                StreamBody::new(bytes).boxed_unsync()
+            }
+        };
+        return builder.body(body).expect("a valid token response");
     }
     if let Some(digest) = path.strip_prefix("/cdn/") {
         let item = lock(&state.content).items.get(digest).cloned();

@@ -80,6 +80,9 @@ struct State {
     /// Digests whose rows are gone and whose files are being unlinked: no
     /// fill may start (and rename a new file into place) until they are.
     removing: std::collections::HashSet<Digest>,
+    /// Digests an import is committing (how many imports): their files are
+    /// put in place before their rows, so a removal leaves them alone.
+    importing: HashMap<Digest, usize>,
 }
 
 /// The fills in flight, by digest, and the removals that must not overlap them.
@@ -141,13 +144,45 @@ impl Fills {
     }
 
     /// Marks `digests` as being removed, except those with a fill in
-    /// flight (which will rename a new file into place themselves).
+    /// flight or an import committing them (either renames a new file
+    /// into place itself).
     /// Returns the ones marked; call [`Fills::end_removal`] with them.
     pub fn begin_removal(&self, digests: impl IntoIterator<Item = Digest>) -> Vec<Digest> {
         let mut state = self.lock();
-        let marked: Vec<Digest> = digests.into_iter().filter(|d| !state.inflight.contains_key(d)).collect();
+        let marked: Vec<Digest> = digests
+            .into_iter()
+            .filter(|d| !state.inflight.contains_key(d) && !state.importing.contains_key(d))
+            .collect();
         state.removing.extend(marked.iter().copied());
         marked
+    }
+
+    /// Marks `digests` as being committed by an import, so that no removal
+    /// unlinks a file the import renames into place before its row exists.
+    /// If one of them is being removed now, marks nothing and returns what
+    /// to wait on ([`removal_finished`]) before trying again.
+    pub fn begin_import(&self, digests: &[Digest]) -> Option<watch::Receiver<u64>> {
+        let mut state = self.lock();
+        if digests.iter().any(|d| state.removing.contains(d)) {
+            return Some(self.removals.subscribe());
+        }
+        for d in digests {
+            *state.importing.entry(*d).or_default() += 1;
+        }
+        None
+    }
+
+    /// Ends what [`Fills::begin_import`] marked.
+    pub fn end_import(&self, digests: &[Digest]) {
+        let mut state = self.lock();
+        for d in digests {
+            if let Some(n) = state.importing.get_mut(d) {
+                *n -= 1;
+                if *n == 0 {
+                    state.importing.remove(d);
+                }
+            }
+        }
     }
 
     pub fn end_removal(&self, digests: &[Digest]) {

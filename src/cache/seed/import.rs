@@ -1,35 +1,70 @@
 //! `larder import`: an OCI image layout (a folder, or a tar of one as
 //! skopeo's `oci-archive:` writes) loaded into the cache, as if each image
-//! had just been pulled through larder.
+//! had just been pulled through larder, by the rules every other way in
+//! obeys:
 //!
-//! All or nothing, in two steps. First every blob file of the layout is
-//! copied into a temp file of the store and hashed on the way ([`stage`]);
-//! a file whose bytes do not match its name refuses the whole import. Then
-//! each image's manifests are read from what was staged and walked, and
-//! every blob they name must be staged (or already cached). Only after all
-//! of that does anything reach the cache: blobs, then manifests, then tags,
-//! each with its membership in the repository imported as, and tags as if
-//! revalidated at import time. With a shared tier, what was imported is
-//! queued for it like anything fetched from upstream.
+//! - **Membership.** An image's repository gets what the layout carries
+//!   (every file hashed against its name) and, of a blob the layout lacks,
+//!   only one the repository has already, or that upstream confirms it has
+//!   (one `HEAD`: the membership rule); otherwise the import is refused,
+//!   naming the blob. A digest alone is never a way into another tenant's
+//!   content.
+//! - **The operator's destinations.** `--as UPSTREAM/REPO` decides where
+//!   every image goes; without it, each image's whole name, routed as a
+//!   pull but never by a query, nor to a host that is no configured
+//!   upstream. Repository policy is asked as soon as `index.json` is read,
+//!   before another byte is staged.
+//! - **Bounded.** Memory and work follow [`limits`], not the layout's
+//!   claims: each distinct manifest is read once, and an import past a
+//!   bound is refused, naming it.
+//! - **All or nothing.** Staged ([`staging`]), planned ([`plan`]) and
+//!   checked first; then committed by a task of its own, which a client
+//!   that hangs up or times out does not cancel: the blob files are renamed
+//!   into place, then one index transaction writes every row. A crash
+//!   before that transaction leaves correct files without rows, which the
+//!   next start adopts with no membership: nothing of the import is served.
+//! - **Immutable content.** A row already in the index never changes; a
+//!   manifest cached under another media type than the layout declares
+//!   refuses the import.
+//!
+//! With a shared tier, what was imported is queued for it like anything
+//! fetched from upstream.
 
-use std::collections::HashMap;
+pub mod limits;
+pub mod plan;
+pub mod reader;
+mod staging;
+
 use std::io::Read;
-use std::path::{Component, Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::SystemTime;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use tempfile::NamedTempFile;
 
 use crate::blocking::blocking;
-use crate::cache::membership::member_key;
+use crate::cache::fill::removal_finished;
+use crate::cache::index::{ImportCommitError, ImportRows};
+use crate::cache::membership::{Content, member_key};
 use crate::cache::store::disk::Store;
-use crate::cache::{Cache, tag_key, unix_ms};
+use crate::cache::store::memory::TagEntry;
+use crate::cache::{Cache, Via, unix_ms};
 use crate::error::Error;
-use crate::oci::layout::{LayoutImage, LayoutIndex, MAX_INDEX_JSON};
-use crate::oci::{Digest, Hasher, MAX_MANIFEST_SIZE, MediaType, RepoName, Tag, inspect_manifest};
-use crate::upstream::FetchedManifest;
+use crate::oci::layout::{LayoutImage, LayoutIndex};
+use crate::oci::{Digest, MediaType, RepoName, Tag, inspect_manifest};
+use crate::upstream::{FetchedManifest, Upstream};
+pub use limits::ImportLimits;
+use plan::{AbsentBlob, Plan, PlanTarget};
+use staging::{Staged, Stager};
+
+/// Upstream `HEAD`s at once while confirming the blobs a layout lacks.
+const CONFIRMATIONS_AT_ONCE: usize = 8;
+
+/// Imports that run at once; another waits for its turn before a byte of
+/// its layout is read. Each import's memory is bounded by [`limits`];
+/// this bounds how many such bounds add up.
+pub const MAX_IMPORTS_AT_ONCE: usize = 2;
 
 /// Why an import was refused; nothing was imported.
 #[derive(Debug, thiserror::Error)]
@@ -40,6 +75,14 @@ pub enum ImportError {
     Tampered { path: String, actual: Digest },
     #[error("{0}")]
     Incomplete(String),
+    /// Past one of the [`limits`].
+    #[error("{0}; nothing imported")]
+    TooLarge(String),
+    #[error(transparent)]
+    Conflict(ImportCommitError),
+    /// Where an image would go is refused (policy, a name larder does not route).
+    #[error(transparent)]
+    Refused(Error),
     #[error("reading the layout: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -47,256 +90,318 @@ pub enum ImportError {
 impl From<ImportError> for Error {
     fn from(e: ImportError) -> Error {
         match e {
+            ImportError::Io(e) if e.kind() == std::io::ErrorKind::StorageFull => Error::DiskFull,
+            ImportError::Io(e) if e.raw_os_error() == Some(libc::EMFILE) => Error::Storage(e.to_string()),
             ImportError::Io(e) => Error::Internal(format!("import: {e}")),
+            ImportError::Refused(e) => e,
+            ImportError::Conflict(ImportCommitError::Index(e)) => e.into(),
+            ImportError::TooLarge(_) => Error::ImportTooLarge(e.to_string()),
             e => Error::LayoutInvalid(e.to_string()),
         }
     }
 }
 
-/// A layout's content, verified and waiting in temp files of the store.
-pub struct Staged {
-    pub index: LayoutIndex,
-    blobs: HashMap<Digest, (NamedTempFile, u64)>,
+/// Where a layout comes from.
+pub enum LayoutSource {
+    /// A layout folder (`oci:DIR`).
+    Dir(PathBuf),
+    /// A tar file (`oci-archive:FILE`): read twice, `index.json` first.
+    Archive(PathBuf),
+    /// A tar stream (`POST /import`'s body): `index.json` where it comes.
+    Tar(Box<dyn Read + Send>),
 }
 
 /// An image of the layout and where it goes.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ImportTarget {
-    /// The upstream's configured name.
-    pub upstream: String,
+    pub upstream: Arc<Upstream>,
     pub repo: RepoName,
     pub tag: Option<Tag>,
     pub image: LayoutImage,
 }
+
+/// Decides where a layout's images go once its `index.json` is read
+/// (`--as`, or each image's name), refusing what policy refuses.
+pub type Resolve = Box<dyn FnMut(&LayoutIndex) -> Result<Vec<ImportTarget>, Error> + Send>;
+
+/// The phases of an import, in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Waiting for another import to end ([`MAX_IMPORTS_AT_ONCE`]).
+    Queued,
+    /// Reading the layout and staging its blobs, each hashed.
+    Reading,
+    /// Walking each image's manifests.
+    Checking,
+    /// Asking upstream about blobs the layout lacks.
+    Confirming,
+    /// Putting files in place and writing the rows.
+    Committing,
+}
+
+/// Who watches an import's progress (the CLI's display); by default, nobody.
+pub trait ImportWatch: Send {
+    /// A phase starts: what it does, and its total in bytes (0: not known).
+    fn phase(&mut self, _phase: Phase, _what: &str, _total: u64) {}
+    /// What is worked on now (a blob's path in the layout).
+    fn item(&mut self, _item: &str) {}
+    /// `n` more bytes done.
+    fn advance(&mut self, _n: u64) {}
+}
+
+impl ImportWatch for () {}
 
 /// What an import did.
 #[derive(Debug, Default, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Imported {
     pub images: usize,
     pub manifests: usize,
+    /// Blobs the layout carried, and their bytes.
     pub blobs: usize,
     pub bytes: u64,
+    /// Blobs the layout lacks that the repository had already or that
+    /// upstream confirmed it has: recorded, to be fetched when pulled.
+    #[serde(default)]
+    pub confirmed: usize,
     /// Children of an index that the layout does not hold (a one-platform
     /// copy of a multi-platform image): not imported; a pull of them goes
     /// upstream.
     pub missing_platforms: usize,
+    /// Where each image went: `upstream/repository:tag@digest`
+    /// (`upstream/repository@digest` without a tag).
+    #[serde(default)]
+    pub destinations: Vec<String>,
 }
 
-/// Where a layout comes from.
-pub enum LayoutSource {
-    Dir(PathBuf),
-    Tar(Box<dyn Read + Send>),
-}
-
-/// Copies every `blobs/sha256/<hex>` of the layout into temp files of the
-/// store, hashing each, and reads `index.json`. Blocking: run it in
-/// `spawn_blocking`.
-pub fn stage(store: &Store, source: LayoutSource) -> Result<Staged, ImportError> {
-    let mut blobs = HashMap::new();
-    let mut index = None;
-    let mut layout_file = false;
-    let mut take = |path: &Path, reader: &mut dyn Read| -> Result<(), ImportError> {
-        let parts: Vec<_> = path.components().filter(|c| !matches!(c, Component::CurDir)).collect();
-        let names: Vec<&str> = parts.iter().filter_map(|c| c.as_os_str().to_str()).collect();
-        match names.as_slice() {
-            ["oci-layout"] => layout_file = true,
-            ["index.json"] => {
-                let mut bytes = Vec::new();
-                reader.take(MAX_INDEX_JSON + 1).read_to_end(&mut bytes)?;
-                if bytes.len() as u64 > MAX_INDEX_JSON {
-                    return Err(ImportError::NotALayout(format!("index.json over {MAX_INDEX_JSON} bytes")));
-                }
-                index = Some(LayoutIndex::parse(&bytes).map_err(|e| ImportError::NotALayout(e.to_string()))?);
-            }
-            ["blobs", "sha256", hex] => {
-                let Ok(named) = format!("sha256:{hex}").parse::<Digest>() else {
-                    return Err(ImportError::NotALayout(format!("{}: not a sha256 digest", path.display())));
-                };
-                let (temp, digest, size) = copy_hashing(store, reader)?;
-                if digest != named {
-                    return Err(ImportError::Tampered { path: path.display().to_string(), actual: digest });
-                }
-                blobs.insert(digest, (temp, size));
-            }
-            _ => {}
-        }
-        Ok(())
+/// Stages a layout, `index.json` resolved into targets as soon as it is read.
+fn stage(
+    store: &Store,
+    source: LayoutSource,
+    limits: &ImportLimits,
+    resolve: Resolve,
+    watch: &mut dyn ImportWatch,
+) -> Result<Staged, ImportError> {
+    let total = match &source {
+        LayoutSource::Dir(dir) => blob_bytes(dir),
+        LayoutSource::Archive(path) => std::fs::metadata(path).map_or(0, |m| m.len()),
+        LayoutSource::Tar(_) => 0,
     };
+    watch.phase(Phase::Reading, "reading and hashing the layout", total);
+    let mut stager = Stager::new(store, limits, resolve, watch)?;
     match source {
-        LayoutSource::Dir(dir) => {
-            for name in ["oci-layout", "index.json"] {
-                if let Ok(mut f) = std::fs::File::open(dir.join(name)) {
-                    take(Path::new(name), &mut f)?;
-                }
-            }
-            let folder = dir.join("blobs/sha256");
-            if folder.is_dir() {
-                for entry in std::fs::read_dir(&folder)? {
-                    let entry = entry?;
-                    if entry.file_type()?.is_file() {
-                        let relative = Path::new("blobs/sha256").join(entry.file_name());
-                        take(&relative, &mut std::fs::File::open(entry.path())?)?;
-                    }
-                }
-            }
-        }
-        LayoutSource::Tar(reader) => {
-            let mut archive = tar::Archive::new(reader);
-            for entry in archive.entries()? {
-                let mut entry = entry?;
-                if entry.header().entry_type().is_file() {
-                    let path = entry.path()?.into_owned();
-                    take(&path, &mut entry)?;
-                }
-            }
-        }
+        LayoutSource::Dir(dir) => reader::read_dir(&dir, limits, &mut stager)?,
+        LayoutSource::Archive(path) => reader::read_archive(&path, limits, &mut stager)?,
+        LayoutSource::Tar(tar) => reader::read_tar(tar, limits, &mut stager)?,
     }
-    if !layout_file {
-        return Err(ImportError::NotALayout("no oci-layout file".into()));
-    }
-    let index = index.ok_or_else(|| ImportError::NotALayout("no index.json".into()))?;
-    Ok(Staged { index, blobs })
+    stager.finish()
 }
 
-fn copy_hashing(store: &Store, reader: &mut dyn Read) -> Result<(NamedTempFile, Digest, u64), ImportError> {
-    use std::io::Write;
-    let mut temp = store.create_temp()?;
-    let mut hasher = Hasher::default();
-    let mut buf = vec![0; 256 << 10];
-    let mut size = 0u64;
-    loop {
-        let n = reader.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-        temp.write_all(&buf[..n])?;
-        size += n as u64;
-    }
-    Ok((temp, hasher.finish(), size))
+/// `1 image`, `2 images`.
+fn plural(n: usize, one: &str) -> String {
+    if n == 1 { format!("{n} {one}") } else { format!("{n} {one}s") }
 }
 
-/// One image's content, walked from its top manifest.
-struct Walked {
-    /// Children first, the top manifest last.
-    manifests: Vec<FetchedManifest>,
-    blobs: Vec<Digest>,
-    missing_platforms: usize,
+/// The bytes of a layout folder's blob files (for progress; 0 if unknown).
+fn blob_bytes(dir: &std::path::Path) -> u64 {
+    let Ok(listing) = std::fs::read_dir(dir.join("blobs/sha256")) else { return 0 };
+    listing.filter_map(|e| e.ok()?.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum()
 }
 
-impl Staged {
-    fn manifest(&self, digest: &Digest, media_type: Option<MediaType>) -> Result<FetchedManifest, ImportError> {
-        let (temp, size) = self
-            .blobs
-            .get(digest)
-            .ok_or_else(|| ImportError::Incomplete(format!("the layout lacks manifest {digest}")))?;
-        if *size > MAX_MANIFEST_SIZE as u64 {
-            return Err(ImportError::Incomplete(format!("manifest {digest} is {size} bytes, over the limit")));
-        }
-        let bytes = Bytes::from(std::fs::read(temp.path())?);
-        let (media_type, refs) = inspect_manifest(&bytes, media_type)
-            .map_err(|e| ImportError::Incomplete(format!("manifest {digest}: {e}")))?;
-        Ok(FetchedManifest { bytes, media_type, digest: *digest, refs, warnings: None })
-    }
+/// Holds an import's blob digests against removals until dropped (see
+/// [`crate::cache::fill::Fills::begin_import`]).
+struct Reserved {
+    cache: Arc<Cache>,
+    digests: Vec<Digest>,
+}
 
-    /// Reads `image`'s manifests and checks that every blob they name is
-    /// staged or in `cached`.
-    fn walk(&self, image: &LayoutImage, cached: &dyn Fn(&Digest) -> bool) -> Result<Walked, ImportError> {
-        let top = self.manifest(&image.digest, Some(image.media_type))?;
-        let mut walked = Walked { manifests: Vec::new(), blobs: top.refs.blobs.clone(), missing_platforms: 0 };
-        for child in &top.refs.manifests {
-            if !self.blobs.contains_key(child) {
-                walked.missing_platforms += 1;
-                continue;
-            }
-            let m = self.manifest(child, None)?;
-            if !m.refs.manifests.is_empty() {
-                return Err(ImportError::Incomplete(format!("{child}: an index inside an index")));
-            }
-            walked.blobs.extend(m.refs.blobs.iter().copied());
-            walked.manifests.push(m);
-        }
-        if walked.manifests.is_empty() && !top.refs.manifests.is_empty() {
-            return Err(ImportError::Incomplete(format!("{}: none of its platforms is in the layout", image.digest)));
-        }
-        walked.manifests.push(top);
-        walked.blobs.sort();
-        walked.blobs.dedup();
-        if let Some(missing) = walked.blobs.iter().find(|d| !self.blobs.contains_key(d) && !cached(d)) {
-            return Err(ImportError::Incomplete(format!("the layout lacks blob {missing}; nothing imported")));
-        }
-        Ok(walked)
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        self.cache.fills.end_import(&self.digests);
     }
 }
 
 impl Cache {
-    /// Stages a layout (see [`stage`]) in this cache's temp folder.
-    pub async fn stage_layout(&self, source: LayoutSource) -> Result<Staged, Error> {
+    /// Imports a layout: staged, planned, checked (the membership rule for
+    /// what it lacks), then committed all at once by a task that finishes
+    /// even if the caller goes away. Refused as a whole, nothing
+    /// committed, if anything fails before the commit.
+    pub async fn import_layout(
+        self: &Arc<Self>,
+        source: LayoutSource,
+        resolve: Resolve,
+        watch: Box<dyn ImportWatch>,
+    ) -> Result<Imported, Error> {
+        let mut watch = watch;
+        let queue = Arc::clone(&self.imports);
+        let permit = match Arc::clone(&queue).try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                watch.phase(Phase::Queued, "waiting for another import to end", 0);
+                queue.acquire_owned().await.map_err(|_| Error::Internal("the import queue closed".into()))?
+            }
+        };
+        let limits = ImportLimits::of(&self.config);
         let store = self.store.clone();
-        blocking(move || Ok(stage(&store, source)?)).await
+        let (staged, plan, mut watch) = blocking(move || {
+            let mut watch = watch;
+            let staged = stage(&store, source, &limits, resolve, &mut *watch)?;
+            watch.phase(Phase::Checking, &format!("checking {}", plural(staged.targets.len(), "image")), 0);
+            let targets: Vec<PlanTarget<'_>> = staged
+                .targets
+                .iter()
+                .map(|t| PlanTarget {
+                    upstream: t.upstream.name(),
+                    repo: &t.repo,
+                    tag: t.tag.as_ref(),
+                    image: &t.image,
+                })
+                .collect();
+            let plan = plan::plan(&targets, &|d| staged.size(d), &mut |d| staged.manifest_bytes(d), &limits)?;
+            drop(targets);
+            Ok((staged, plan, watch))
+        })
+        .await?;
+        if !plan.absent.is_empty() {
+            let what = format!("confirming {} the layout lacks with upstream", plural(plan.absent.len(), "blob"));
+            watch.phase(Phase::Confirming, &what, 0);
+            self.confirm_absent(&staged.targets, &plan.absent).await?;
+        }
+        let cache = Arc::clone(self);
+        tokio::spawn(async move {
+            let _permit = permit;
+            cache.commit_import(staged, plan, watch).await
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("the import's commit failed: {e}")))?
     }
 
-    /// Imports the staged layout's images as `targets` say: refused as a
-    /// whole (nothing committed) if any image is incomplete.
-    pub async fn import(&self, mut staged: Staged, targets: &[ImportTarget]) -> Result<Imported, Error> {
-        // Every image is checked before anything is committed; a blob the
-        // layout lacks may already be cached (an image sharing base layers).
-        let mut walks = Vec::new();
-        for target in targets {
-            let absent: Vec<Digest> = staged
-                .walk(&target.image, &|_| true)?
-                .blobs
-                .into_iter()
-                .filter(|d| !staged.blobs.contains_key(d))
-                .collect();
-            let index = Arc::clone(&self.index);
-            let cached: Vec<Digest> = blocking(move || {
-                let sizes = index.blob_sizes(&absent)?;
-                Ok(absent.into_iter().zip(sizes).filter_map(|(d, s)| s.map(|_| d)).collect())
-            })
-            .await?;
-            walks.push(staged.walk(&target.image, &|d| cached.contains(d))?);
+    /// The membership rule for each blob an image names and the layout
+    /// lacks: the image's repository has it already, or upstream (or the
+    /// digest's owner in a cluster) confirms it has it; otherwise the
+    /// import is refused, naming the blob.
+    async fn confirm_absent(&self, targets: &[ImportTarget], absent: &[AbsentBlob]) -> Result<(), Error> {
+        for chunk in absent.chunks(CONFIRMATIONS_AT_ONCE) {
+            let mut checks = Vec::with_capacity(chunk.len());
+            for a in chunk {
+                let t = &targets[a.target];
+                checks.push(self.confirm_member(&t.upstream, &t.repo, &a.digest, Content::Blob, Via::Client));
+            }
+            let answers = futures_util::future::join_all(checks).await;
+            for (a, confirmed) in chunk.iter().zip(answers) {
+                let t = &targets[a.target];
+                let (upstream, repo, digest) = (t.upstream.name(), &t.repo, &a.digest);
+                let why = match confirmed {
+                    Ok(Some(size)) if a.declared.is_some_and(|d| d != size) => format!(
+                        "upstream {upstream} has it in {repo} at {size} bytes where the manifest declares {}",
+                        a.declared.unwrap_or_default()
+                    ),
+                    Ok(_) => continue,
+                    Err(Error::BlobUnknown(_)) => format!("upstream {upstream} says {repo} does not have it"),
+                    Err(e) => format!("upstream {upstream} could not confirm {repo} has it: {e}"),
+                };
+                return Err(ImportError::Incomplete(format!(
+                    "the layout lacks blob {digest}, which {upstream}/{repo} does not hold here, and {why}; nothing \
+                     imported"
+                ))
+                .into());
+            }
         }
+        Ok(())
+    }
 
-        let mut imported = Imported { images: targets.len(), ..Imported::default() };
+    /// Commits a planned import: its blob files into place, then every
+    /// row in one transaction; then what memory and the shared tier learn.
+    async fn commit_import(
+        self: Arc<Self>,
+        staged: Staged,
+        plan: Plan,
+        mut watch: Box<dyn ImportWatch>,
+    ) -> Result<Imported, Error> {
+        let what =
+            format!("committing {} and {}", plural(plan.blobs.len(), "blob"), plural(plan.manifests.len(), "manifest"));
+        watch.phase(Phase::Committing, &what, 0);
+        let digests: Vec<Digest> = plan.blobs.iter().map(|b| b.digest).collect();
+        let reserved = loop {
+            match self.fills.begin_import(&digests) {
+                None => break Reserved { cache: Arc::clone(&self), digests },
+                Some(removal) => removal_finished(removal).await,
+            }
+        };
         let now = SystemTime::now();
-        for (target, walked) in targets.iter().zip(&walks) {
-            imported.missing_platforms += walked.missing_platforms;
-            for digest in &walked.blobs {
-                let member = member_key(&target.upstream, &target.repo, digest);
-                self.memory.insert_member(member.clone());
-                let taken = staged.blobs.remove(digest);
-                let (store, index) = (self.store.clone(), Arc::clone(&self.index));
-                let digest = *digest;
-                let size = taken.as_ref().map(|(_, size)| *size);
-                let new = blocking(move || match taken {
-                    Some((temp, size)) => {
-                        store.commit(temp, &digest)?;
-                        Ok(index.insert_blob(&digest, size, &member, unix_ms(now))?)
-                    }
-                    None => {
-                        index.add_members(&[member], unix_ms(now))?;
-                        Ok(false)
-                    }
-                })
-                .await?;
-                if let Some(size) = size {
-                    if new {
-                        self.evictor.added(size);
-                    }
-                    imported.blobs += 1;
-                    imported.bytes += size;
-                    self.share_blob(digest).await;
+        let (store, index) = (self.store.clone(), Arc::clone(&self.index));
+        let (staged, plan, committed) = blocking(move || {
+            let manifests: Vec<(Digest, MediaType, &str)> =
+                plan.manifests.iter().map(|m| (m.digest, m.media_type, m.upstream.as_str())).collect();
+            let types: Vec<(Digest, MediaType)> = manifests.iter().map(|m| (m.0, m.1)).collect();
+            if let Some(conflict) = index.import_conflict(&types)? {
+                return Err(ImportError::Conflict(conflict).into());
+            }
+            let files: Vec<(PathBuf, Digest)> = plan.blobs.iter().map(|b| (staged.path(&b.digest), b.digest)).collect();
+            store.commit_staged(&files)?;
+            let blobs: Vec<(Digest, u64, &str)> =
+                plan.blobs.iter().map(|b| (b.digest, b.size, b.upstream.as_str())).collect();
+            let rows = ImportRows {
+                blobs: &blobs,
+                manifests: &manifests,
+                members: &plan.members,
+                tags: &plan.tags,
+                now_ms: unix_ms(now),
+            };
+            // A manifest that is a blob of an image too was renamed already.
+            let mut read = |d: &Digest| match staged.manifest_bytes(d) {
+                Ok(bytes) => Ok(bytes),
+                Err(_) => std::fs::read(store.blob_path(d)).map_err(|e| e.to_string()),
+            };
+            let committed = index.commit_import(&rows, &mut read).map_err(ImportError::Conflict)?;
+            drop((blobs, manifests));
+            Ok((staged, plan, committed))
+        })
+        .await?;
+        drop(reserved);
+
+        for key in &plan.members {
+            self.memory.insert_member(key.clone());
+        }
+        for (key, digest) in &plan.tags {
+            self.memory.insert_tag(key.clone(), TagEntry { digest: *digest, confirmed: now });
+        }
+        for a in &plan.absent {
+            let t = &staged.targets[a.target];
+            if let Some(size) = a.declared {
+                self.memory.insert_declared_size(member_key(t.upstream.name(), &t.repo, &a.digest), size);
+            }
+        }
+        if committed.new_bytes > 0 {
+            self.evictor.added(committed.new_bytes);
+        }
+        if self.shared.is_some() {
+            for digest in &committed.new_blobs {
+                self.share_blob(*digest).await;
+            }
+            for digest in &committed.new_manifests {
+                let Some(m) = plan.manifests.iter().find(|m| m.digest == *digest) else { continue };
+                let Ok(bytes) = staged.manifest_bytes(digest) else { continue };
+                if let Ok((media_type, refs)) = inspect_manifest(&bytes, Some(m.media_type)) {
+                    let fetched = FetchedManifest {
+                        bytes: Bytes::from(bytes),
+                        media_type,
+                        digest: *digest,
+                        refs,
+                        warnings: None,
+                    };
+                    self.share_manifest(&fetched).await;
                 }
             }
-            for (i, m) in walked.manifests.iter().enumerate() {
-                let top = i + 1 == walked.manifests.len();
-                let tag = target.tag.as_ref().filter(|_| top).map(|t| tag_key(&target.upstream, &target.repo, t));
-                self.share_manifest(m).await;
-                self.store_manifest(m.clone(), &target.upstream, &target.repo, tag, now).await?;
-                imported.manifests += 1;
-            }
         }
+        let imported = Imported {
+            images: staged.targets.len(),
+            manifests: plan.manifests.len(),
+            blobs: plan.blobs.len(),
+            bytes: plan.blobs.iter().map(|b| b.size).sum(),
+            confirmed: plan.absent.len(),
+            missing_platforms: plan.missing_platforms,
+            destinations: plan.destinations,
+        };
         Ok(imported)
     }
 }

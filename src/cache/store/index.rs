@@ -25,10 +25,12 @@ use redb::{Database, ReadableDatabase, ReadableTable, Table, TableDefinition, Wr
 use crate::oci::{Digest, MediaType};
 
 mod declared;
+mod import;
 mod migrate;
 mod quota;
 mod warm;
 
+pub use import::{ImportCommitError, ImportCommitted, ImportRows};
 pub use quota::Charged;
 pub use warm::WarmRow;
 

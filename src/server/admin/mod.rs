@@ -30,6 +30,7 @@ use hyper::body::Incoming;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
+use super::watchdog::Activity;
 use super::{TLS_HANDSHAKE_TIMEOUT, listener};
 use crate::body::{self, Body};
 use crate::error::Error;
@@ -72,18 +73,18 @@ pub async fn serve(
     listener::accept_loop(&listener, MAX_ADMIN_CONNECTIONS, &mut shutdown, "admin", |stream, peer| {
         let (admin, builder, tls) = (Arc::clone(&admin), Arc::clone(&builder), tls.clone());
         async move {
-            let handler = move |req| {
-                let admin = Arc::clone(&admin);
-                async move { admin.handle(req).await }
+            let handler = move |req, activity: &Arc<Activity>| {
+                let (admin, activity) = (Arc::clone(&admin), Arc::clone(activity));
+                async move { admin.handle(req, activity).await }
             };
             let served = match tls {
-                None => listener::serve_watched(&builder, stream, None, handler).await,
+                None => listener::serve_watched_with(&builder, stream, None, handler).await,
                 // Boxed, as on the registry listener: rustls' state would
                 // otherwise size every admin connection's task.
                 Some(acceptor) => {
                     Box::pin(async move {
                         match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                            Ok(Ok(stream)) => listener::serve_watched(&builder, stream, None, handler).await,
+                            Ok(Ok(stream)) => listener::serve_watched_with(&builder, stream, None, handler).await,
                             Ok(Err(e)) => Err(e.into()),
                             Err(_) => Err("TLS handshake timed out".into()),
                         }
@@ -184,7 +185,7 @@ fn endpoint_label(path: &str) -> &'static str {
 }
 
 impl Admin {
-    async fn handle(&self, req: Request<Incoming>) -> Response<Body> {
+    async fn handle(&self, req: Request<Incoming>, activity: Arc<Activity>) -> Response<Body> {
         let (parts, body) = req.into_parts();
         let head = parts.method == Method::HEAD;
         let mut resp = if parts.method == Method::GET || head {
@@ -212,7 +213,7 @@ impl Admin {
                         }
                         "/purge" => operations::purge(&self.app, &params).await,
                         "/export" => seed::export(&self.app, &params).await,
-                        "/import" => seed::import(&self.app, &params, body).await,
+                        "/import" => seed::import(&self.app, &params, &parts.headers, activity, body).await,
                         path if READ_ONLY.contains(&path) => return method_not_allowed("GET, HEAD"),
                         _ => Err(Error::NotFound),
                     }

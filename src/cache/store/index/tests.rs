@@ -429,3 +429,37 @@ fn an_index_from_before_declared_sizes_gets_them_from_its_manifests() {
     let index = Index::open(&path).unwrap();
     assert_eq!(index.declared_size(&member("hub", "r", &layer)).unwrap(), Some(99));
 }
+
+#[test]
+fn an_imported_manifest_declares_its_sizes_for_its_repository_and_a_refused_import_writes_nothing() {
+    let (_dir, index) = index();
+    let layer = Digest::of(b"layer");
+    let bytes = manifest_declaring(&layer, 4321);
+    let m = Digest::of(&bytes);
+    let members = [member("hub", "team/app", &m), member("hub", "team/app", &layer)];
+    let rows = import::ImportRows {
+        blobs: &[(layer, 4321, "hub")],
+        manifests: &[(m, MediaType::OciManifest, "hub")],
+        members: &members,
+        tags: &[],
+        now_ms: 1,
+    };
+    index.commit_import(&rows, &mut |_| Ok(bytes.clone())).unwrap();
+    assert_eq!(index.declared_size(&member("hub", "team/app", &layer)).unwrap(), Some(4321));
+    assert_eq!(index.declared_size(&member("hub", "other", &layer)).unwrap(), None, "not another repository's");
+    // The same manifest declared as an index is refused whole: no membership, no declared size.
+    let elsewhere = [member("hub", "team/b", &m)];
+    let refused = import::ImportRows {
+        blobs: &[],
+        manifests: &[(m, MediaType::OciIndex, "hub")],
+        members: &elsewhere,
+        tags: &[],
+        now_ms: 2,
+    };
+    assert!(index.commit_import(&refused, &mut |_| Ok(bytes.clone())).is_err());
+    assert!(!index.is_member(&elsewhere[0]).unwrap());
+    assert_eq!(index.declared_size(&member("hub", "team/b", &layer)).unwrap(), None);
+
+    index.purge("hub\0team/app\0").unwrap();
+    assert_eq!(index.declared_size(&member("hub", "team/app", &layer)).unwrap(), None, "purged with it");
+}
