@@ -65,7 +65,7 @@ fn main() {
         let (a, b) = per_op(n, || {
             rt.block_on(async {
                 let (resp, _) =
-                    handlers::manifest(&app, &route, &reference, &Method::GET, &headers).await.expect("hit");
+                    handlers::manifest(&app, &route, &reference, (&Method::GET, &headers), None).await.expect("hit");
                 resp.into_body().collect().await.expect("body").to_bytes()
             });
         });

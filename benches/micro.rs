@@ -167,11 +167,11 @@ fn memory_tier_hit(c: &mut Criterion) {
         let (route, reference) = support::manifest_route(&app, &path);
         let headers = HeaderMap::new();
         // Warm: the first request fetches from the one-manifest upstream.
-        rt.block_on(handlers::manifest(&app, &route, &reference, &Method::GET, &headers)).expect("warm");
+        rt.block_on(handlers::manifest(&app, &route, &reference, (&Method::GET, &headers), None)).expect("warm");
         group.bench_function(name, |b| {
             b.to_async(&rt).iter(|| async {
                 let (resp, _) =
-                    handlers::manifest(&app, &route, &reference, &Method::GET, &headers).await.expect("hit");
+                    handlers::manifest(&app, &route, &reference, (&Method::GET, &headers), None).await.expect("hit");
                 resp.into_body().collect().await.expect("body").to_bytes()
             })
         });

@@ -5,7 +5,8 @@
 use std::sync::{LazyLock, OnceLock};
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    CounterVec, Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
 };
 
 pub struct Metrics {
@@ -143,6 +144,13 @@ pub struct Metrics {
     /// `upstream_cache_max_size_bytes{upstream}`: an upstream's own
     /// `max_size`, for those that have one.
     pub upstream_cache_max_size: IntGaugeVec,
+    /// `upstream_max_bandwidth_bytes{upstream}`: an upstream's
+    /// `max_bandwidth` in bytes per second (0: unlimited).
+    pub upstream_max_bandwidth: IntGaugeVec,
+    /// `upstream_bandwidth_wait_seconds_total{upstream,class}`: time fills
+    /// spent waiting for their share of an upstream's bandwidth, by whom
+    /// they ran for (`client`, `ahead`, `warm`).
+    pub upstream_bandwidth_wait: CounterVec,
     /// `cache_pinned_bytes`: bytes of pinned content (warm images) cached.
     pub cache_pinned_bytes: IntGauge,
     /// `cache_pinned_over_limit`: 1 while pinned content alone is above the
@@ -352,6 +360,23 @@ fn build() -> Result<Metrics, prometheus::Error> {
             "An upstream's own max_size: its content is evicted, least recently used first, to stay under it",
             &["upstream"],
         )?,
+        upstream_max_bandwidth: gauge_vec(
+            "upstream_max_bandwidth_bytes",
+            "An upstream's max_bandwidth in bytes per second for all its fills together (0: unlimited)",
+            &["upstream"],
+        )?,
+        upstream_bandwidth_wait: {
+            let c = CounterVec::new(
+                Opts::new(
+                    "upstream_bandwidth_wait_seconds_total",
+                    "Seconds fills waited for their share of an upstream's bandwidth, by whom they ran for (client, \
+                     ahead, warm)",
+                ),
+                &["upstream", "class"],
+            )?;
+            registry.register(Box::new(c.clone()))?;
+            c
+        },
         cache_pinned_bytes: gauge("cache_pinned_bytes", "Bytes of pinned content (warm images) in the cache")?,
         cache_pinned_over_limit: gauge(
             "cache_pinned_over_limit",

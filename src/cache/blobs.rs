@@ -154,7 +154,9 @@ impl Cache {
                             if self.memory.claim_fetched_ahead(&digest) { CacheResult::Miss } else { CacheResult::Hit };
                         return Ok((BlobSource::Committed { file, size }, result));
                     }
-                    let priority = Priority::client();
+                    // The warm loop's downloads yield bandwidth until a client joins.
+                    let priority =
+                        if crate::background::active() { Priority::background() } else { Priority::client() };
                     let attach = self.fills.join_or_start(
                         digest,
                         (&owner, &priority),
@@ -215,9 +217,22 @@ impl Cache {
         };
         metrics().fills.with_label_values(&[reason]).inc();
         metrics().fills_in_flight.inc();
+        // Counted among its upstream's fills (whom those ahead yield to)
+        // until its task ends, however it ends.
+        let registered = upstream.bandwidth().register(&priority);
+        // Its bytes count toward eviction from now on: the size its
+        // manifest declared, then the size its source declared.
+        let declared = self.memory.declared_size(&member_key(upstream.name(), &repo, &digest));
+        let mut in_flight = self.evictor.in_flight(upstream.name(), declared.unwrap_or(0));
+        let progress = tx.subscribe();
         // A fill the warm loop starts stays background work (clients first).
         tokio::spawn(crate::background::inherit(async move {
-            match cache.fill(&upstream, &repo, digest, via, &priority, &tx).await {
+            let filled = tokio::select! {
+                filled = cache.fill(&upstream, &repo, digest, via, &priority, &tx) => filled,
+                never = count_in_flight(progress, &mut in_flight) => match never {},
+            };
+            drop(in_flight);
+            match filled {
                 Ok((file, size)) => {
                     if priority.is_ahead() {
                         cache.memory.insert_fetched_ahead(digest);
@@ -240,6 +255,7 @@ impl Cache {
                 }
             }
             metrics().fills_in_flight.dec();
+            drop(registered);
         }));
     }
 
@@ -248,5 +264,28 @@ impl Cache {
     /// Bounds an upstream that streams without `Content-Length`.
     pub(super) fn fill_limit(&self, upstream: &str, repo: &RepoName, digest: &Digest) -> u64 {
         self.memory.declared_size(&member_key(upstream, repo, digest)).unwrap_or(self.config.max_blob_size)
+    }
+}
+
+/// Keeps a fill's bytes in flight at the size its source declared, until
+/// the blob is verified (its commit then counts it as usage) or the fill
+/// fails. Never returns: it runs beside the fill.
+async fn count_in_flight(
+    mut progress: watch::Receiver<Progress>,
+    in_flight: &mut upkeep::evict::InFlight,
+) -> std::convert::Infallible {
+    loop {
+        match &*progress.borrow_and_update() {
+            Progress::Connecting => {}
+            Progress::Streaming { size, .. } => {
+                if let Some(size) = size {
+                    in_flight.set(*size);
+                }
+            }
+            Progress::Verified { .. } | Progress::Complete { .. } | Progress::Failed(_) => in_flight.set(0),
+        }
+        if progress.changed().await.is_err() {
+            return std::future::pending().await;
+        }
     }
 }

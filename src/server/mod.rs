@@ -151,7 +151,8 @@ async fn handle_request(
     peer: std::net::IpAddr,
 ) -> Response<Body> {
     let started = Instant::now();
-    let (parts, _body) = req.into_parts();
+    let (mut parts, _body) = req.into_parts();
+    parts.extensions.insert(handlers::ClientAddr(peer));
     let head = parts.method == http::Method::HEAD;
     let user = match &app.auth {
         Some(auth) => auth.check(&parts.headers, peer).await.map(Some),

@@ -10,6 +10,7 @@
 
 mod auth;
 mod backoff;
+pub mod bandwidth;
 mod challenge;
 mod client;
 mod credentials;
@@ -68,6 +69,8 @@ pub struct Upstream {
     /// The permits of background work (the warm loop), apart from
     /// clients' (see [`crate::background`]).
     background_permits: priority::Permits,
+    /// The bandwidth its fills share (`max_bandwidth`; clients first).
+    bandwidth: Arc<bandwidth::Bandwidth>,
     /// Last error, last success and rate-limit headroom, for operators.
     pub health: health::Health,
     /// `url` and the fallbacks of `urls`, in order: the upstream's own origins.
@@ -204,6 +207,7 @@ impl Upstream {
                 tracing::warn!(upstream = config.name, program, "credential helper not found on PATH");
             }
         }
+        let bandwidth = Arc::new(bandwidth::Bandwidth::new(&config.name, config.max_bandwidth));
         Ok(Upstream {
             demoted: Mutex::new(vec![None; origins.len()]),
             origins,
@@ -214,12 +218,18 @@ impl Upstream {
             auth,
             permits,
             background_permits: priority::Permits::new(crate::background::CONCURRENCY),
+            bandwidth,
             health: health::Health::default(),
         })
     }
 
     pub fn name(&self) -> &str {
         &self.config.name
+    }
+
+    /// The bandwidth this upstream's fills share.
+    pub fn bandwidth(&self) -> &Arc<bandwidth::Bandwidth> {
+        &self.bandwidth
     }
 
     pub fn body_idle_timeout(&self) -> std::time::Duration {

@@ -1,20 +1,34 @@
-//! Fills ahead of the client: serving an image manifest starts the fills
-//! of the blobs it names that are neither cached nor being filled, so
-//! that a client fetching them one at a time (skopeo does) finds each one
-//! already in flight, or done, when it asks.
+//! Fills ahead of the client follow a pull, not a look. When a client
+//! first asks for one of an image's **layers**, the fills of that image's
+//! other layers that are neither cached nor being filled start, so that a
+//! client fetching them one at a time (skopeo does) finds each one in
+//! flight, or done, when it asks.
 //!
-//! They are fills like any other (one per digest, the same sources,
-//! verified and committed the same way, joined by the client when it
-//! asks), counted `reason="ahead"`. A manifest's blobs go in its order
-//! (config, then layers), at most `fill_connections` of them at once, so
-//! that on a link whose total bandwidth is what limits the blob the
-//! client asks for next comes first. Their upstream requests take at most
-//! half the upstream's connections and never keep a request a client
-//! waits on from starting (`crate::upstream::priority`); a client joining
-//! one promotes it. A client that never asks for them costs at most the
-//! bytes of the image whose manifest it fetched, once.
+//! - A manifest alone starts nothing. Renovate, Flux image automation,
+//!   `skopeo inspect`, `crane manifest` and `docker manifest inspect` read
+//!   manifests (and sometimes the config) of images they never pull; a
+//!   download per look would cost every image they look at.
+//! - Which image: the one **this client** resolved ([`Resolved`]): a GET
+//!   of an image manifest of the same repository from the same address in
+//!   the last [`RESOLVED_TTL`]. Another client's look at another tag
+//!   sharing the layer starts nothing for this one.
+//! - Never when the image's declared layers do not fit under the cache's
+//!   low watermark (or the upstream's own `max_size`'s): its layers would
+//!   evict each other, and the client's own requests would fetch them again.
+//! - They are fills like any other (one per digest, the same sources,
+//!   verified and committed the same way, joined by the client when it
+//!   asks), counted `reason="ahead"`, in the manifest's order, at most
+//!   `fill_connections` at once. They yield to clients' fills: connections
+//!   (at most half of `max_concurrency`, never one a client request is
+//!   queued for: `crate::upstream::priority`) and bandwidth (what clients
+//!   leave of `max_bandwidth`, or without one, one fill ahead at a time
+//!   while any client fill of the upstream runs: `crate::upstream::bandwidth`).
+//!   A client joining one promotes it.
 
+use std::net::IpAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use futures_util::StreamExt;
 
@@ -22,24 +36,97 @@ use crate::cache::*;
 use crate::oci::{MediaType, inspect_manifest};
 use crate::upstream::Priority;
 
+/// How long a client's resolution of an image manifest is remembered: a
+/// pull asks for its layers within moments of its manifest.
+pub const RESOLVED_TTL: Duration = Duration::from_secs(600);
+/// Most (client, repository, layer) resolutions remembered at once; past
+/// it the least recently used are forgotten (a pull that old gets no
+/// fills ahead, only its own fills).
+pub const MAX_RESOLVED_LAYERS: u64 = 65_536;
+
+/// An image manifest a client resolved: its layers, and whether a request
+/// for one of them started their fills ahead.
+struct Image {
+    manifest: Digest,
+    layers: Vec<(Digest, Option<u64>)>,
+    started: AtomicBool,
+}
+
+/// Which client resolved which image manifest, by its layers: the image a
+/// layer request belongs to.
+pub struct Resolved {
+    /// (client address, "upstream\0repo", layer) → the image most recently
+    /// resolved by that client in that repository that has the layer.
+    layers: moka::sync::Cache<(IpAddr, String, Digest), Arc<Image>>,
+}
+
+impl Default for Resolved {
+    fn default() -> Self {
+        Resolved {
+            layers: moka::sync::Cache::builder()
+                .max_capacity(MAX_RESOLVED_LAYERS)
+                .time_to_live(RESOLVED_TTL)
+                .build(),
+        }
+    }
+}
+
 impl Cache {
-    /// Starts the fills ahead for `manifest`, just served to a client of
-    /// `repo`, in the background. An index names no blobs: the platform
-    /// manifest the client picks from it starts them when it is served.
-    pub fn fill_ahead(self: &Arc<Self>, upstream: &Arc<Upstream>, repo: &RepoName, manifest: &StoredManifest) {
+    /// A client at `client` was served `manifest` of `repo` (a GET): if it
+    /// is an image manifest, its layers are remembered for the fills ahead
+    /// that a request for one of them starts. Starts nothing itself.
+    pub fn resolved(&self, upstream: &Upstream, repo: &RepoName, client: IpAddr, manifest: &StoredManifest) {
         if !upstream.config.fill_ahead
             || !matches!(manifest.media_type, MediaType::OciManifest | MediaType::DockerManifest)
         {
             return;
         }
         let Ok((_, refs)) = inspect_manifest(&manifest.bytes, Some(manifest.media_type)) else { return };
+        let image = Arc::new(Image {
+            manifest: manifest.digest,
+            layers: refs.layers().collect(),
+            started: AtomicBool::new(false),
+        });
+        let owner = format!("{}\0{repo}", upstream.name());
+        for (layer, _) in &image.layers {
+            self.resolved.layers.insert((client, owner.clone(), *layer), Arc::clone(&image));
+        }
+    }
+
+    /// A client at `client` asked for blob `digest` of `repo`: if it is a
+    /// layer of an image manifest that client resolved, and the first of
+    /// that image's layers it asked for, the fills of the image's other
+    /// layers start in the background (see the module's rules).
+    pub fn layer_requested(self: &Arc<Self>, upstream: &Arc<Upstream>, repo: &RepoName, client: IpAddr, digest: Digest) {
+        let owner = format!("{}\0{repo}", upstream.name());
+        let Some(image) = self.resolved.layers.get(&(client, owner, digest)) else { return };
+        if image.started.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let declared: u64 = image.layers.iter().filter_map(|(_, size)| *size).sum();
+        let room = match self.evictor.quota(upstream.name()) {
+            Some(quota) => quota.low.min(self.evictor.limits().low),
+            None => self.evictor.limits().low,
+        };
+        if declared > room {
+            tracing::info!(
+                upstream = upstream.name(),
+                %repo,
+                manifest = %image.manifest,
+                declared,
+                room,
+                "no fills ahead: the image's layers do not fit under the low watermark"
+            );
+            return;
+        }
         let (cache, upstream, repo) = (Arc::clone(self), Arc::clone(upstream), repo.clone());
         tokio::spawn(async move {
             let at_once = upstream.config.fill_connections.get();
-            futures_util::stream::iter(refs.blobs)
-                .for_each_concurrent(at_once, |digest| {
+            let layers = image.layers.iter().map(|(layer, _)| *layer).filter(|layer| *layer != digest);
+            futures_util::stream::iter(layers)
+                .for_each_concurrent(at_once, |layer| {
                     let (cache, upstream, repo) = (&cache, &upstream, &repo);
-                    async move { cache.fill_one_ahead(upstream, repo, digest).await }
+                    async move { cache.fill_one_ahead(upstream, repo, layer).await }
                 })
                 .await;
         });
@@ -57,8 +144,15 @@ impl Cache {
             // disk cannot tell now: the client's request will.
             Ok(Some(_)) | Err(_) => return,
         }
-        let owner = format!("{}\0{repo}", upstream.name());
+        // While a client fill of the upstream runs, a fill ahead opens no
+        // connection before it may read (without `max_bandwidth`: one at a time).
         let priority = Priority::ahead();
+        let _waiting = upstream.bandwidth().register(&priority);
+        upstream.bandwidth().may_start(&priority).await;
+        if self.fills.get(&digest).is_some() {
+            return;
+        }
+        let owner = format!("{}\0{repo}", upstream.name());
         let attach = self.fills.join_or_start(
             digest,
             (&owner, &priority),

@@ -34,6 +34,7 @@ use crate::oci::Digest;
 use crate::sendfile::{self, FileSink};
 use crate::upstream::Priority;
 
+pub use ahead::Resolved;
 pub use copy::{Bounds, Cause, Interrupted, WRITE_CHUNK, Writer, copy_body};
 pub use progress::{Extents, Progress, UNVOUCHED};
 

@@ -307,7 +307,8 @@ impl PartsJob<'_> {
             },
         };
         let sink = PartWriter { file: Arc::clone(&self.file), at: start, extents: Arc::clone(extents) };
-        let bounds = Bounds { declared: Some(end), limit: end, idle: self.idle };
+        let pace = Some(self.upstream.bandwidth().pace(self.priority));
+        let bounds = Bounds { declared: Some(end), limit: end, idle: self.idle, pace };
         let (upstream_bytes, part_bytes) =
             (metrics().upstream_bytes.with_label_values(&[name]), metrics().fill_part_bytes.with_label_values(&[name]));
         let copied = copy_body(body, sink, 0, bounds, self.tx, &[upstream_bytes, part_bytes]).await;
