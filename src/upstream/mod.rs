@@ -60,6 +60,9 @@ pub const FAILOVER_PAUSE: Duration = Duration::from_secs(30);
 
 pub struct Upstream {
     pub config: UpstreamConfig,
+    /// `config.name`, shared without copying (recorded with each use of
+    /// cached content: the charge of an item follows its users).
+    name: Arc<str>,
     http: HttpClient,
     auth: Auth,
     /// `max_concurrency` permits; one is held while an upstream request is
@@ -209,6 +212,7 @@ impl Upstream {
         }
         let bandwidth = Arc::new(bandwidth::Bandwidth::new(&config.name, config.max_bandwidth));
         Ok(Upstream {
+            name: Arc::from(config.name.as_str()),
             demoted: Mutex::new(vec![None; origins.len()]),
             origins,
             rate_limit: RateLimit::new(&config.name),
@@ -225,6 +229,11 @@ impl Upstream {
 
     pub fn name(&self) -> &str {
         &self.config.name
+    }
+
+    /// The name, shared.
+    pub fn shared_name(&self) -> &Arc<str> {
+        &self.name
     }
 
     /// The bandwidth this upstream's fills share.

@@ -268,11 +268,13 @@ impl Warm {
                 .entries
                 .iter()
                 .filter(|e| e.image.pin)
-                .filter_map(|e| Some((e.row?, &e.image.platforms)))
-                .flat_map(|(row, platforms)| {
-                    std::iter::once(row.digest)
-                        .chain(row.previous)
-                        .map(|digest| PinnedImage { digest, platforms: platforms.clone() })
+                .filter_map(|e| Some((e.row?, &e.image)))
+                .flat_map(|(row, image)| {
+                    std::iter::once(row.digest).chain(row.previous).map(|digest| PinnedImage {
+                        upstream: image.upstream.clone(),
+                        digest,
+                        platforms: image.platforms.clone(),
+                    })
                 })
                 .collect()
         };

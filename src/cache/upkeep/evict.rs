@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 
-use crate::cache::index::{Charged, Kind};
+use crate::cache::index::{Charged, Kind, Use};
 use crate::oci::Digest;
 
 /// Disk budget and the watermarks derived from it.
@@ -49,8 +49,9 @@ pub struct Evictor {
     /// What each upstream is charged, as the index last committed it.
     charged: Arc<Charged>,
     bytes: AtomicU64,
-    /// Access times not yet written to the index: (kind, digest) → unix millis.
-    pending: Mutex<HashMap<(Kind, Digest), u64>>,
+    /// Uses not yet written to the index: (kind, digest) → unix millis
+    /// and the upstream whose request it was (the last one wins).
+    pending: Mutex<HashMap<(Kind, Digest), (u64, Arc<str>)>>,
     disk_full: AtomicBool,
     wake: Notify,
     /// Bytes of fills in flight, in all and per upstream.
@@ -205,14 +206,15 @@ impl Evictor {
         self.wake.notify_one();
     }
 
-    pub fn record_access(&self, kind: Kind, digest: Digest, now_ms: u64) {
-        self.pending.lock().unwrap_or_else(|p| p.into_inner()).insert((kind, digest), now_ms);
+    /// A request for upstream `by` served the item now (see [`Use`]).
+    pub fn record_access(&self, kind: Kind, digest: Digest, by: &Arc<str>, now_ms: u64) {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner()).insert((kind, digest), (now_ms, Arc::clone(by)));
     }
 
-    /// The access times collected since the last call.
-    pub fn take_accesses(&self) -> Vec<(Kind, Digest, u64)> {
+    /// The uses collected since the last call.
+    pub fn take_accesses(&self) -> Vec<Use> {
         let pending = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|p| p.into_inner()));
-        pending.into_iter().map(|((kind, digest), at)| (kind, digest, at)).collect()
+        pending.into_iter().map(|((kind, digest), (at_ms, by))| Use { kind, digest, at_ms, by: Some(by) }).collect()
     }
 
     /// Waits until usage crossed the high watermark or a disk-full report.
