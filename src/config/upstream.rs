@@ -537,6 +537,19 @@ mod tests {
     }
 
     #[test]
+    fn max_bandwidth_is_bytes_per_second_with_or_without_a_per_second_suffix() {
+        assert_eq!(parse(MINIMAL).unwrap().upstreams[0].max_bandwidth, None, "unlimited by default");
+        for value in ["50MiB", "50MiB/s", "52428800"] {
+            let c = parse(&format!("{MINIMAL}max_bandwidth = \"{value}\"\n")).unwrap();
+            assert_eq!(c.upstreams[0].max_bandwidth, Some(50 << 20), "{value}");
+        }
+        for value in ["fast", "1KiB", "0"] {
+            let e = parse(&format!("{MINIMAL}max_bandwidth = \"{value}\"\n")).unwrap_err().to_string();
+            assert!(e.contains("`upstream[0].max_bandwidth`"), "{value}: {e}");
+        }
+    }
+
+    #[test]
     fn duplicate_names_and_defaults_are_refused() {
         let twice = format!("{MINIMAL}{MINIMAL}");
         assert!(parse(&twice).unwrap_err().to_string().contains("used twice"));
