@@ -286,6 +286,12 @@ fn main() -> ExitCode {
             if let Some(error) = &report.error {
                 eprintln!("larder: {}: warning: {error}", report.path);
             }
+            if let Some(line) = report.unterminated_line {
+                eprintln!(
+                    "larder: {}: warning: line {line} does not end with a newline: not read until it does",
+                    report.path
+                );
+            }
         }
         let n = config.upstreams.len();
         println!("{source}: ok ({n} {})", if n == 1 { "upstream" } else { "upstreams" });
