@@ -323,6 +323,42 @@ async fn an_upstream_over_its_own_max_size_evicts_only_its_own_content() {
     assert!(row.contains(" of 2.0 MiB<"), "the status page shows origin.test's usage of its max_size: {row}");
 }
 
+#[tokio::test]
+async fn a_warm_image_whose_layers_came_through_another_repository_pulls_with_the_origin_gone() {
+    // The same image in two repositories: a team's app built on a base
+    // image (the common case of shared base layers).
+    let origin = Origin::start().await;
+    let app = ImageBuilder::oci().layers(&[128 * KIB, 64 * KIB]).push(&origin, "acme/app", "1").await;
+    let copy = [
+        "copy",
+        "--src-tls-verify=false",
+        "--dest-tls-verify=false",
+        &origin.image_ref("acme/app:1"),
+        &origin.image_ref("library/alpine:3.20"),
+    ];
+    skopeo::run(&copy.map(str::to_owned)).await.expect("copy acme/app:1 to library/alpine:3.20 at the origin");
+    let (builder, admin) = Admin::with_token(Larder::builder().upstream(&origin), TOKEN);
+    let mut larder = builder.cache_line(WARM_INTERVAL).start().await;
+    skopeo::pull(&larder.image_ref("acme/app:1"), false).await.expect("pull of acme/app:1");
+    wait_for_commits(&larder).await;
+
+    // Then the base image is kept warm: every byte of it is cached already.
+    larder.edit_config(|toml| format!("{toml}\n[[warm]]\nimage = \"origin.test/library/alpine:3.20\"\n"));
+    larder.restart().await;
+    wait_until("library/alpine:3.20 is ready", || async { metric(&larder, READY).await == 1.0 }).await;
+    let warm = status(&admin).await["warm"]["images"][0].clone();
+    assert_eq!((warm["state"].as_str(), warm["pin"].as_bool()), (Some("ready"), Some(true)), "{warm}");
+
+    // Ready means it pulls with the origin gone.
+    drop(origin);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let pulled = skopeo::pull(&larder.image_ref("library/alpine:3.20"), false)
+        .await
+        .unwrap_or_else(|e| panic!("pull of the warm image with the origin gone: {e}\n{}", larder.log()));
+    assert_eq!(pulled.manifest_digest, app.digest);
+    assert_eq!(pulled.blob_digests(), app.blob_digests());
+}
+
 // ---- helpers ----------------------------------------------------------------
 
 fn all_cached(larder: &Larder, image: &PushedImage) -> bool {

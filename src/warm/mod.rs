@@ -563,7 +563,7 @@ impl Warm {
             Err(e) => return failed(Some(row), None, e),
         };
         if plan.blobs.is_empty() || cached >= total {
-            return Outcome { state: WarmState::Ready, row: Some(row), bytes: Some((total, total)), message: None };
+            return self.confirmed(upstream, image, &plan, row).await;
         }
         let (tx, rx) =
             watch::channel(PrefetchProgress { bytes_total: total, bytes_done: cached, ..Default::default() });
@@ -578,10 +578,26 @@ impl Warm {
         self.publish();
         tracing::info!(image = image.image, bytes = total - cached, "fetching a warm image's blobs");
         match prefetch::fetch_blobs(&self.cache, upstream, &image.repo, &plan, BACKGROUND_CONCURRENCY, &tx).await {
-            Ok(_) => Outcome { state: WarmState::Ready, row: Some(row), bytes: Some((total, total)), message: None },
+            Ok(_) => self.confirmed(upstream, image, &plan, row).await,
             Err(e) => {
                 let done = tx.borrow().bytes_done;
                 failed(Some(row), Some((done, total)), e)
+            }
+        }
+    }
+
+    /// Every manifest and blob of `plan` is cached: ready once each is a
+    /// member of the image's repository (see [`Cache::confirm_image`]), so
+    /// that it pulls with upstream gone; else failed, and checked again at
+    /// the next interval.
+    async fn confirmed(&self, upstream: &Arc<Upstream>, image: &WarmImage, plan: &prefetch::Plan, row: WarmRow) -> Outcome {
+        let total = plan.bytes();
+        let manifests: Vec<Digest> = std::iter::once(plan.top.digest).chain(plan.children.iter().map(|m| m.digest)).collect();
+        match self.cache.confirm_image(upstream, &image.repo, &manifests, &plan.blobs).await {
+            Ok(()) => Outcome { state: WarmState::Ready, row: Some(row), bytes: Some((total, total)), message: None },
+            Err(e) => {
+                let message = format!("cached, but not yet confirmed as content of {}: {e}", image.repo);
+                Outcome { state: WarmState::Failed, row: Some(row), bytes: Some((total, total)), message: Some(message) }
             }
         }
     }
