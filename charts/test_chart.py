@@ -2078,7 +2078,7 @@ def check_warm() -> None:
     ]
     upstreams = [
         {"name": "docker.io", "url": "https://registry-1.docker.io", "default": True, "maxSize": "20Gi"},
-        {"name": "ghcr.io", "url": "https://ghcr.io"},
+        {"name": "ghcr.io", "url": "https://ghcr.io", "maxBandwidth": "50MiB"},
     ]
     r = render(L, {"warm": {"images": images, "interval": "1m"}, "upstreams": upstreams})
     if not r:
@@ -2094,6 +2094,8 @@ def check_warm() -> None:
     check(f"[{L}] cache.warm_file", conf["cache"].get("warm_file") == "/run/larder/warm/warm.txt", conf["cache"])
     check(f"[{L}] cache.warm_interval", conf["cache"].get("warm_interval") == "1m", conf["cache"])
     check(f"[{L}] upstream max_size", conf["upstream"][0].get("max_size") == "20Gi", conf["upstream"][0])
+    check(f"[{L}] upstream max_bandwidth", conf["upstream"][1].get("max_bandwidth") == "50MiB", conf["upstream"][1])
+    check(f"[{L}] no max_bandwidth where none is set", "max_bandwidth" not in conf["upstream"][0], conf["upstream"][0])
     check_mirror_pod(r, node=False)
     if LARDER is None:
         check(f"[{L}] larder check-config", False, "no larder binary")

@@ -139,7 +139,7 @@ pub struct Metrics {
     pub grant_denied: IntCounterVec,
     /// `upstream_cache_size_bytes{upstream}`: bytes of the cache charged to
     /// each upstream (content shared by upstreams counts once, for the one
-    /// that fetched it first); `cache_size_bytes` stays the whole.
+    /// that used it most recently, or pins it); `cache_size_bytes` stays the whole.
     pub upstream_cache_size: IntGaugeVec,
     /// `upstream_cache_max_size_bytes{upstream}`: an upstream's own
     /// `max_size`, for those that have one.
@@ -351,8 +351,8 @@ fn build() -> Result<Metrics, prometheus::Error> {
         )?,
         upstream_cache_size: gauge_vec(
             "upstream_cache_size_bytes",
-            "Bytes of the cache charged to each upstream (shared content counts once, for the upstream that fetched \
-             it first)",
+            "Bytes of the cache charged to each upstream (shared content counts once, for the upstream that used \
+             it most recently or pins it)",
             &["upstream"],
         )?,
         upstream_cache_max_size: gauge_vec(

@@ -96,6 +96,10 @@ library_namespace = {{ .libraryNamespace }}
 # This upstream's share of the cache: its least recently used content goes first.
 max_size = {{ include "larder.toml.string" . }}
 {{- end }}
+{{- with .maxBandwidth }}
+# Bytes per second for all this upstream's downloads; clients' first.
+max_bandwidth = {{ include "larder.toml.string" . }}
+{{- end }}
 {{- with .tagTtl }}
 tag_ttl = {{ include "larder.toml.string" . }}
 {{- end }}
