@@ -39,10 +39,13 @@ use crate::upstream::Priority;
 /// How long a client's resolution of an image manifest is remembered: a
 /// pull asks for its layers within moments of its manifest.
 pub const RESOLVED_TTL: Duration = Duration::from_secs(600);
-/// Most (client, repository, layer) resolutions remembered at once; past
-/// it the least recently used are forgotten (a pull that old gets no
-/// fills ahead, only its own fills).
-pub const MAX_RESOLVED_LAYERS: u64 = 65_536;
+/// Most (client, repository) pairs remembered at once; past it the least
+/// recently used are forgotten (a pull that old gets no fills ahead, only
+/// its own fills).
+pub const MAX_RESOLVED_CLIENTS: u64 = 16_384;
+/// Image manifests remembered per (client, repository), most recent first:
+/// a client pulling several tags of one repository at once.
+pub const RESOLVED_PER_CLIENT: usize = 4;
 
 /// An image manifest a client resolved: its layers, and whether a request
 /// for one of them started their fills ahead.
@@ -52,55 +55,77 @@ struct Image {
     started: AtomicBool,
 }
 
-/// Which client resolved which image manifest, by its layers: the image a
-/// layer request belongs to.
+/// The image manifests each client resolved lately in each repository.
+type Recent = Arc<std::sync::Mutex<std::collections::VecDeque<Arc<Image>>>>;
+
+/// Which client resolved which image manifests, for the image a layer
+/// request belongs to. Looked up on every manifest and blob GET, so keyed
+/// without allocating: the client's address and a hash of upstream and
+/// repository (a collision costs at most fills ahead of an image the layer
+/// belongs to anyway, in another repository of the same client).
 pub struct Resolved {
-    /// (client address, "upstream\0repo", layer) → the image most recently
-    /// resolved by that client in that repository that has the layer.
-    layers: moka::sync::Cache<(IpAddr, String, Digest), Arc<Image>>,
+    clients: moka::sync::Cache<(IpAddr, u64), Recent>,
 }
 
 impl Default for Resolved {
     fn default() -> Self {
         Resolved {
-            layers: moka::sync::Cache::builder()
-                .max_capacity(MAX_RESOLVED_LAYERS)
+            clients: moka::sync::Cache::builder()
+                .max_capacity(MAX_RESOLVED_CLIENTS)
                 .time_to_live(RESOLVED_TTL)
                 .build(),
         }
     }
 }
 
+/// The key of `client`'s resolutions in `repo` of `upstream`.
+fn client_key(client: IpAddr, upstream: &str, repo: &RepoName) -> (IpAddr, u64) {
+    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+    (client, BuildHasherDefault::<DefaultHasher>::default().hash_one((upstream, repo.as_str())))
+}
+
 impl Cache {
     /// A client at `client` was served `manifest` of `repo` (a GET): if it
     /// is an image manifest, its layers are remembered for the fills ahead
-    /// that a request for one of them starts. Starts nothing itself.
+    /// that a request for one of them starts. Starts nothing itself. A
+    /// manifest the client resolved last already costs one lookup.
     pub fn resolved(&self, upstream: &Upstream, repo: &RepoName, client: IpAddr, manifest: &StoredManifest) {
         if !upstream.config.fill_ahead
             || !matches!(manifest.media_type, MediaType::OciManifest | MediaType::DockerManifest)
         {
             return;
         }
+        let key = client_key(client, upstream.name(), repo);
+        let recent = self.resolved.clients.get_with(key, Recent::default);
+        let mut images = recent.lock().unwrap_or_else(|p| p.into_inner());
+        if images.front().is_some_and(|i| i.manifest == manifest.digest) {
+            return;
+        }
         let Ok((_, refs)) = inspect_manifest(&manifest.bytes, Some(manifest.media_type)) else { return };
-        let image = Arc::new(Image {
+        images.retain(|i| i.manifest != manifest.digest);
+        images.push_front(Arc::new(Image {
             manifest: manifest.digest,
             layers: refs.layers().collect(),
             started: AtomicBool::new(false),
-        });
-        let owner = format!("{}\0{repo}", upstream.name());
-        for (layer, _) in &image.layers {
-            self.resolved.layers.insert((client, owner.clone(), *layer), Arc::clone(&image));
-        }
+        }));
+        images.truncate(RESOLVED_PER_CLIENT);
     }
 
     /// A client at `client` asked for blob `digest` of `repo`: if it is a
-    /// layer of an image manifest that client resolved, and the first of
-    /// that image's layers it asked for, the fills of the image's other
-    /// layers start in the background (see the module's rules).
+    /// layer of an image manifest that client resolved (the most recent
+    /// one that has it), and the first of that image's layers it asked
+    /// for, the fills of the image's other layers start in the background
+    /// (see the module's rules).
     pub fn layer_requested(self: &Arc<Self>, upstream: &Arc<Upstream>, repo: &RepoName, client: IpAddr, digest: Digest) {
-        let owner = format!("{}\0{repo}", upstream.name());
-        let Some(image) = self.resolved.layers.get(&(client, owner, digest)) else { return };
-        if image.started.swap(true, Ordering::AcqRel) {
+        let Some(recent) = self.resolved.clients.get(&client_key(client, upstream.name(), repo)) else { return };
+        let image = {
+            let images = recent.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(image) = images.iter().find(|i| i.layers.iter().any(|(layer, _)| *layer == digest)) else {
+                return;
+            };
+            Arc::clone(image)
+        };
+        if image.layers.len() < 2 || image.started.swap(true, Ordering::AcqRel) {
             return;
         }
         let declared: u64 = image.layers.iter().filter_map(|(_, size)| *size).sum();

@@ -121,11 +121,24 @@ impl Cache {
         }
         let by_pinner: Vec<((Kind, Digest), Vec<String>)> = items.iter().map(|(k, v)| (*k, v.clone())).collect();
         *self.pins.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(Pins { items });
-        // Charged to an upstream that pins it, then counted by that one.
+        // Charged to an upstream that pins it (a write only when one is
+        // not), then counted by that one.
         let index = Arc::clone(&self.index);
         let charges = blocking(move || {
-            index.charge_to(&by_pinner)?;
             let pinned: Vec<(Kind, Digest)> = by_pinner.iter().map(|(item, _)| *item).collect();
+            let charges = index.charges_of(&pinned)?;
+            let elsewhere: Vec<((Kind, Digest), Vec<String>)> = by_pinner
+                .into_iter()
+                .zip(&charges)
+                .filter(|((_, pinners), charge)| {
+                    charge.as_ref().is_some_and(|(_, owner)| owner.as_ref().is_none_or(|o| !pinners.contains(o)))
+                })
+                .map(|(item, _)| item)
+                .collect();
+            if elsewhere.is_empty() {
+                return Ok(charges);
+            }
+            index.charge_to(&elsewhere)?;
             Ok(index.charges_of(&pinned)?)
         })
         .await?;
