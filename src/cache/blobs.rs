@@ -149,7 +149,12 @@ impl Cache {
                 None => {
                     if let Some((file, size)) = self.committed_blob(&digest).await? {
                         self.ensure_member(upstream, repo, &digest, Content::Blob, via).await?;
-                        self.evictor.record_access(Kind::Blob, digest, upstream.shared_name(), unix_ms(SystemTime::now()));
+                        self.evictor.record_access(
+                            Kind::Blob,
+                            digest,
+                            upstream.shared_name(),
+                            unix_ms(SystemTime::now()),
+                        );
                         let result =
                             if self.memory.claim_fetched_ahead(&digest) { CacheResult::Miss } else { CacheResult::Hit };
                         return Ok((BlobSource::Committed { file, size }, result));

@@ -31,7 +31,12 @@ impl Cache {
             Reference::Digest(digest) => match self.stored_manifest(digest).await? {
                 Some(m) => {
                     self.ensure_member(upstream, repo, digest, Content::Manifest, via).await?;
-                    self.evictor.record_access(Kind::Manifest, *digest, upstream.shared_name(), unix_ms(SystemTime::now()));
+                    self.evictor.record_access(
+                        Kind::Manifest,
+                        *digest,
+                        upstream.shared_name(),
+                        unix_ms(SystemTime::now()),
+                    );
                     Ok((m, CacheResult::Hit))
                 }
                 None => self.fetch_manifest(upstream, repo, reference, via).await,

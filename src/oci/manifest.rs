@@ -109,7 +109,11 @@ mod tests {
         assert_eq!(m, MediaType::OciManifest);
         assert_eq!(refs.blobs, vec![D1.parse().unwrap(), D2.parse().unwrap()]);
         assert_eq!(refs.blob_sizes, vec![Some(1), Some(2)]);
-        assert_eq!(refs.layers().collect::<Vec<_>>(), vec![(D2.parse().unwrap(), Some(2))], "the config is not a layer");
+        assert_eq!(
+            refs.layers().collect::<Vec<_>>(),
+            vec![(D2.parse().unwrap(), Some(2))],
+            "the config is not a layer"
+        );
         assert!(refs.manifests.is_empty());
     }
 

@@ -261,7 +261,12 @@ impl Warm {
                 state.unsettled = None;
             }
             for bad in &file_report.bad_lines {
-                tracing::warn!(file = file_report.path, line = bad.line, error = bad.message, "warm_file: line skipped");
+                tracing::warn!(
+                    file = file_report.path,
+                    line = bad.line,
+                    error = bad.message,
+                    "warm_file: line skipped"
+                );
             }
             if let Some(error) = &file_report.error {
                 tracing::warn!(file = file_report.path, error, "warm_file");
@@ -314,7 +319,10 @@ impl Warm {
         }
         changed |= !old.is_empty() || state.file != report;
         for (key, e) in old {
-            tracing::info!(image = e.image.image, "warm image no longer listed: its digests and pins are kept for a while");
+            tracing::info!(
+                image = e.image.image,
+                "warm image no longer listed: its digests and pins are kept for a while"
+            );
             removed.insert(key, (e, now + REMOVED_GRACE));
         }
         state.entries = entries;
@@ -590,14 +598,26 @@ impl Warm {
     /// member of the image's repository (see [`Cache::confirm_image`]), so
     /// that it pulls with upstream gone; else failed, and checked again at
     /// the next interval.
-    async fn confirmed(&self, upstream: &Arc<Upstream>, image: &WarmImage, plan: &prefetch::Plan, row: WarmRow) -> Outcome {
+    async fn confirmed(
+        &self,
+        upstream: &Arc<Upstream>,
+        image: &WarmImage,
+        plan: &prefetch::Plan,
+        row: WarmRow,
+    ) -> Outcome {
         let total = plan.bytes();
-        let manifests: Vec<Digest> = std::iter::once(plan.top.digest).chain(plan.children.iter().map(|m| m.digest)).collect();
+        let manifests: Vec<Digest> =
+            std::iter::once(plan.top.digest).chain(plan.children.iter().map(|m| m.digest)).collect();
         match self.cache.confirm_image(upstream, &image.repo, &manifests, &plan.blobs).await {
             Ok(()) => Outcome { state: WarmState::Ready, row: Some(row), bytes: Some((total, total)), message: None },
             Err(e) => {
                 let message = format!("cached, but not yet confirmed as content of {}: {e}", image.repo);
-                Outcome { state: WarmState::Failed, row: Some(row), bytes: Some((total, total)), message: Some(message) }
+                Outcome {
+                    state: WarmState::Failed,
+                    row: Some(row),
+                    bytes: Some((total, total)),
+                    message: Some(message),
+                }
             }
         }
     }

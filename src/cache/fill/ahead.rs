@@ -70,10 +70,7 @@ pub struct Resolved {
 impl Default for Resolved {
     fn default() -> Self {
         Resolved {
-            clients: moka::sync::Cache::builder()
-                .max_capacity(MAX_RESOLVED_CLIENTS)
-                .time_to_live(RESOLVED_TTL)
-                .build(),
+            clients: moka::sync::Cache::builder().max_capacity(MAX_RESOLVED_CLIENTS).time_to_live(RESOLVED_TTL).build(),
         }
     }
 }
@@ -116,7 +113,13 @@ impl Cache {
     /// one that has it), and the first of that image's layers it asked
     /// for, the fills of the image's other layers start in the background
     /// (see the module's rules).
-    pub fn layer_requested(self: &Arc<Self>, upstream: &Arc<Upstream>, repo: &RepoName, client: IpAddr, digest: Digest) {
+    pub fn layer_requested(
+        self: &Arc<Self>,
+        upstream: &Arc<Upstream>,
+        repo: &RepoName,
+        client: IpAddr,
+        digest: Digest,
+    ) {
         let Some(recent) = self.resolved.clients.get(&client_key(client, upstream.name(), repo)) else { return };
         let image = {
             let images = recent.lock().unwrap_or_else(|p| p.into_inner());

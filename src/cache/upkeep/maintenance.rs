@@ -425,10 +425,12 @@ mod tests {
         let base = commit(&cache, "a", 1, 300 * KB as usize, 1);
         let a_old: Vec<Digest> = (10..12).map(|n| commit(&cache, "a", n, 200 * KB as usize, u64::from(n))).collect();
         used_by(&cache, "b", base, 100).await;
-        let a_new: Vec<Digest> = (12..14).map(|n| commit(&cache, "a", n, 200 * KB as usize, 100 + u64::from(n))).collect();
+        let a_new: Vec<Digest> =
+            (12..14).map(|n| commit(&cache, "a", n, 200 * KB as usize, 100 + u64::from(n))).collect();
         // B's share fills with newer content: the base layer is its least
         // recently used. A (full too) still uses it and holds older content.
-        let b_own: Vec<Digest> = (20..23).map(|n| commit(&cache, "b", n, 300 * KB as usize, 200 + u64::from(n))).collect();
+        let b_own: Vec<Digest> =
+            (20..23).map(|n| commit(&cache, "b", n, 300 * KB as usize, 200 + u64::from(n))).collect();
         evict_over_quotas(&cache).await;
         evict_over_quotas(&cache).await;
         assert!(cached(&cache, &base), "used by A, whose older content goes first: kept");

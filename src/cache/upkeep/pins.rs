@@ -313,7 +313,8 @@ mod tests {
         .await;
         let (config, layer) = (blob(&cache, 1, 1024, 1), blob(&cache, 2, 1 << 20, 2));
         let top = image(&cache, config, layer, 3);
-        let usage = cache.pin(&[PinnedImage { upstream: "hub".into(), digest: top, platforms: Vec::new() }]).await.unwrap();
+        let usage =
+            cache.pin(&[PinnedImage { upstream: "hub".into(), digest: top, platforms: Vec::new() }]).await.unwrap();
         assert_eq!(usage.over_limit.len(), 1, "{:?}", usage.over_limit);
         assert!(usage.over_limit[0].contains("upstream \"hub\""), "{:?}", usage.over_limit);
         assert_eq!(cache.pinned(), usage, "kept for /status");
