@@ -42,6 +42,9 @@ impl Limits {
 /// larger than the disk).
 const DISK_FULL_RELIEF: f64 = 0.10;
 
+/// When an item was last used, and for which upstream.
+type LastUse = (u64, Arc<str>);
+
 pub struct Evictor {
     limits: Limits,
     /// Each upstream's own limits (`[[upstream]] max_size`).
@@ -49,9 +52,8 @@ pub struct Evictor {
     /// What each upstream is charged, as the index last committed it.
     charged: Arc<Charged>,
     bytes: AtomicU64,
-    /// Uses not yet written to the index: (kind, digest) → unix millis
-    /// and the upstream whose request it was (the last one wins).
-    pending: Mutex<HashMap<(Kind, Digest), (u64, Arc<str>)>>,
+    /// Uses not yet written to the index (the last one of an item wins).
+    pending: Mutex<HashMap<(Kind, Digest), LastUse>>,
     disk_full: AtomicBool,
     wake: Notify,
     /// Bytes of fills in flight, in all and per upstream.
