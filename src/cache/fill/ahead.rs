@@ -39,13 +39,17 @@ use crate::upstream::Priority;
 /// How long a client's resolution of an image manifest is remembered: a
 /// pull asks for its layers within moments of its manifest.
 pub const RESOLVED_TTL: Duration = Duration::from_secs(600);
-/// Most (client, repository) pairs remembered at once; past it the least
-/// recently used are forgotten (a pull that old gets no fills ahead, only
-/// its own fills).
-pub const MAX_RESOLVED_CLIENTS: u64 = 16_384;
+/// Most layers remembered in all, over every client's resolutions (about
+/// 48 bytes each); past it the least recently used clients' resolutions
+/// are forgotten (a pull that old gets no fills ahead, only its own fills).
+pub const MAX_RESOLVED_LAYERS: u64 = 1 << 20;
 /// Image manifests remembered per (client, repository), most recent first:
 /// a client pulling several tags of one repository at once.
 pub const RESOLVED_PER_CLIENT: usize = 4;
+/// Layers of one image that fills ahead consider, the first ones (an image
+/// of more, rare, fills the rest when its client asks): bounds what one
+/// manifest can make larder remember.
+pub const MAX_AHEAD_LAYERS: usize = 256;
 
 /// An image manifest a client resolved: its layers, and whether a request
 /// for one of them started their fills ahead.
@@ -55,22 +59,32 @@ struct Image {
     started: AtomicBool,
 }
 
-/// The image manifests each client resolved lately in each repository.
-type Recent = Arc<std::sync::Mutex<std::collections::VecDeque<Arc<Image>>>>;
+/// The image manifests one client resolved lately in one repository, most
+/// recent first.
+type Recent = Arc<[Arc<Image>]>;
 
 /// Which client resolved which image manifests, for the image a layer
 /// request belongs to. Looked up on every manifest and blob GET, so keyed
 /// without allocating: the client's address and a hash of upstream and
 /// repository (a collision costs at most fills ahead of an image the layer
-/// belongs to anyway, in another repository of the same client).
+/// belongs to anyway, in another repository of the same client). Bounded
+/// by the layers it holds.
 pub struct Resolved {
     clients: moka::sync::Cache<(IpAddr, u64), Recent>,
 }
 
 impl Default for Resolved {
     fn default() -> Self {
+        let weigh = |_: &(IpAddr, u64), recent: &Recent| -> u32 {
+            let layers: usize = recent.iter().map(|i| i.layers.len()).sum();
+            u32::try_from(layers + 1).unwrap_or(u32::MAX)
+        };
         Resolved {
-            clients: moka::sync::Cache::builder().max_capacity(MAX_RESOLVED_CLIENTS).time_to_live(RESOLVED_TTL).build(),
+            clients: moka::sync::Cache::builder()
+                .max_capacity(MAX_RESOLVED_LAYERS)
+                .weigher(weigh)
+                .time_to_live(RESOLVED_TTL)
+                .build(),
         }
     }
 }
@@ -93,19 +107,19 @@ impl Cache {
             return;
         }
         let key = client_key(client, upstream.name(), repo);
-        let recent = self.resolved.clients.get_with(key, Recent::default);
-        let mut images = recent.lock().unwrap_or_else(|p| p.into_inner());
-        if images.front().is_some_and(|i| i.manifest == manifest.digest) {
+        let recent = self.resolved.clients.get(&key);
+        if recent.as_ref().and_then(|r| r.first()).is_some_and(|i| i.manifest == manifest.digest) {
             return;
         }
         let Ok((_, refs)) = inspect_manifest(&manifest.bytes, Some(manifest.media_type)) else { return };
-        images.retain(|i| i.manifest != manifest.digest);
-        images.push_front(Arc::new(Image {
+        let image = Arc::new(Image {
             manifest: manifest.digest,
-            layers: refs.layers().collect(),
+            layers: refs.layers().take(MAX_AHEAD_LAYERS).collect(),
             started: AtomicBool::new(false),
-        }));
-        images.truncate(RESOLVED_PER_CLIENT);
+        });
+        let earlier = recent.iter().flat_map(|r| r.iter()).filter(|i| i.manifest != manifest.digest).cloned();
+        let list: Recent = std::iter::once(image).chain(earlier).take(RESOLVED_PER_CLIENT).collect();
+        self.resolved.clients.insert(key, list);
     }
 
     /// A client at `client` asked for blob `digest` of `repo`: if it is a
@@ -121,12 +135,8 @@ impl Cache {
         digest: Digest,
     ) {
         let Some(recent) = self.resolved.clients.get(&client_key(client, upstream.name(), repo)) else { return };
-        let image = {
-            let images = recent.lock().unwrap_or_else(|p| p.into_inner());
-            let Some(image) = images.iter().find(|i| i.layers.iter().any(|(layer, _)| *layer == digest)) else {
-                return;
-            };
-            Arc::clone(image)
+        let Some(image) = recent.iter().find(|i| i.layers.iter().any(|(layer, _)| *layer == digest)) else {
+            return;
         };
         if image.layers.len() < 2 || image.started.swap(true, Ordering::AcqRel) {
             return;
@@ -147,7 +157,7 @@ impl Cache {
             );
             return;
         }
-        let (cache, upstream, repo) = (Arc::clone(self), Arc::clone(upstream), repo.clone());
+        let (cache, upstream, repo, image) = (Arc::clone(self), Arc::clone(upstream), repo.clone(), Arc::clone(image));
         tokio::spawn(async move {
             let at_once = upstream.config.fill_connections.get();
             let layers = image.layers.iter().map(|(layer, _)| *layer).filter(|layer| *layer != digest);
