@@ -31,8 +31,9 @@ pub struct Metrics {
     pub sendfile_bytes: IntCounter,
     pub fills_in_flight: IntGauge,
     /// `fills_total{reason}`: blob fills started; reason `client` (a
-    /// client's request), `peer` (another replica's) or `ahead` (the blobs
-    /// of an image manifest just served, before the client asks).
+    /// client's request), `peer` (another replica's) or `ahead` (the other
+    /// layers of an image whose first layer a client that resolved it
+    /// asked for, before it asks for them).
     pub fills: IntCounterVec,
     /// `fills_ahead_joined_total`: fills started ahead that a client then
     /// asked for (the rest of `fills_total{reason="ahead"}` went unused).
