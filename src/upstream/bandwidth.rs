@@ -42,6 +42,9 @@ pub const MIN_BURST_BYTES: u64 = 256 << 10;
 /// Shortest wait before a fill held back looks again (a bound on wake-ups
 /// at high rates, where a chunk's share is a few microseconds).
 const MIN_WAIT: Duration = Duration::from_millis(1);
+/// Longest wait before a fill held back looks again (the rate is at least
+/// 64 KiB/s, so a chunk's share is at most a few seconds).
+const MAX_WAIT: Duration = Duration::from_secs(10);
 
 /// One upstream's bandwidth and the fills sharing it.
 pub struct Bandwidth {
@@ -152,7 +155,12 @@ impl Bandwidth {
         let elapsed = now.saturating_duration_since(state.updated).as_secs_f64();
         state.tokens = (state.tokens + elapsed * rate).min(self.depth);
         state.updated = now;
-        let wait_for = |missing: f64| Decision::Wait(Some(Duration::from_secs_f64(missing / rate).max(MIN_WAIT)));
+        // How long until the bucket holds `missing` more bytes (at least
+        // MIN_WAIT: when a client waits, what is there already is its).
+        let wait_for = |missing: f64| {
+            let seconds = Duration::try_from_secs_f64(missing.max(0.0) / rate).unwrap_or(MAX_WAIT);
+            Decision::Wait(Some(seconds.clamp(MIN_WAIT, MAX_WAIT)))
+        };
         if class == Class::Client {
             if state.tokens > -1.0 {
                 state.tokens -= bytes as f64;
@@ -278,6 +286,23 @@ mod tests {
             at.push(t0.elapsed());
         }
         at
+    }
+
+    #[test]
+    fn a_fill_that_yields_to_a_waiting_client_waits_however_full_the_bucket_is() {
+        // A client's wake-up came late: the bucket is full, and it still
+        // waits (it will take what is there).
+        let bandwidth = Bandwidth::new("late.test", Some(1 << 20));
+        let (ahead, client) = (Priority::ahead(), Priority::client());
+        let mut state = bandwidth.lock();
+        state.clients_waiting = 1;
+        state.tokens = bandwidth.depth;
+        state.updated = Instant::now();
+        match bandwidth.decide(&mut state, &ahead, 64 * KIB) {
+            Decision::Wait(Some(d)) => assert!(d >= MIN_WAIT && d <= MAX_WAIT, "{d:?}"),
+            _ => panic!("a fill ahead waits while a client does"),
+        }
+        assert!(matches!(bandwidth.decide(&mut state, &client, CHUNK), Decision::Go), "the client goes");
     }
 
     #[tokio::test(start_paused = true)]
