@@ -222,7 +222,8 @@ struct ClientWaiting<'a>(&'a Bandwidth);
 
 impl Drop for ClientWaiting<'_> {
     fn drop(&mut self) {
-        self.0.lock().clients_waiting -= 1;
+        let mut state = self.0.lock();
+        state.clients_waiting = state.clients_waiting.saturating_sub(1);
     }
 }
 
