@@ -25,8 +25,8 @@
 //! and `larder status`.
 //!
 //! The warm file may be read while it is written: a changed file is applied
-//! only once two reads in a row ([`FILE_CHECK_INTERVAL`] apart, or
-//! [`SETTLE_PAUSE`] at start) find the same bytes, its last line only
+//! only once two reads at least [`FILE_CHECK_INTERVAL`] apart ([`SETTLE_PAUSE`]
+//! at start) find the same bytes, its last line only
 //! once it ends with a newline ([`list`]), and an image that leaves the
 //! list keeps its digests (the previous one too) and its pins for
 //! [`REMOVED_GRACE`]: a list briefly missing it, or larder restarted on
@@ -134,9 +134,9 @@ struct State {
     file_images: Vec<WarmImage>,
     file: Option<FileReport>,
     stamp: Stamp,
-    /// What the last read of the warm file found, while a change is not
-    /// applied yet: the next read must find the same.
-    unsettled: Option<list::Raw>,
+    /// What a read of the warm file found, and when, while a change is not
+    /// applied yet: a read at least the settle time later must find the same.
+    unsettled: Option<(list::Raw, Instant)>,
 }
 
 /// What a read of the list did.
@@ -212,7 +212,7 @@ impl Warm {
             return Ok(());
         }
         for _ in 0..SETTLE_READS {
-            if self.read_list().await != Listed::Unsettled {
+            if self.read_list(SETTLE_PAUSE).await != Listed::Unsettled {
                 break;
             }
             tokio::time::sleep(SETTLE_PAUSE).await;
@@ -238,8 +238,8 @@ impl Warm {
     /// listed keep what they know, new ones are due now, ones no longer
     /// listed are kept aside for [`REMOVED_GRACE`] (and come back as they
     /// were if listed again meanwhile). A changed file is applied only
-    /// when this read finds what the read before found.
-    async fn read_list(&self) -> Listed {
+    /// when this read finds what a read at least `apart` earlier found.
+    async fn read_list(&self, apart: Duration) -> Listed {
         let mut file_images = self.lock().file_images.clone();
         let mut report = None;
         let mut stamp = None;
@@ -254,9 +254,16 @@ impl Warm {
             let Ok((now, raw, (images, file_report))) = read else { return Listed::Unchanged };
             {
                 let mut state = self.lock();
-                if state.unsettled.as_ref() != Some(&raw) {
-                    state.unsettled = Some(raw);
-                    return Listed::Unsettled;
+                match &state.unsettled {
+                    Some((first, at)) if *first == raw => {
+                        if at.elapsed() < apart {
+                            return Listed::Unsettled;
+                        }
+                    }
+                    _ => {
+                        state.unsettled = Some((raw, Instant::now()));
+                        return Listed::Unsettled;
+                    }
                 }
                 state.unsettled = None;
             }
@@ -416,7 +423,7 @@ impl Warm {
             loop {
                 let mut changed = warm.expire_removed(Instant::now());
                 if warm.file_changed().await {
-                    changed |= warm.read_list().await == Listed::Changed;
+                    changed |= warm.read_list(FILE_CHECK_INTERVAL).await == Listed::Changed;
                 }
                 if changed {
                     if let Err(e) = warm.list_changed().await {
@@ -738,9 +745,11 @@ mod tests {
 
         // Rewritten: one read sees it, the next must agree before it applies.
         std::fs::write(&file, "team/b:1\n").unwrap();
-        assert_eq!(warm.read_list().await, Listed::Unsettled);
+        let hour = Duration::from_secs(3600);
+        assert_eq!(warm.read_list(hour).await, Listed::Unsettled);
+        assert_eq!(warm.read_list(hour).await, Listed::Unsettled, "the same bytes, but read too soon after");
         assert_eq!(listed(&warm), ["team/a"], "not applied after one read");
-        assert_eq!(warm.read_list().await, Listed::Changed);
+        assert_eq!(warm.read_list(Duration::ZERO).await, Listed::Changed);
         warm.list_changed().await.unwrap();
         assert_eq!(listed(&warm), ["team/b"]);
         let b = warm.lock().entries[0].row;
@@ -749,17 +758,17 @@ mod tests {
 
         // A read in the middle of a rewrite, then the same bytes again.
         std::fs::write(&file, "team/b:1\nteam/a:").unwrap();
-        assert_eq!(warm.read_list().await, Listed::Unsettled);
+        assert_eq!(warm.read_list(Duration::ZERO).await, Listed::Unsettled);
         std::fs::write(&file, "team/b:1\nteam/a:1\n").unwrap();
-        assert_eq!(warm.read_list().await, Listed::Unsettled, "another read, other bytes: not applied");
-        assert_eq!(warm.read_list().await, Listed::Changed);
+        assert_eq!(warm.read_list(Duration::ZERO).await, Listed::Unsettled, "another read, other bytes: not applied");
+        assert_eq!(warm.read_list(Duration::ZERO).await, Listed::Changed);
         assert_eq!(listed(&warm), ["team/b", "team/a"]);
         assert_eq!(warm.lock().entries[1].row, Some(row(1)), "back within its grace: nothing lost");
 
         // Gone for longer than the grace: forgotten.
         std::fs::write(&file, "team/b:1\n").unwrap();
-        warm.read_list().await;
-        assert_eq!(warm.read_list().await, Listed::Changed);
+        warm.read_list(Duration::ZERO).await;
+        assert_eq!(warm.read_list(Duration::ZERO).await, Listed::Changed);
         warm.list_changed().await.unwrap();
         assert!(!warm.expire_removed(Instant::now()), "within its grace");
         assert!(warm.expire_removed(Instant::now() + REMOVED_GRACE + Duration::from_secs(1)));
