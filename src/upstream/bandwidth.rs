@@ -11,7 +11,8 @@
 //!   [`BURST`] of it (at least [`MIN_BURST_BYTES`]). A client's fill takes
 //!   whenever the bucket is not in debt and may run it into debt by one
 //!   chunk, so over any time `t` the fills read at most `rate × t` plus
-//!   the bucket's depth plus one chunk. A fill that yields (ahead, warm)
+//!   the bucket's depth plus one chunk per connection (each reads its
+//!   chunk before it pays for it). A fill that yields (ahead, warm)
 //!   takes only what clients leave: it waits until the bucket holds its
 //!   whole chunk with no client waiting, so while clients can use the
 //!   whole rate it reads nothing.
