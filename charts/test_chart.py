@@ -998,8 +998,9 @@ def check_extras() -> None:
     config_mount = next(m for m in init["volumeMounts"] if m["name"] == "containerd-config")
     check("[extras] containerd's config mounted read-only", config_mount.get("readOnly") is True, config_mount)
     check(
-        "[extras] node setup init container has no capabilities, its failure reason is the termination message",
-        init["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        "[extras] node setup init container has only SYS_CHROOT (nodeSetup.referrers: auto runs the node's "
+        "containerd --version), its failure reason is the termination message",
+        init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_CHROOT"]}
         and init["securityContext"]["allowPrivilegeEscalation"] is False
         and init.get("terminationMessagePolicy") == "FallbackToLogsOnError",
     )
@@ -1331,6 +1332,54 @@ def check_credentials() -> None:
     )
     check_config("credentials", r.toml_text())
     check_config("credentials", r.toml_text(), expect_ok=False)
+
+
+def check_client_credentials() -> None:
+    """clientCredentials / clientCredentialsTtl: rendered as larder's keys,
+    accepted by `larder check-config`, refused where larder would refuse them."""
+    values = {
+        "upstreams": [
+            {"name": "docker.io", "url": "https://registry-1.docker.io", "default": True},
+            {"name": "ghcr.io", "url": "https://ghcr.io", "clientCredentials": "verify", "clientCredentialsTtl": "2m"},
+            {"name": "quay.io", "url": "https://quay.io", "clientCredentials": "verify"},
+            {"name": "gcr.io", "url": "https://gcr.io", "clientCredentials": "ignore"},
+        ]
+    }
+    r = render("client-credentials", values)
+    if r is None:
+        return
+    ups = {u["name"]: u for u in tomllib.loads(r.toml_text())["upstream"]}
+    check(
+        "[client-credentials] verify with its ttl",
+        ups["ghcr.io"].get("client_credentials") == "verify" and ups["ghcr.io"].get("client_credentials_ttl") == "2m",
+        ups["ghcr.io"],
+    )
+    check(
+        "[client-credentials] verify with larder's default ttl",
+        ups["quay.io"].get("client_credentials") == "verify" and "client_credentials_ttl" not in ups["quay.io"],
+        ups["quay.io"],
+    )
+    check(
+        "[client-credentials] ignore and unset write nothing",
+        all("client_credentials" not in ups[n] for n in ("docker.io", "gcr.io")),
+        ups,
+    )
+    check_config("client-credentials", r.toml_text())
+    verify = {"name": "ghcr.io", "url": "https://ghcr.io", "clientCredentials": "verify"}
+    cases = [
+        ("a mode larder does not know", {"upstreams": [dict(verify, clientCredentials="check")]}, "clientCredentials"),
+        ("a ttl without verify", {"upstreams": [{"name": "q.io", "url": "https://q.io", "clientCredentialsTtl": "1m"}]}, "applies only"),
+        ("a ttl in words", {"upstreams": [dict(verify, clientCredentialsTtl="five minutes")]}, "clientCredentialsTtl"),
+        ("verify behind a hub", {"mode": "node", "hub": {"url": "http://hub:5000"}, "upstreams": [verify]}, "hub"),
+        (
+            "verify with htpasswd",
+            {"config": {"auth": {"enabled": True, "existingSecret": "h"}}, "upstreams": [verify]},
+            "config.auth",
+        ),
+    ]
+    for label, bad, needle in cases:
+        err = render_error(bad)
+        check(f"[client-credentials refused] {label}", err is not None and needle in err, err or "rendered")
 
 
 SHARED = {
@@ -2078,7 +2127,7 @@ def check_warm() -> None:
     ]
     upstreams = [
         {"name": "docker.io", "url": "https://registry-1.docker.io", "default": True, "maxSize": "20Gi"},
-        {"name": "ghcr.io", "url": "https://ghcr.io", "maxBandwidth": "50MiB"},
+        {"name": "ghcr.io", "url": "https://ghcr.io", "maxBandwidth": "50Mi"},
     ]
     r = render(L, {"warm": {"images": images, "interval": "1m"}, "upstreams": upstreams})
     if not r:
@@ -2093,8 +2142,9 @@ def check_warm() -> None:
     conf = r.toml()
     check(f"[{L}] cache.warm_file", conf["cache"].get("warm_file") == "/run/larder/warm/warm.txt", conf["cache"])
     check(f"[{L}] cache.warm_interval", conf["cache"].get("warm_interval") == "1m", conf["cache"])
-    check(f"[{L}] upstream max_size", conf["upstream"][0].get("max_size") == "20Gi", conf["upstream"][0])
-    check(f"[{L}] upstream max_bandwidth", conf["upstream"][1].get("max_bandwidth") == "50MiB", conf["upstream"][1])
+    # A Kubernetes quantity in values is written in larder's own units.
+    check(f"[{L}] upstream max_size 20Gi as 20GiB", conf["upstream"][0].get("max_size") == "20GiB", conf["upstream"][0])
+    check(f"[{L}] upstream max_bandwidth 50Mi as 50MiB", conf["upstream"][1].get("max_bandwidth") == "50MiB", conf["upstream"][1])
     check(f"[{L}] no max_bandwidth where none is set", "max_bandwidth" not in conf["upstream"][0], conf["upstream"][0])
     check_mirror_pod(r, node=False)
     if LARDER is None:
@@ -2127,6 +2177,30 @@ def check_warm() -> None:
         check("[warm off] no cache.warm_file", "warm_file" not in r.toml()["cache"], r.toml()["cache"])
         pod = workload(r)["spec"]["template"]
         check("[warm off] no warm volume", all(v["name"] != "warm" for v in pod["spec"]["volumes"]))
+
+
+def check_sizes() -> None:
+    """Sizes in values may be Kubernetes quantities; larder.toml gets
+    larder's units (larder refuses a lone G, which Kubernetes reads as
+    10^9, and Gi): each rendered size is accepted by check-config."""
+    L = "sizes"
+    for given, written in (
+        ("50Gi", "50GiB"),
+        ("50G", "50GB"),
+        ("40GiB", "40GiB"),
+        ("1.5Gi", "1610612736B"),
+        # More than ten digits of bytes: still a size to larder.
+        ("15.5Gi", "16642998272B"),
+        ("512Mi", "512MiB"),
+        ("2Ti", "2TiB"),
+    ):
+        r = render(L, {"config": {"cache": {"maxSize": given, "memory": "128Mi"}}, "persistence": {"size": "4Ti"}})
+        if not r:
+            return
+        cache = r.toml()["cache"]
+        check(f"[{L}] maxSize {given} as {written}", cache["max_size"] == written, cache)
+        check(f"[{L}] memory 128Mi as 128MiB", cache["memory"] == "128MiB", cache)
+        check_config(f"{L} {given}", r.toml_text())
 
 
 def check_pdb_and_bind() -> None:
@@ -2659,6 +2733,7 @@ def main() -> int:
         check_node_mode,
         check_extras,
         check_credentials,
+        check_client_credentials,
         check_exposure,
         check_cluster,
         check_cluster_tls,
@@ -2668,6 +2743,7 @@ def main() -> int:
         check_persistence,
         check_pdb_and_bind,
         check_warm,
+        check_sizes,
         check_dual_stack,
         check_node_setup_values,
         check_grace,

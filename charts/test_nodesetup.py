@@ -3,10 +3,12 @@
 against prepared node file systems, and against a real containerd.
 
 Needs: busybox, shellcheck, containerd + ctr (1.6 here), docker-registry,
-skopeo, python3 -m pip install helm-python-sdk kubernetes-validate pyyaml
-grpcio; and a larder binary ($LARDER_BIN, default target/debug/larder).
-Runs as root (a private containerd, and /etc/hosts pins a made-up registry
-name to 127.0.0.1).
+skopeo, util-linux (unshare, mount, setpriv), python3 -m pip install
+helm-python-sdk kubernetes-validate pyyaml grpcio; and a larder binary
+($LARDER_BIN, default target/debug/larder). Runs as root (a private
+containerd, /etc/hosts pins a made-up registry name to 127.0.0.1, and the
+script's chroot into the node's /usr, bind-mounted in a mount namespace of
+its own as the container runtime would mount it).
 
 Everything is taken from the chart as Helm renders it: the script is the
 ConfigMap's containerd-hosts.sh, and it runs with the environment and
@@ -23,12 +25,19 @@ as in the busybox image the chart uses.
     uninstall cleanup hook, the host-network listen address; exit status,
     files written (parsed with tomllib) and the failure messages;
   * the script's TOML reader against tomllib on real configuration files;
+  * the `referrers` capability (nodeSetup.referrers: auto): the node's own
+    `containerd --version`, run chrooted in its /usr, for the real
+    containerd 1.6 binary and binaries printing what 1.7.0, 2.1.0, 2.2.0,
+    2.2.0-beta.0 and 2.3.0 release builds print; unknown versions, two
+    binaries, no SYS_CHROOT; always / never; the exact hosts.toml text;
   * shellcheck on the script;
   * a real containerd 1.6 (private instance, CRI plugin on) pointed at a
     real larder (the rendered larder.toml) through hosts files the script
     wrote, with a node-IP-style address (127.0.0.1): pulls with `ctr` and
     with the CRI (PullImage over containerd's socket), through larder;
-    then with larder down (connection refused: containerd falls back to
+    then with `referrers` in the file (containerd 1.6 drops the whole file:
+    "unknown capability referrers"), then with larder down (connection
+    refused: containerd falls back to
     the registry), and with larder's address dropping connections, which
     shows what containerd 1.6 does with dial_timeout (it ignores it).
 
@@ -45,6 +54,7 @@ import json
 import os
 import platform
 import shutil
+import shlex
 import signal
 import socket
 import stat
@@ -208,6 +218,7 @@ def run_container(
     secrets: dict[str, dict[str, str]] | None = None,
     env_override: dict[str, str] | None = None,
     volume_dirs: dict[str, Path] | None = None,
+    prefix: list[str] | None = None,
 ) -> Run:
     """Runs a rendered container's command under busybox with its rendered
     environment; its volumes are mapped to folders: hostPath volumes into
@@ -238,6 +249,32 @@ def run_container(
                         (target / it["path"]).write_text(data[it["key"]])
             mounts.append((m["mountPath"], target))
         mounts.sort(key=lambda m: -len(m[0]))
+        # A mount inside another one (the node's /usr inside the node-root
+        # emptyDir) is bind-mounted there, read-only, in a mount namespace
+        # of the script's own (gone when it exits), as the runtime mounts
+        # it, so that a chroot into the outer one sees it.
+        pod_targets = {t for _, t in mounts if str(t).startswith(str(pod_dir))}
+        nested, binds = [], []
+        for mount_path, target in mounts:
+            outer = next(((mp, t) for mp, t in mounts if mount_path.startswith(mp + "/") and t in pod_targets), None)
+            if outer:
+                inside = outer[1] / mount_path[len(outer[0]) + 1 :]
+                inside.mkdir(parents=True, exist_ok=True)
+                if target.is_dir():
+                    binds.append((target, inside))
+                nested.append((mount_path, inside))
+            else:
+                nested.append((mount_path, target))
+        mounts = nested
+        if binds:
+            mount = shutil.which("mount") or "/usr/bin/mount"
+            script = "".join(
+                f"{mount} --rbind {shlex.quote(str(src))} {shlex.quote(str(dst))} && "
+                f"{mount} -o remount,bind,ro {shlex.quote(str(dst))} && "
+                for src, dst in binds
+            )
+            unshare = shutil.which("unshare") or "/usr/bin/unshare"
+            prefix = [unshare, "--mount", "--propagation", "private", "/bin/sh", "-c", script + 'exec "$@"', "sh", *(prefix or [])]
 
         def here(path: str) -> str:
             for mount_path, target in mounts:
@@ -251,7 +288,7 @@ def run_container(
                 env[e["name"]] = e["value"]
             elif e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.hostIP":
                 env[e["name"]] = host_ip
-        for key in ("LARDER_HOSTS_MOUNT", "LARDER_CONFIG_MOUNT", "LARDER_MIRROR_CA"):
+        for key in ("LARDER_HOSTS_MOUNT", "LARDER_CONFIG_MOUNT", "LARDER_MIRROR_CA", "LARDER_NODE_ROOT"):
             if key in env:
                 env[key] = here(env[key])
         for key in ("LARDER_MIRROR_USERNAME_FILE", "LARDER_MIRROR_PASSWORD_FILE"):
@@ -272,7 +309,8 @@ def run_container(
             for mount_path, target in mounts:
                 text = text.replace(mount_path + "/", str(target) + "/")
             args = ["-c", text]
-        p = subprocess.run([str(BUSYBOX_BIN / "sh"), *args], env=env, capture_output=True, text=True, timeout=60)
+        command = [*(prefix or []), str(BUSYBOX_BIN / "sh"), *args]
+        p = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
         return Run(p.returncode, p.stdout, p.stderr, termination.read_text().strip())
 
 
@@ -1498,6 +1536,303 @@ class BlackHole:
         self.sock.close()
 
 
+# What `containerd --version` prints: App.Name, version.Package,
+# version.Version, version.Revision (cmd/containerd/command/main.go), the
+# release Makefile setting Version from `git describe` and Revision to the
+# tag's commit.
+CONTAINERD_VERSIONS = {
+    "1.7": "containerd github.com/containerd/containerd v1.7.0 1fbd70374134b891f97ce19c70b6e50c7b9f4e0d",
+    "2.1": "containerd github.com/containerd/containerd/v2 v2.1.0 061792f0ecf3684fb30a3a0eb006799b8c6638a7",
+    "2.2": "containerd github.com/containerd/containerd/v2 v2.2.0 1c4457e00facac03ce1d75f7b6777a7a851e5c41",
+    "2.3": "containerd github.com/containerd/containerd/v2 v2.3.0 2976f38ccbfcda5ef1364d63d60b0a304e4bf94a",
+}
+
+
+def merged_usr(path: str) -> str:
+    """A path as a merged-/usr node has it (/lib64/x is /usr/lib64/x)."""
+    for top in ("/lib64", "/lib", "/bin", "/sbin"):
+        if path == top or path.startswith(top + "/"):
+            return "/usr" + path
+    return path
+
+
+def copy_into_node(node: Node, host_path: str, seen: set[str]) -> None:
+    """Copies a file of this (merged-/usr) machine to the same path in the
+    node, symlinks as symlinks (absolute ones too: they resolve in the chroot)."""
+    path = merged_usr(os.path.normpath(host_path))
+    if path in seen:
+        return
+    seen.add(path)
+    dest = node.path(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if os.path.islink(path):
+        target = os.readlink(path)
+        dest.symlink_to(target)
+        copy_into_node(node, target if target.startswith("/") else os.path.join(os.path.dirname(path), target), seen)
+    else:
+        shutil.copy2(path, dest)
+
+
+def install_program(node: Node, host_binary: str, node_path: str) -> None:
+    """A dynamically linked program of this machine at `node_path`, with
+    its loader and libraries where the node's loader looks for them."""
+    dest = node.path(node_path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(host_binary, dest)
+    seen: set[str] = set()
+    ldd = subprocess.run(["ldd", host_binary], capture_output=True, text=True).stdout
+    for line in ldd.splitlines():
+        for word in line.split():
+            if word.startswith("/"):
+                copy_into_node(node, word, seen)
+
+
+def install_fake_containerd(node: Node, node_path: str, prints: str) -> None:
+    """A `containerd` that prints `prints` for --version (or is the script
+    `prints`, when it starts with #!): a shell script, run by the node's
+    own /bin/sh (busybox, with its libraries)."""
+    if not node.exists("/usr/bin/sh"):
+        install_program(node, shutil.which("busybox") or "/bin/busybox", "/usr/bin/busybox")
+        node.path("/usr/bin/sh").symlink_to("busybox")
+    text = prints if prints.startswith("#!") else f"#!/bin/sh\nprintf '%s\\n' '{prints}'\n"
+    p = node.write(node_path, text)
+    p.chmod(0o755)
+
+
+def check_referrers() -> None:
+    """nodeSetup.referrers: auto writes `referrers` into hosts.toml only
+    when the node's own containerd says 2.2 or later."""
+    hosts_dir = "/etc/containerd/certs.d"
+    config = "/etc/containerd/config.toml"
+    v3 = V3_DEFAULT.replace("config_path = ''", f"config_path = '{hosts_dir}'")
+    r = render("nodeSetup referrers auto", node_values())
+    if not r:
+        return
+    spec = pod_spec(r, "DaemonSet", "larder")
+    init = init_container(spec, "containerd-hosts")
+    env = {e["name"]: e.get("value") for e in init["env"]}
+    check(
+        "[referrers] auto by default: the bin folders to search, the node root",
+        env.get("LARDER_REFERRERS") == "auto"
+        and env.get("LARDER_NODE_ROOT") == "/host/node"
+        and env.get("LARDER_CONTAINERD_BIN_DIRS") == "/usr/local/sbin\n/usr/local/bin\n/usr/sbin\n/usr/bin",
+        env,
+    )
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m for m in init["volumeMounts"]}
+    check(
+        "[referrers] the node's /usr mounted read-only inside an emptyDir root",
+        volumes.get("node-root", {}).get("emptyDir") is not None
+        and mounts.get("/host/node", {}).get("name") == "node-root"
+        and volumes[mounts["/host/node/usr"]["name"]]["hostPath"] == {"path": "/usr", "type": "Directory"}
+        and mounts["/host/node/usr"].get("readOnly") is True,
+        (mounts, volumes),
+    )
+    check(
+        "[referrers] SYS_CHROOT only, to run the node's binary chrooted",
+        init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_CHROOT"]},
+        init["securityContext"],
+    )
+
+    def run(label: str, binaries: dict[str, str | None], rr=None, **kw) -> tuple[Run, list[str] | None, str]:
+        """Runs the setup on a fresh 2.x node whose containerd binaries are
+        `binaries` ({node path: what --version prints, or None for the
+        real containerd of this machine}); returns docker.io's capabilities."""
+        node = Node()
+        try:
+            node.write(config, v3)
+            for path, prints in binaries.items():
+                if prints is None:
+                    install_program(node, shutil.which("containerd") or "/usr/bin/containerd", path)
+                else:
+                    install_fake_containerd(node, path, prints)
+            result = setup_run(rr or r, node, **kw)
+            text = node.read(f"{hosts_dir}/docker.io/hosts.toml") if node.exists(f"{hosts_dir}/docker.io/hosts.toml") else ""
+            host = (parses(text) or {}).get("host", {}).get(f"http://{NODE_IP}:5000", {})
+            check(f"[referrers] {label}: exit 0", result.rc == 0, result)
+            return result, host.get("capabilities"), text
+        finally:
+            node.cleanup()
+
+    with_referrers = ["pull", "resolve", "referrers"]
+    without = ["pull", "resolve"]
+    if shutil.which("containerd"):
+        real = subprocess.run(["containerd", "--version"], capture_output=True, text=True).stdout.strip()
+        run_, caps, text = run("the real containerd 1.6", {"/usr/bin/containerd": None})
+        check(
+            f"[referrers] the real containerd ({real}): pull and resolve only",
+            caps == without and f"/usr/bin/containerd --version: {real}" in run_.err and "containerd 1.6 would refuse" in run_.err,
+            (caps, run_),
+        )
+        check(
+            "[referrers] containerd 1.6: the hosts.toml text, exactly",
+            text.endswith(
+                f'server = "https://registry-1.docker.io"\n\n# >>> larder-managed-block: {RELEASE}\n'
+                f'[host."http://{NODE_IP}:5000"]\n  capabilities = ["pull", "resolve"]\n  dial_timeout = "1s"\n'
+                f"# <<< larder-managed-block: {RELEASE}\n"
+            ),
+            text,
+        )
+    else:
+        check("[referrers] containerd installed (the real 1.6 binary)", False, "no containerd on PATH")
+    for version, expected in (("1.7", without), ("2.1", without), ("2.2", with_referrers), ("2.3", with_referrers)):
+        run_, caps, text = run(f"containerd {version}", {"/usr/bin/containerd": CONTAINERD_VERSIONS[version]})
+        check(f"[referrers] containerd {version}: capabilities {expected}", caps == expected, (caps, run_))
+        if version == "2.2":
+            check(
+                "[referrers] containerd 2.2: the hosts.toml text, exactly",
+                text.endswith(
+                    f'[host."http://{NODE_IP}:5000"]\n  capabilities = ["pull", "resolve", "referrers"]\n'
+                    f'  dial_timeout = "1s"\n# <<< larder-managed-block: {RELEASE}\n'
+                ),
+                text,
+            )
+            check("[referrers] containerd 2.2: the reason is logged", "containerd 2.2 accepts it" in run_.err, run_)
+    # k3s and distribution packages print their own version strings.
+    run_, caps, _ = run("containerd.io 2.3", {"/usr/local/bin/containerd": "containerd containerd.io 2.3.1 b4f6c0e"})
+    check("[referrers] Docker's containerd.io package (2.3.1, in /usr/local/bin): written", caps == with_referrers, run_)
+    beta = "containerd github.com/containerd/containerd/v2 v2.2.0-beta.0 5bcf77a55038ad658c57fdecc48af54935a0d42f"
+    run_, caps, _ = run("2.2.0-beta.0", {"/usr/bin/containerd": beta})
+    check("[referrers] 2.2.0-beta.0 (before referrers existed): left out", caps == without, (caps, run_))
+    # Unknown: nothing found, an answer that is no version, two binaries disagreeing.
+    run_, caps, _ = run("no containerd binary", {})
+    check(
+        "[referrers] no containerd binary on the node: left out, and said so",
+        caps == without and "no containerd binary in" in run_.err,
+        (caps, run_),
+    )
+    run_, caps, _ = run("garbage version", {"/usr/bin/containerd": "not containerd at all"})
+    check("[referrers] --version that is not a version: left out", caps == without and "unknown" in run_.err, (caps, run_))
+    # Hostile or broken binaries: the node setup still finishes, with the
+    # capability left out. A version too large for sh's arithmetic; one
+    # that ignores SIGTERM and never exits; one that writes forever (in a
+    # container with little memory: here 64 MiB of address space). Each
+    # runs in a PID namespace of its own, as in a container, so that
+    # nothing outlives its run.
+    huge = "containerd github.com/containerd/containerd/v2 v99999999999999999999.1 x"
+    run_, caps, _ = run("a version sh cannot count", {"/usr/bin/containerd": huge})
+    check("[referrers] a version too large to compare: left out", caps == without and "unknown" in run_.err, (caps, run_))
+    unshare = shutil.which("unshare") or "/usr/bin/unshare"
+    prlimit = shutil.which("prlimit") or "/usr/bin/prlimit"
+    own_pids = [unshare, "--pid", "--fork", "--kill-child", "--"]
+    hostile = {
+        # The control: a well-behaved 2.3 under the same limits.
+        "prints its version": f"echo '{CONTAINERD_VERSIONS['2.3']}'",
+        "ignores SIGTERM and hangs": "trap '' TERM\nwhile :; do /usr/bin/busybox sleep 1; done",
+        "writes forever": "while :; do echo 'containerd x v2.3.0 aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa'; done",
+    }
+    for label, body in hostile.items():
+        started = time.monotonic()
+        try:
+            run_, caps, _ = run(
+                label,
+                {"/usr/bin/containerd": f"#!/bin/sh\n{body}\n"},
+                prefix=[*own_pids, prlimit, f"--as={64 << 20}", "--"],
+            )
+        except subprocess.TimeoutExpired as e:
+            check(f"[referrers] a containerd that {label}: the node setup finishes", False, f"still running after {e.timeout}s")
+            continue
+        took = time.monotonic() - started
+        expected = with_referrers if label == "prints its version" else without
+        check(
+            f"[referrers] a containerd that {label}: the node setup finishes ({took:.0f}s), capabilities {expected}",
+            caps == expected and len(run_.err) < 20_000,
+            (caps, run_.rc, run_.err[-3000:]),
+        )
+    run_, caps, _ = run(
+        "2.3 and 1.7 both installed",
+        {"/usr/local/bin/containerd": CONTAINERD_VERSIONS["2.3"], "/usr/bin/containerd": CONTAINERD_VERSIONS["1.7"]},
+    )
+    check("[referrers] two binaries (2.3 and 1.7): the older one decides, left out", caps == without, (caps, run_))
+    # Without SYS_CHROOT (a runtime or policy that drops it) the binary
+    # cannot run: unknown, left out.
+    setpriv = shutil.which("setpriv")
+    if setpriv:
+        run_, caps, _ = run(
+            "2.3 without SYS_CHROOT",
+            {"/usr/bin/containerd": CONTAINERD_VERSIONS["2.3"]},
+            prefix=[setpriv, "--bounding-set=-sys_chroot", "--"],
+        )
+        check(
+            "[referrers] 2.3 but no SYS_CHROOT: cannot run it, left out",
+            caps == without and "--version failed" in run_.err,
+            (caps, run_),
+        )
+    else:
+        check("[referrers] setpriv installed (util-linux)", False, "no setpriv")
+
+    # Overrides: no detection, no mounts, no capability.
+    for value, expected in (("always", with_referrers), ("never", without)):
+        rr = render(f"nodeSetup referrers {value}", node_values(referrers=value))
+        if not rr:
+            continue
+        spec = pod_spec(rr, "DaemonSet", "larder")
+        init = init_container(spec, "containerd-hosts")
+        check(
+            f"[referrers] {value}: no node root, no SYS_CHROOT",
+            "node-root" not in {v["name"] for v in spec["volumes"]}
+            and not any(m["mountPath"].startswith("/host/node") for m in init["volumeMounts"])
+            and init["securityContext"]["capabilities"] == {"drop": ["ALL"]},
+            init,
+        )
+        binary = CONTAINERD_VERSIONS["2.3"] if value == "never" else CONTAINERD_VERSIONS["1.7"]
+        run_, caps, _ = run(f"referrers {value}", {"/usr/bin/containerd": binary}, rr=rr)
+        check(f"[referrers] nodeSetup.referrers={value}: capabilities {expected}", caps == expected, (caps, run_))
+    rr = render("nodeSetup k3s bin dir", node_values(distribution="k3s"))
+    if rr:
+        spec = pod_spec(rr, "DaemonSet", "larder")
+        init = init_container(spec, "containerd-hosts")
+        env = {e["name"]: e.get("value") for e in init["env"]}
+        vols = {v["name"]: v for v in spec["volumes"]}
+        k3s_bin = "/var/lib/rancher/k3s/data/current/bin"
+        mount = next((m for m in init["volumeMounts"] if m["mountPath"] == "/host/node" + k3s_bin), {})
+        check(
+            "[referrers] k3s: its data bin folder searched and mounted read-only (with /usr)",
+            env.get("LARDER_CONTAINERD_BIN_DIRS") == k3s_bin
+            and vols.get(mount.get("name"), {}).get("hostPath") == {"path": k3s_bin, "type": "Directory"}
+            and mount.get("readOnly") is True
+            and any(m["mountPath"] == "/host/node/usr" for m in init["volumeMounts"]),
+            (env, init["volumeMounts"]),
+        )
+
+
+def check_docs_containerd_config() -> None:
+    """The containerd 2.1-2.3 config docs/kubernetes.md shows: TOML, its
+    keys where containerd reads them, and accepted by the node setup."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "kubernetes.md").read_text()
+    header = "# /etc/containerd/config.toml\n"
+    start = text.find("<!-- checked-by: charts/test_nodesetup.py -->\n```text\n" + header)
+    if not check("[docs] docs/kubernetes.md shows a containerd config checked here", start >= 0):
+        return
+    body = text[start:].split("```text\n", 1)[1].split("```", 1)[0]
+    config = tomllib.loads(body)
+    plugins = config.get("plugins", {})
+    check(
+        "[docs] the config: version 3, config_path under io.containerd.cri.v1.images, the transfer service's settings",
+        config.get("version") == 3
+        and plugins.get("io.containerd.cri.v1.images", {}).get("registry") == {"config_path": "/etc/containerd/certs.d"}
+        and plugins.get("io.containerd.transfer.v1.local")
+        == {"max_concurrent_downloads": 3, "concurrent_layer_fetch_buffer": 8 << 20},
+        config,
+    )
+    r = render("docs containerd config", node_values())
+    if not r:
+        return
+    node = Node()
+    try:
+        node.write("/etc/containerd/config.toml", body)
+        run = setup_run(r, node)
+        check(
+            "[docs] the node setup accepts it and writes every upstream's hosts.toml",
+            run.rc == 0
+            and sorted(k for k in node.files("/etc/containerd/certs.d") if k.endswith("hosts.toml"))
+            == sorted(f"{n}/hosts.toml" for n in NAMES),
+            run,
+        )
+    finally:
+        node.cleanup()
+
+
 def check_real_containerd() -> None:
     """containerd 1.6 pulls through larder via the script's hosts files."""
     for tool in ("containerd", "ctr", "docker-registry", "skopeo"):
@@ -1514,7 +1849,7 @@ def check_real_containerd() -> None:
     try:
         origin = Origin(tmp)
         cleanup.append(origin.stop)
-        for i, repo in enumerate(("team/app-ctr", "team/app-cri", "team/app-down", "team/app-fresh")):
+        for i, repo in enumerate(("team/app-ctr", "team/app-cri", "team/app-down", "team/app-fresh", "team/app-referrers")):
             push_image(origin, tmp, repo, i)
 
         larder_port = tc.free_port()
@@ -1585,6 +1920,53 @@ def check_real_containerd() -> None:
             (served(), before),
         )
 
+        # What the referrers detection prevents: containerd 1.6 given a
+        # hosts.toml with `referrers` refuses the capability, drops the
+        # whole file and pulls from the registry itself, silently.
+        always = render(
+            "real containerd, referrers always",
+            {**values, "nodeSetup": {**values["nodeSetup"], "referrers": "always"}},
+        )
+        if always:
+            run = setup_run(always, Node(Path("/")), host_ip="127.0.0.1")
+            hosts = tomllib.loads(hosts_file.read_text())
+            check(
+                "[real] referrers=always writes the capability",
+                run.rc == 0
+                and hosts["host"][f"http://127.0.0.1:{larder_port}"]["capabilities"] == ["pull", "resolve", "referrers"],
+                (run, hosts),
+            )
+            before = served()
+            ok, detail = containerd.cri_pull(f"{REGISTRY}/team/app-referrers:v1")
+            # Without the file, not even its `server` is used: containerd
+            # goes to https://<the image's registry> itself (here a made-up
+            # name pinned to 127.0.0.1, where nothing answers on 443; on a
+            # real node, the registry: the pull works, around larder).
+            check(
+                "[real] containerd 1.6 with referrers in hosts.toml: the whole file is ignored, "
+                f"the pull goes to https://{REGISTRY} itself",
+                not ok and f'"https://{REGISTRY}/v2/team/app-referrers/manifests/v1"' in detail,
+                detail,
+            )
+            check("[real] ... and larder is asked nothing", served() == before, (served(), before))
+            log = containerd.log.read_text()
+            check(
+                '[real] ... and containerd 1.6 logs why: "unknown capability referrers"',
+                "unknown capability referrers" in log,
+                log[-2000:],
+            )
+            print("     " + next((line for line in log.splitlines() if "unknown capability referrers" in line), "")[:300])
+            # The chart's default (auto) detects 1.6 on this machine and takes it out again.
+            run = setup_run(r, Node(Path("/")), host_ip="127.0.0.1")
+            hosts = tomllib.loads(hosts_file.read_text())
+            check(
+                "[real] referrers=auto on this machine (containerd 1.6): pull and resolve again",
+                run.rc == 0
+                and hosts["host"][f"http://127.0.0.1:{larder_port}"]["capabilities"] == ["pull", "resolve"]
+                and "containerd 1.6 would refuse" in run.err,
+                run,
+            )
+
         # The mirror down: nothing listens on its port any more.
         larder.stop()
         gets = origin.blob_gets()
@@ -1648,6 +2030,8 @@ def main() -> int:
         check_mirror_addresses,
         check_listen_address,
         check_node_pools,
+        check_referrers,
+        check_docs_containerd_config,
         check_cleanup_wait,
         check_real_containerd,
     ):

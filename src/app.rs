@@ -164,11 +164,13 @@ pub async fn start(config: Config, shutdown: crate::shutdown::Shutdown) -> Resul
         tracing::warn!(error = %e, "reading the warm images' digests failed; they are pinned after their first check");
     }
     let app = Arc::new(App { config, upstreams, cache, auth, warm });
+    // Addresses as an operator writes them; `none` for a listener not configured.
+    let or_none = |a: Option<std::net::SocketAddr>| a.map_or_else(|| "none".to_owned(), |a| a.to_string());
     tracing::info!(
         %addr,
-        admin = ?admin_addr,
+        admin = %or_none(admin_addr),
         admin_tls = admin_tls.is_some(),
-        peers = ?peer_addr,
+        peers = %or_none(peer_addr),
         shared = app.config.shared.is_some(),
         cache_dir = %app.config.cache.dir.display(),
         "larder listening"

@@ -21,7 +21,7 @@
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use base64::Engine;
@@ -97,43 +97,6 @@ impl Throttled {
     }
 }
 
-/// Checks waiting for or running bcrypt, per client address. A std mutex:
-/// held only to change a count, never across an await.
-#[derive(Default)]
-struct PeerQueue(Mutex<HashMap<IpAddr, usize>>);
-
-/// One check's place in [`PeerQueue`], given back when dropped.
-struct QueueSlot<'a> {
-    queue: &'a PeerQueue,
-    peer: IpAddr,
-}
-
-impl PeerQueue {
-    /// A place for a check from `peer`, unless it has [`MAX_BCRYPT_PER_PEER`] already.
-    fn enter(&self, peer: IpAddr) -> Option<QueueSlot<'_>> {
-        let peer = peer.to_canonical();
-        let mut counts = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let count = counts.entry(peer).or_insert(0);
-        if *count >= MAX_BCRYPT_PER_PEER {
-            return None;
-        }
-        *count += 1;
-        Some(QueueSlot { queue: self, peer })
-    }
-}
-
-impl Drop for QueueSlot<'_> {
-    fn drop(&mut self) {
-        let mut counts = self.queue.0.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(count) = counts.get_mut(&self.peer) {
-            *count -= 1;
-            if *count == 0 {
-                counts.remove(&self.peer);
-            }
-        }
-    }
-}
-
 /// The users of an htpasswd file, and a hash to check unknown users
 /// against, made with the cost the file's hashes use.
 struct Users {
@@ -148,7 +111,8 @@ pub struct ClientAuth {
     /// sha256(user, password, hash) of pairs bcrypt accepted, while in use.
     verified: moka::sync::Cache<[u8; 32], ()>,
     bcrypt_permits: tokio::sync::Semaphore,
-    queued: PeerQueue,
+    /// Checks waiting for or running bcrypt, per client address.
+    queued: crate::peer_slots::PeerSlots,
     /// How many bcrypt checks ran at once, for the tests.
     #[cfg(test)]
     probe: Arc<tests::Probe>,
@@ -183,7 +147,7 @@ impl ClientAuth {
             users: RwLock::new(Arc::new(users)),
             verified,
             bcrypt_permits: tokio::sync::Semaphore::new(MAX_CONCURRENT_BCRYPT),
-            queued: PeerQueue::default(),
+            queued: crate::peer_slots::PeerSlots::new(MAX_BCRYPT_PER_PEER),
             #[cfg(test)]
             probe: Arc::default(),
         }))
@@ -354,7 +318,7 @@ mod tests {
 
     /// Checks from `peer` waiting for or running bcrypt now.
     fn queued(auth: &ClientAuth, peer: IpAddr) -> usize {
-        auth.queued.0.lock().unwrap().get(&peer).copied().unwrap_or(0)
+        auth.queued.held(peer)
     }
 
     fn runs(auth: &ClientAuth) -> usize {

@@ -60,9 +60,11 @@ where
                     // The leader's priority goes with the work (clients
                     // first, see `crate::background`).
                     let task = tokio::spawn(crate::background::inherit(async move {
-                        let result = fut.await;
-                        inflight.lock().unwrap_or_else(|p| p.into_inner()).remove(&task_key);
-                        result
+                        // Removes the key however the work ends, a panic
+                        // included: a key left behind would hand every
+                        // later caller the dead flight's error.
+                        let _leave = Leave { inflight, key: task_key };
+                        fut.await
                     }));
                     let flight = async move {
                         task.await.unwrap_or_else(|e| Err(Error::Internal(format!("single-flight task failed: {e}"))))
@@ -75,6 +77,18 @@ where
             }
         };
         (flight.await, joined)
+    }
+}
+
+/// Takes a flight's key out of the map when the flight's task ends.
+struct Leave<K: Hash + Eq, T> {
+    inflight: Arc<Mutex<HashMap<K, Flight<T>>>>,
+    key: K,
+}
+
+impl<K: Hash + Eq, T> Drop for Leave<K, T> {
+    fn drop(&mut self) {
+        self.inflight.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.key);
     }
 }
 
@@ -112,6 +126,15 @@ mod tests {
         // Once finished, the next call runs again.
         let (v, joined) = flights.run("k", || async { Ok(8) }).await;
         assert_eq!((v.unwrap(), joined), (8, Joined::Leader));
+    }
+
+    #[tokio::test]
+    async fn work_that_panics_leaves_no_flight_behind() {
+        let flights: Arc<SingleFlight<u8, u32>> = Arc::default();
+        let (v, _) = flights.run(1, || async { panic!("the work panics") }).await;
+        assert!(matches!(v, Err(Error::Internal(_))), "{v:?}");
+        let (v, joined) = flights.run(1, || async { Ok(2) }).await;
+        assert_eq!((v.unwrap(), joined), (2, Joined::Leader), "a fresh run, not the dead flight's error");
     }
 
     #[tokio::test]

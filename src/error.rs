@@ -21,6 +21,11 @@ pub enum Error {
     NameUnknown,
     #[error("manifest unknown")]
     ManifestUnknown,
+    /// An image an operator asked for (a prefetch, an export, a warm
+    /// image) that upstream lacks, or a platform its index lacks: the text
+    /// names the image, and for a platform the ones the index has.
+    #[error("{0}")]
+    ImageUnknown(String),
     #[error("blob unknown")]
     BlobUnknown(Digest),
     #[error("invalid digest: {0}")]
@@ -37,9 +42,22 @@ pub enum Error {
     Upstream(#[from] UpstreamError),
     #[error("authentication required")]
     Unauthorized { realm: String },
-    /// An admin operation without the right `Authorization: Bearer` token.
-    #[error("this admin operation needs `Authorization: Bearer <token>` with the token in [admin] token_file")]
-    AdminUnauthorized,
+    /// An upstream with `client_credentials = "verify"` needs the client's
+    /// own Basic credentials, and it sent none, or ones upstream does not
+    /// accept. Answered with a `Basic` challenge naming `realm` (the
+    /// upstream); `message` says which, and never quotes the credentials.
+    #[error("{message}")]
+    CredentialsRequired { realm: String, message: String },
+    /// A client's credentials could not be checked with the upstream now
+    /// (unreachable, 5xx, 429) and no verdict within the ttl covers them:
+    /// nothing is served until they are.
+    #[error("larder cannot check these credentials with upstream {upstream:?} now; try again later")]
+    CredentialsUnverified { upstream: String },
+    /// An admin operation without the right `Authorization: Bearer`
+    /// token: the text says which token the listener expects (the
+    /// configured file, or the one larder generated, and where).
+    #[error("{0}")]
+    AdminUnauthorized(String),
     /// An admin operation on a non-loopback admin listener without `[admin] token_file`.
     #[error("admin operations are disabled: set [admin] token_file, or bind server.admin_listen to a loopback address")]
     AdminDisabled,
@@ -130,7 +148,9 @@ impl Error {
         match self {
             Error::NameInvalid(_) => (S::BAD_REQUEST, "NAME_INVALID", None),
             Error::UnknownUpstream(_) | Error::NameUnknown => (S::NOT_FOUND, "NAME_UNKNOWN", None),
-            Error::ManifestUnknown | Error::NotAcceptable => (S::NOT_FOUND, "MANIFEST_UNKNOWN", None),
+            Error::ManifestUnknown | Error::NotAcceptable | Error::ImageUnknown(_) => {
+                (S::NOT_FOUND, "MANIFEST_UNKNOWN", None)
+            }
             Error::BlobUnknown(_) => (S::NOT_FOUND, "BLOB_UNKNOWN", None),
             Error::DigestInvalid(_) => (S::BAD_REQUEST, "DIGEST_INVALID", None),
             Error::LayoutInvalid(_) => (S::BAD_REQUEST, "MANIFEST_INVALID", None),
@@ -159,7 +179,11 @@ impl Error {
             Error::Unauthorized { realm } => {
                 (S::UNAUTHORIZED, "UNAUTHORIZED", Some((header::WWW_AUTHENTICATE, format!("Basic realm=\"{realm}\""))))
             }
-            Error::AdminUnauthorized => (
+            Error::CredentialsRequired { realm, .. } => {
+                (S::UNAUTHORIZED, "UNAUTHORIZED", Some((header::WWW_AUTHENTICATE, format!("Basic realm=\"{realm}\""))))
+            }
+            Error::CredentialsUnverified { .. } => (S::SERVICE_UNAVAILABLE, "UNAVAILABLE", None),
+            Error::AdminUnauthorized(_) => (
                 S::UNAUTHORIZED,
                 "UNAUTHORIZED",
                 Some((header::WWW_AUTHENTICATE, "Bearer realm=\"larder-admin\"".to_owned())),

@@ -12,7 +12,8 @@
 //!   (which hosts are one operator's), [`config`] (one room per section);
 //! - plumbing: [`error`] (the one mapping to responses), [`metrics`],
 //!   [`blocking`], [`coalesce`], [`background`], [`body`], [`sendfile`],
-//!   [`log_filter`], [`log_writer`], [`shutdown`];
+//!   [`log_filter`], [`log_writer`], [`shutdown`], and [`faults`] (the
+//!   test build's injected I/O errors);
 //! - [`upstream`]: registries larder pulls from (auth, redirects and the
 //!   dial guard, credentials, pull limits);
 //! - [`cluster`]: the other replicas (ring, peer set, peer client);
@@ -37,10 +38,12 @@ pub mod cluster;
 pub mod coalesce;
 pub mod config;
 pub mod error;
+pub mod faults;
 pub mod log_filter;
 pub mod log_writer;
 pub mod metrics;
 pub mod oci;
+pub mod peer_slots;
 pub mod policy;
 pub mod sendfile;
 pub mod server;

@@ -19,7 +19,8 @@ use tracing_subscriber::util::SubscriberInitExt;
 #[derive(Parser)]
 #[command(version, about = "A pull-through caching proxy for OCI/Docker registries")]
 struct Cli {
-    /// Config file (TOML). Without it, larder runs its embedded default.
+    /// Config file (TOML). Without it, the embedded default config is used
+    /// (cache folder ./larder-data, admin listener 0.0.0.0:9090).
     #[arg(long, global = true)]
     config: Option<PathBuf>,
     /// Log format; overrides the config's `log.format`.
@@ -33,8 +34,16 @@ struct Cli {
 enum Command {
     /// Run the proxy (the default).
     Run,
-    /// Validate a config file and exit.
-    CheckConfig,
+    /// Validate a config file and exit: warnings, then what the config
+    /// means (sizes in bytes, the admin listener's rules).
+    CheckConfig {
+        /// Check everything but what holds secrets or exists only where
+        /// larder runs (password, token and key files, certificates,
+        /// unset environment variables), and list what was skipped: for a
+        /// config repository's CI.
+        #[arg(long)]
+        without_secrets: bool,
+    },
     /// Re-hash every cached blob and compare with the index; run it while
     /// larder is stopped. Exit status 1 if bad entries remain.
     Verify {
@@ -203,6 +212,7 @@ fn operator(command: Command, config_path: Option<&PathBuf>) -> ExitCode {
         token: std::env::var(larder::cli::TOKEN_ENV).ok().filter(|t| !t.is_empty()),
         ca_file: admin.ca_file.clone(),
         tls_name: admin.tls_name.clone(),
+        config_path: config_path.cloned(),
     };
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,
@@ -264,6 +274,9 @@ fn main() -> ExitCode {
     {
         return operator(command, cli.config.as_ref());
     }
+    if let Some(Command::CheckConfig { without_secrets }) = cli.command {
+        return ExitCode::from(larder::cli::check_config::run(cli.config.as_deref(), without_secrets));
+    }
     let config = match load(cli.config.as_ref()) {
         Ok(c) => c,
         Err(e) => {
@@ -271,37 +284,8 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let Some(Command::CheckConfig) = cli.command {
-        let source = cli.config.as_ref().map_or("embedded default config".to_owned(), |p| p.display().to_string());
-        for warning in config.warnings() {
-            eprintln!("larder: {source}: warning: {warning}");
-        }
-        // The warm file's bad lines are skipped at run time, not fatal:
-        // shown here as warnings.
-        if let Some(path) = &config.cache.warm_file {
-            let (_, report) = larder::warm::list::read_file(path, &config.upstreams, &config.warm);
-            for bad in &report.bad_lines {
-                eprintln!("larder: {}: warning: line {}: {} (skipped)", report.path, bad.line, bad.message);
-            }
-            if let Some(error) = &report.error {
-                eprintln!("larder: {}: warning: {error}", report.path);
-            }
-            if let Some(line) = report.unterminated_line {
-                eprintln!(
-                    "larder: {}: warning: line {line} does not end with a newline: not read until it does",
-                    report.path
-                );
-            }
-        }
-        let n = config.upstreams.len();
-        println!("{source}: ok ({n} {})", if n == 1 { "upstream" } else { "upstreams" });
-        for line in larder::server::admin::explain(&config) {
-            println!("{line}");
-        }
-        return ExitCode::SUCCESS;
-    }
     if let Some(Command::Verify { repair }) = cli.command {
-        return verify(&config, repair);
+        return ExitCode::from(larder::cli::verify::run(&config, repair, std::io::stdout().is_terminal()));
     }
     let _logs = match init_logs(&config.log, cli.log_format) {
         Ok(flush) => flush,
@@ -356,39 +340,6 @@ fn main() -> ExitCode {
             }
         }
     })
-}
-
-fn verify(config: &Config, repair: bool) -> ExitCode {
-    let report = match larder::cache::Cache::verify(&config.cache, repair) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("larder verify: {}: {e}", config.cache.dir.display());
-            return ExitCode::FAILURE;
-        }
-    };
-    for problem in &report.problems {
-        println!("bad: {problem}");
-    }
-    println!(
-        "{}: {} ok, {} bad ({} index rows, {} files), {} unindexed files {}",
-        config.cache.dir.display(),
-        report.ok,
-        report.bad(),
-        report.bad_rows,
-        report.bad_files,
-        report.adopted,
-        if repair { "indexed" } else { "found" },
-    );
-    if repair {
-        if report.bad() > 0 {
-            println!("repaired: bad entries removed");
-        }
-        ExitCode::SUCCESS
-    } else if report.bad() > 0 {
-        ExitCode::FAILURE
-    } else {
-        ExitCode::SUCCESS
-    }
 }
 
 /// The operator commands end as Unix filters do when whoever reads their

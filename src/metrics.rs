@@ -158,8 +158,16 @@ pub struct Metrics {
     /// high watermark of `max_size` (or of an upstream's own `max_size`):
     /// only unpinned content is evicted, and it cannot make room.
     pub cache_pinned_over_limit: IntGauge,
+    /// `client_verifications_total{upstream,result}`: checks of a client's
+    /// credentials with an upstream that has `client_credentials =
+    /// "verify"` (one per (credentials, repository) and ttl, however many
+    /// requests wait on it); result `granted|rejected|denied|not_found|unavailable`.
+    pub client_verifications: IntCounterVec,
+    /// `client_verdicts_cached{upstream}`: (credentials, repository)
+    /// verdicts remembered, as of the last check.
+    pub client_verdicts_cached: IntGaugeVec,
     /// `warm_images{state}`: warm images by state,
-    /// `ready|fetching|missing_upstream|failed`.
+    /// `ready|fetching|missing_upstream|not_found|failed`.
     pub warm_images: IntGaugeVec,
 }
 
@@ -385,8 +393,19 @@ fn build() -> Result<Metrics, prometheus::Error> {
         )?,
         warm_images: gauge_vec(
             "warm_images",
-            "Warm images by state: ready, fetching, missing_upstream (gone upstream, served from the cache) or failed",
+            "Warm images by state: ready, fetching, missing_upstream (gone upstream, served from the cache), not_found (never found upstream) or failed",
             &["state"],
+        )?,
+        client_verifications: counter_vec(
+            "client_verifications_total",
+            "Client credentials checked with the upstream for a repository (client_credentials = \"verify\"), by \
+             result: granted, rejected (wrong credentials), denied (may not pull it), not_found, unavailable",
+            &["upstream", "result"],
+        )?,
+        client_verdicts_cached: gauge_vec(
+            "client_verdicts_cached",
+            "Verdicts on (client credentials, repository) pairs remembered, as of the last check",
+            &["upstream"],
         )?,
         upstream_listings_refused: counter_vec(
             "upstream_listings_refused_total",
@@ -431,7 +450,7 @@ pub fn init_known_series() {
 }
 
 /// The values of `warm_images{state}`.
-pub const WARM_STATES: [&str; 4] = ["ready", "fetching", "missing_upstream", "failed"];
+pub const WARM_STATES: [&str; 5] = ["ready", "fetching", "missing_upstream", "not_found", "failed"];
 
 /// The log writer, whose count of lines it had to drop is read when
 /// metrics are rendered (see `main`'s `init_logs`).

@@ -155,6 +155,17 @@ impl Principal {
     }
 }
 
+/// As a grant's `who` writes it: `team-a`, `cn:ci-runner`, `san:runner.ci.example.com`.
+impl std::fmt::Display for Principal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Principal::User(u) => f.write_str(u),
+            Principal::CommonName(cn) => write!(f, "cn:{cn}"),
+            Principal::AltName(san) => write!(f, "san:{san}"),
+        }
+    }
+}
+
 /// Who a client proved to be: its htpasswd user and its verified client
 /// certificate's names, any of them absent.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -165,6 +176,23 @@ pub struct ClientIdentity {
 }
 
 impl ClientIdentity {
+    /// The htpasswd user, as logged: `team-a`, or `none`.
+    pub fn user_text(&self) -> &str {
+        self.user.as_deref().unwrap_or("none")
+    }
+
+    /// The client certificate's names as a grant's `who` writes them
+    /// (`cn:ci-runner san:runner.ci.example.com`), or `none`.
+    pub fn certificate_text(&self) -> String {
+        let names: Vec<String> = self
+            .common_name
+            .iter()
+            .map(|cn| format!("cn:{cn}"))
+            .chain(self.alt_names.iter().map(|san| format!("san:{san}")))
+            .collect();
+        if names.is_empty() { "none".to_owned() } else { names.join(" ") }
+    }
+
     fn is(&self, who: &Principal) -> bool {
         match who {
             Principal::User(u) => self.user.as_ref() == Some(u),

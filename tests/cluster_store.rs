@@ -6,9 +6,11 @@
 //!
 //! What it shows, for every replica asking at once (N = 3): a client's
 //! range never ends cleanly with a byte that was not verified; an object
-//! of the wrong size is deleted, counted and skipped, costing upstream
-//! one GET for the whole cluster; a response cut off mid-stream is resumed
-//! from the byte reached.
+//! of the wrong size is counted, read only up to the blob's size (learnt
+//! from its manifest, or from the membership check's `HEAD` when the
+//! replica never saw the manifest), resumed from the byte it reached when
+//! shorter, and mended with the verified blob; a response cut off
+//! mid-stream is resumed from the byte reached.
 
 mod common;
 mod fake;
@@ -85,7 +87,7 @@ async fn a_range_never_ends_cleanly_with_a_wrong_byte_from_a_corrupt_shared_obje
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_shared_object_of_the_wrong_size_is_deleted_counted_and_skipped() {
+async fn a_shared_object_of_the_wrong_size_is_read_up_to_the_blobs_size_counted_and_mended() {
     let config = random_bytes(512, 31);
     let longer = random_bytes(2 * MIB, 32);
     let shorter = random_bytes(3 * MIB, 33);
@@ -124,10 +126,48 @@ async fn a_shared_object_of_the_wrong_size_is_deleted_counted_and_skipped() {
         assert_eq!(ends[0], (longer.len() as u64, End::Complete, None), "the longer object's blob, exact");
         assert_eq!(ends[1], (shorter.len() as u64, End::Complete, None), "the truncated object's blob, exact");
     }
+    // The longer object was read up to the blob's size, and its bytes
+    // verified: upstream sent nothing. The shorter one was resumed from
+    // the byte it reached: one upstream GET for the whole cluster.
+    assert_eq!(up.blob_gets(&digest(&longer)), 0, "read up to the declared size only");
+    assert_eq!(up.blob_gets(&digest(&shorter)), 1, "one upstream GET for the whole cluster");
     for layer in [&longer, &shorter] {
-        assert_eq!(up.blob_gets(&digest(layer)), 1, "one upstream GET for the whole cluster");
-        // Deleted, then replaced by the replica that fetched it from upstream.
+        // Mended: a replica uploaded the verified blob over it.
         object_becomes(&garage, &blob_key("sizes", &digest(layer)), Some(layer.len() as u64)).await;
+    }
+    assert!(total(&cluster, "larder_shared_corrupt_total").await >= 2.0, "both objects were counted");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_that_never_saw_the_manifest_learns_the_blobs_size_before_streaming_a_shared_object() {
+    let longer = random_bytes(MIB + 1, 34);
+    let shorter = random_bytes(3 * MIB, 35);
+    let up = FakeUpstream::builder().blob(longer.clone()).blob(shorter.clone()).start().await;
+    let garage = Garage::builder().start().await;
+    let cluster = Cluster::builder(upstream(&up)).replicas(3).shared(&garage, "unseen").start().await;
+    let mut long_object = longer.to_vec();
+    long_object.extend_from_slice(&[0u8; 4096]);
+    put_object(&garage, &blob_key("unseen", &digest(&longer)), long_object).await;
+    put_object(&garage, &blob_key("unseen", &digest(&shorter)), shorter[..MIB].to_vec()).await;
+
+    // Clients ask for the blobs alone, as after another replica served
+    // their manifest behind a Service: no replica knows a declared size.
+    // The size comes from the membership check's HEAD (before: the
+    // object's own length was streamed, and the connection cut at its end).
+    let pulls = cluster.replicas.iter().map(|r| async {
+        let mut ends = Vec::new();
+        for layer in [&longer, &shorter] {
+            ends.push(client::open(address(r), &blob_path(&digest(layer))).await.compare_to_end(layer).await);
+        }
+        ends
+    });
+    for ends in join_all(pulls).await {
+        assert_eq!(ends[0], (longer.len() as u64, End::Complete, None), "the longer object's blob, exact");
+        assert_eq!(ends[1], (shorter.len() as u64, End::Complete, None), "the truncated object's blob, exact");
+    }
+    assert_eq!(up.blob_gets(&digest(&longer)), 0, "read up to the blob's size only");
+    for layer in [&longer, &shorter] {
+        object_becomes(&garage, &blob_key("unseen", &digest(layer)), Some(layer.len() as u64)).await;
     }
     assert!(total(&cluster, "larder_shared_corrupt_total").await >= 2.0, "both objects were counted");
 }

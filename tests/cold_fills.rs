@@ -13,6 +13,9 @@
 //! - Fills ahead follow a pull, not a look: a manifest (and config) GET
 //!   fetches no layer; a client's first layer request starts the other
 //!   layers of the image that client resolved, if the image fits the cache.
+//! - containerd 2.1's parallel layer fetch (its transfer service with
+//!   `concurrent_layer_fetch_buffer`): open-ended 8 MiB ranges of one cold
+//!   blob, each read for its chunk and hung up on, get exactly their bytes.
 
 mod common;
 mod fake;
@@ -493,13 +496,15 @@ async fn a_first_part_answered_with_other_bytes_is_a_502_naming_both_ranges() {
         raw_response("404 Not Found", &[("Content-Type", "application/json".to_owned())], br#"{"errors":[]}"#)
     })
     .await;
-    let larder = larder_over(&format!("http://{}", origin.addr()), &["fill_ahead = false"]).await;
-    get_manifest(&larder, "team/app", "v1").await;
 
     for (layer, answered) in [
         (&shifted, format!("bytes 100-{}/{size}", PART + 99)),
         (&unlabelled, "a 206 without a valid Content-Range".to_owned()),
     ] {
+        // A larder each: after such an answer the upstream's next fills
+        // ask for no range.
+        let larder = larder_over(&format!("http://{}", origin.addr()), &["fill_ahead = false"]).await;
+        get_manifest(&larder, "team/app", "v1").await;
         let resp = http::client().get(format!("{}/v2/team/app/blobs/{layer}", larder.url())).send().await.unwrap();
         assert_eq!(resp.status(), 502);
         let want = serde_json::json!({"errors": [{
@@ -513,4 +518,96 @@ async fn a_first_part_answered_with_other_bytes_is_a_502_naming_both_ranges() {
         let body: serde_json::Value = serde_json::from_str(&resp.text().await.unwrap()).unwrap();
         assert_eq!(body, want);
     }
+}
+
+/// containerd 2.1+ with `concurrent_layer_fetch_buffer = 8388608` under
+/// `plugins."io.containerd.transfer.v1.local"` (core/remotes/docker/
+/// fetcher.go, `dockerFetcher.open`, v2.1.0): the first GET carries
+/// `Range: bytes=0-` (`setOffset` always sets it) and gives the length;
+/// then up to `max_concurrent_downloads` (3 by default) requests at once,
+/// chunk `i` asked as `Range: bytes=<i * 8 MiB>-` (open-ended), each read
+/// for exactly its chunk (`io.LimitReader`) and then closed, chunk 0 from
+/// the first response. larder's parts end on the same 8 MiB boundaries.
+#[tokio::test(flavor = "multi_thread")]
+async fn containerd_2_1_parallel_layer_fetch_gets_each_8_mib_range_exactly() {
+    const CHUNK: usize = PART; // concurrent_layer_fetch_buffer
+    const PARALLELISM: usize = 3; // max_concurrent_downloads
+    let origin = Origin::start().await;
+    let size = 4 * CHUNK + CHUNK / 2 + 77;
+    let image = push::image(&origin, "team/parallel", "v1", vec![random(size)]).await;
+    let layer = image.layers[0].clone();
+    let link = Shaper::start(&origin.host_port(), LINK);
+    // Fills ahead on, as shipped.
+    let larder = larder_over(&link.url(), &[]).await;
+    let addr: std::net::SocketAddr = larder.host_port().parse().expect("larder's address");
+    let path = format!("/v2/team/parallel/blobs/{}", layer.digest);
+
+    // containerd resolves the tag and reads the manifest first.
+    get_manifest(&larder, "team/parallel", "v1").await;
+    let mark = origin.log_mark().await;
+    let first = fake::client::open_with(addr, &path, &[("Range", "bytes=0-")]).await;
+    assert_eq!(first.status(), 206, "bytes=0- is a range like any other");
+    assert_eq!(first.header("content-range"), Some(format!("bytes 0-{}/{size}", size - 1).as_str()));
+    assert_eq!(first.head().content_length(), Some(size as u64), "the length containerd cuts its chunks from");
+    let chunks = size.div_ceil(CHUNK);
+    let first = std::sync::Arc::new(tokio::sync::Mutex::new(Some(first)));
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let workers = (0..PARALLELISM).map(|_| {
+        let (first, next, path) = (first.clone(), next.clone(), path.clone());
+        tokio::spawn(async move {
+            let mut got = Vec::new();
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                if i >= chunks {
+                    return got;
+                }
+                let offset = i * CHUNK;
+                let reused = if i == 0 { first.lock().await.take() } else { None };
+                let mut resp = match reused {
+                    Some(resp) => resp,
+                    None => fake::client::open_with(addr, &path, &[("Range", &format!("bytes={offset}-"))]).await,
+                };
+                let head =
+                    (resp.status(), resp.header("content-range").map(str::to_owned), resp.head().content_length());
+                let bytes = resp.read_exact(CHUNK.min(size - offset)).await;
+                drop(resp); // hung up on before the end, as io.LimitReader and Close do
+                got.push((i, head, bytes));
+            }
+        })
+    });
+    let mut received = Vec::new();
+    for worker in futures_util::future::join_all(workers).await {
+        received.extend(worker.expect("a chunk worker"));
+    }
+    received.sort_by_key(|(i, _, _)| *i);
+    assert_eq!(received.len(), chunks);
+    for (i, (status, content_range, content_length), bytes) in received {
+        let offset = i * CHUNK;
+        let expected_range = format!("bytes {offset}-{}/{size}", size - 1);
+        assert_eq!(
+            (status, content_range.as_deref(), content_length),
+            (206, Some(expected_range.as_str()), Some((size - offset) as u64)),
+            "chunk {i}"
+        );
+        let end = (offset + CHUNK).min(size);
+        assert!(bytes == layer.bytes[offset..end], "chunk {i}: exactly bytes {offset}..{end} of the layer");
+    }
+    wait_for_commits(&larder).await;
+
+    // One ranged GET per 8 MiB part upstream, no byte twice, whatever the
+    // clients hung up on.
+    let seen = origin.requests_since(&mark).await;
+    let gets: Vec<(u16, u64)> = seen
+        .blob_get_entries()
+        .iter()
+        .filter(|e| e.path().ends_with(&layer.digest))
+        .map(|e| (e.status, e.bytes.unwrap_or_default()))
+        .collect();
+    assert_eq!(gets.len(), chunks, "one upstream GET per part: {gets:?}");
+    assert!(gets.iter().all(|(status, _)| *status == 206), "{gets:?}");
+    assert_eq!(gets.iter().map(|(_, b)| b).sum::<u64>(), size as u64, "no byte twice: {gets:?}");
+    let (status, again) = get_blob(&larder, "team/parallel", &layer.digest, None).await;
+    assert!(status == 200 && again == layer.bytes, "the committed blob is the layer");
+    let after = origin.requests_since(&mark).await;
+    assert_eq!(after.blob_get_entries().iter().filter(|e| e.path().ends_with(&layer.digest)).count(), chunks, "warm");
 }

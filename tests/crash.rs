@@ -344,8 +344,8 @@ fn verify(larder: &Larder, repair: bool) -> Verified {
     let out = command.output().unwrap_or_else(|e| panic!("cannot run larder verify: {e}"));
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let output = format!("{stdout}{}(exit status {})", String::from_utf8_lossy(&out.stderr), out.status);
-    let summary = Regex::new(r"(?m): (\d+) ok, (\d+) bad \(").expect("a valid pattern");
-    let counts = summary.captures(&stdout).unwrap_or_else(|| panic!("no `N ok, M bad` summary:\n{output}"));
+    let summary = Regex::new(r"(?m): (\d+) blobs? ok \([^)]*\), (\d+) bad\b").expect("a valid pattern");
+    let counts = summary.captures(&stdout).unwrap_or_else(|| panic!("no `N blobs ok (…), M bad` summary:\n{output}"));
     Verified {
         code: out.status.code(),
         ok: counts[1].parse().expect("a count"),

@@ -21,6 +21,9 @@ const HIGH_WATERMARK: u64 = MAX_SIZE * 95 / 100;
 const LOW_WATERMARK: u64 = MAX_SIZE * 85 / 100;
 /// One layer per image: two images fit under the high watermark, three do not.
 const LAYER: usize = 1536 * KIB;
+/// `cache.max_blob_size`: above the default (a quarter of `max_size`,
+/// 1 MiB), which the layer's declared size no longer raises.
+const MAX_BLOB_SIZE: &str = r#"max_blob_size = "2MiB""#;
 /// Longest a test waits for the maintenance task to finish evicting.
 const EVICTION_PATIENCE: Duration = Duration::from_secs(30);
 
@@ -34,7 +37,13 @@ async fn pulls_past_max_size_evict_the_oldest_images_and_keep_the_newest_whole()
     for tag in ["v1", "v2", "v3", "v4"] {
         images.push(ImageBuilder::oci().layers(&[LAYER]).push(&origin, "team/app", tag).await);
     }
-    let larder = Larder::builder().upstream(&origin).max_size("4MiB").server_line(ADMIN_LISTEN).start().await;
+    let larder = Larder::builder()
+        .upstream(&origin)
+        .max_size("4MiB")
+        .cache_line(MAX_BLOB_SIZE)
+        .server_line(ADMIN_LISTEN)
+        .start()
+        .await;
 
     for (n, image) in images.iter().enumerate() {
         let pulled = pull_through(&origin, &larder, image).await;
@@ -79,7 +88,13 @@ async fn the_least_recently_used_image_goes_first_not_the_oldest() {
     let first = ImageBuilder::oci().layers(&[LAYER]).push(&origin, "team/app", "first").await;
     let second = ImageBuilder::oci().layers(&[LAYER]).push(&origin, "team/app", "second").await;
     let third = ImageBuilder::oci().layers(&[LAYER]).push(&origin, "team/app", "third").await;
-    let larder = Larder::builder().upstream(&origin).max_size("4MiB").server_line(ADMIN_LISTEN).start().await;
+    let larder = Larder::builder()
+        .upstream(&origin)
+        .max_size("4MiB")
+        .cache_line(MAX_BLOB_SIZE)
+        .server_line(ADMIN_LISTEN)
+        .start()
+        .await;
 
     pull_through(&origin, &larder, &first).await;
     pull_through(&origin, &larder, &second).await;

@@ -73,6 +73,14 @@ async fn allow_and_deny_refuse_before_the_cache_and_before_any_dial() {
         refused_requests.entries()
     );
     assert!(denied(&larder, "larder_policy_denied_total").await >= 3.0);
+    // A denied request is a valid route that was refused: counted under its
+    // route with status 403, not as `invalid`.
+    let requests = |route: &str, status: &str| {
+        format!("larder_requests_total{{method=\"GET\",route=\"{route}\",status=\"{status}\"}}")
+    };
+    assert!(metric(&larder, &requests("manifest", "403")).await >= 2.0, "the two refused pulls' manifests");
+    assert!(metric(&larder, &requests("blob", "403")).await >= 1.0, "the cached blob by digest");
+    assert_eq!(metric(&larder, &requests("invalid", "403")).await, 0.0);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -120,6 +128,13 @@ async fn two_tenants_each_pull_their_own_and_never_the_others_even_when_cached()
     assert_eq!(blob.status(), 403, "a cached blob of the other tenant");
     assert_eq!(origin.requests_since(&mark).await.entries().len(), 0, "a refusal costs no upstream request");
     assert!(denied(&larder, "larder_grant_denied_total").await >= 3.0);
+    // The denial is logged with the client's names as a grant writes them,
+    // never as Rust debug text.
+    let log = larder.log();
+    let line = log.lines().find(|l| l.contains("no grant for this client")).expect("a denial logged");
+    assert!(line.contains("user=\"team-a\"") || line.contains("user=team-a"), "{line}");
+    assert!(line.contains("certificate=none"), "{line}");
+    assert!(!log.contains("ClientIdentity") && !log.contains("Some(") && !log.contains("=None"), "{log}");
     // The version check stays open to any authenticated client.
     let base = http::client().get(format!("{}/v2/", larder.url())).basic_auth("team-a", Some("a-secret")).send().await;
     assert_eq!(base.unwrap().status(), 200);

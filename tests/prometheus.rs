@@ -132,7 +132,9 @@ async fn prometheus_scrapes_larder_and_every_dashboard_query_and_alert_rule_work
     ImageBuilder::oci().layers(&[256 * KIB, 256 * KIB, 128 * KIB]).push(&origin, "team/app", "v1").await;
     ImageBuilder::oci().layers(&[700 * KIB, 700 * KIB]).push(&origin, "team/big", "v1").await;
     // A small cache, so that the big image evicts: the eviction panel has data.
-    let (builder, admin) = Admin::open(Larder::builder().upstream(&origin).max_size("2MiB"));
+    // Its 700 KiB layers are above the default max_blob_size (512 KiB).
+    let small = Larder::builder().upstream(&origin).max_size("2MiB").cache_line(r#"max_blob_size = "1MiB""#);
+    let (builder, admin) = Admin::open(small);
     let larder = builder.start().await;
     let prometheus = Prometheus::start(&[format!("127.0.0.1:{}", admin.port)]).await;
 

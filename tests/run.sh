@@ -37,6 +37,8 @@ command -v docker-registry >/dev/null || need+=(docker-registry)
 command -v skopeo >/dev/null || need+=(skopeo)
 command -v containerd >/dev/null || need+=(containerd)
 command -v dockerd >/dev/null || need+=(docker.io)
+# tests/private_images_clients.rs pulls with podman --creds.
+command -v podman >/dev/null || need+=(podman)
 command -v prometheus >/dev/null || need+=(prometheus)
 command -v promtool >/dev/null || need+=(prometheus)
 command -v chromium >/dev/null || need+=(chromium)
@@ -55,6 +57,8 @@ command -v curl >/dev/null || need+=(curl)
 # tests/chaos.rs):
 # `unshare` and `mount` (util-linux, mount), `ip` (iproute2).
 command -v unshare >/dev/null || need+=(util-linux)
+# charts/test_nodesetup.py drops SYS_CHROOT with setpriv (util-linux).
+command -v setpriv >/dev/null || need+=(util-linux)
 command -v mount >/dev/null || need+=(mount)
 command -v ip >/dev/null || need+=(iproute2)
 # The cluster chaos test (tests/chaos.rs) partitions its namespaces with nft.
@@ -69,9 +73,10 @@ fi
 
 # The Helm chart is rendered, linted and validated with Helm's own engine
 # (bundled in helm-python-sdk) and the Kubernetes schemas; grpcio calls
-# containerd's CRI PullImage in the node setup test.
+# containerd's CRI PullImage in the node setup test; bcrypt writes the
+# htpasswd of benches/verify.py's origin.
 python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
-  helm-python-sdk kubernetes-validate pyyaml grpcio
+  helm-python-sdk kubernetes-validate pyyaml grpcio bcrypt
 
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings
@@ -96,4 +101,5 @@ LARDER_BIN=target/debug/larder python3 charts/test_nodesetup.py
 bench_out="$(mktemp -d)"
 python3 benches/load.py --reps 1 --duration 1 --no-latency --larder-bin target/debug/larder --out "$bench_out/load"
 python3 benches/connections.py --reps 1 --duration 1 --idle 300 --larder-bin target/debug/larder --out "$bench_out/connections"
+python3 benches/verify.py --reps 1 --duration 1 --larder-bin target/debug/larder --out "$bench_out/verify"
 rm -rf "$bench_out"

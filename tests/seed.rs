@@ -146,6 +146,19 @@ async fn an_export_is_a_layout_skopeo_copies_on_and_another_larder_imports_by_na
         larder_cli(&larder, &["export", "team/app:v1", "team/tool:2.0", "--output", &layout.display().to_string()]);
     assert!(out.status.success(), "export of two images into one folder");
     assert_eq!(origin.blob_gets(), app.blob_digests().len() + tool.blob_digests().len(), "each blob fetched once");
+    // Manifests are counted as manifests, not among the new blobs (an
+    // index and its two platforms' manifests; one image manifest).
+    let exported = String::from_utf8_lossy(&out.stdout);
+    for (image, pushed, manifests) in
+        [("team/app:v1", &app, "3 new manifests"), ("team/tool:2.0", &tool, "1 new manifest")]
+    {
+        let line =
+            exported.lines().find(|l| l.starts_with(&format!("exported {image} into "))).expect("an export line");
+        let bytes: u64 = pushed.blobs().iter().map(|b| b.size).sum();
+        let counts =
+            format!("({} new blobs, {}; {manifests})", pushed.blob_digests().len(), common::admin::human_bytes(bytes));
+        assert!(line.ends_with(&counts), "{line}: {counts}");
+    }
 
     // skopeo reads it by tag and copies it on, digests unchanged.
     let inspected = skopeo::run(&["inspect".into(), "--raw".into(), format!("oci:{}:v1", layout.display())])

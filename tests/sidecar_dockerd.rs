@@ -42,6 +42,9 @@ async fn dockerd_pulls_through_the_rendered_sidecar_config() {
     let daemon: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.path().join("daemon.json")).expect("daemon.json")).expect("JSON");
     assert_eq!(daemon["registry-mirrors"], serde_json::json!(["http://127.0.0.1:5000"]));
+    // The mirror's own host:port, not dockerd's loopback default (moby PR
+    // #52279 proposes dropping 127.0.0.0/8 and ::1 from it).
+    assert_eq!(daemon["insecure-registries"], serde_json::json!(["127.0.0.1:5000"]));
 
     let origin = Origin::start().await;
     let image = ImageBuilder::docker_schema2().layers(&[64 * KIB, 96 * KIB]).push(&origin, "library/smoke", "v1").await;
@@ -64,7 +67,7 @@ async fn dockerd_pulls_through_the_rendered_sidecar_config() {
     let mirror = format!("http://127.0.0.1:{port}");
     let mut daemon = daemon;
     daemon["registry-mirrors"] = serde_json::json!([mirror]);
-    daemon["insecure-registries"] = serde_json::json!([format!("127.0.0.1:{port}")]);
+    daemon["insecure-registries"] = serde_json::json!([format!("127.0.0.1:{port}")]); // the same, on the test's port
     let docker = Dockerd::start_with_config(daemon);
 
     let mark = origin.log_mark().await;

@@ -3,8 +3,9 @@
 //! the origin (the next pull asks the origin for no blob), its current and
 //! previous digests survive eviction by other images, and it still pulls
 //! with the origin gone. A warm file is re-read when it changes, its bad
-//! lines skipped; a warm tag deleted at the origin is counted as
-//! `missing_upstream` and still served. Clients go first: a warm download
+//! lines skipped (quoted whole); a warm tag deleted at the origin is
+//! counted as `missing_upstream` and still served, one that never existed
+//! as `not_found`, each warned about once. Clients go first: a warm download
 //! that stalls never holds a client back. Per-upstream `max_size`: an
 //! upstream over its share evicts only its own content.
 
@@ -26,6 +27,7 @@ const WARM_INTERVAL: &str = r#"warm_interval = "1s""#;
 const READY: &str = r#"larder_warm_images{state="ready"}"#;
 const FAILED: &str = r#"larder_warm_images{state="failed"}"#;
 const MISSING: &str = r#"larder_warm_images{state="missing_upstream"}"#;
+const NOT_FOUND: &str = r#"larder_warm_images{state="not_found"}"#;
 const EVICTED_BLOBS: &str = r#"larder_cache_evictions_total{kind="blob"}"#;
 
 #[tokio::test]
@@ -35,6 +37,8 @@ async fn a_warm_tag_is_cached_before_anyone_asks_survives_eviction_and_pulls_wit
     let (builder, admin) = Admin::with_token(Larder::builder().upstream(&origin), TOKEN);
     let larder = builder
         .max_size("4MiB")
+        // The other images' 1.5 MiB layers, above the default 1 MiB.
+        .cache_line(r#"max_blob_size = "2MiB""#)
         .tag_ttl("1s")
         .cache_line(WARM_INTERVAL)
         .append_toml("[[warm]]\nimage = \"origin.test/team/base:stable\"")
@@ -137,21 +141,70 @@ async fn a_warm_file_is_reread_its_bad_lines_skipped_and_a_tag_deleted_upstream_
     assert!(bad[0]["message"].as_str().unwrap().contains("quay.io"), "{report}");
     assert!(larder.log().contains("line=3"), "the bad line is logged with its number");
 
-    // The file changes (a ConfigMap rewritten): the new image is fetched.
-    std::fs::write(&file, "origin.test/team/base:1\norigin.test/team/tools:1 pin=false\n").unwrap();
+    // The file changes (a ConfigMap rewritten): the new image is fetched; a
+    // line that is no image is quoted whole; a tag that never existed
+    // upstream (a typo) is `not_found`, told from one that is gone.
+    std::fs::write(
+        &file,
+        "origin.test/team/base:1\norigin.test/team/tools:1 pin=false\norigin.test/team/toosl:1\nthis is not an image\n",
+    )
+    .unwrap();
     wait_until("team/tools is ready", || async { all_cached(&larder, &tools) && metric(&larder, READY).await == 2.0 })
         .await;
-    assert_eq!(status(&admin).await["warm"]["file"]["bad_lines"], serde_json::json!([]));
+    wait_until("team/toosl is not found", || async { metric(&larder, NOT_FOUND).await == 1.0 }).await;
+    let report = status(&admin).await;
+    let bad = &report["warm"]["file"]["bad_lines"];
+    assert_eq!(bad[0]["line"], 4, "{report}");
+    assert_eq!(
+        bad[0]["message"],
+        "\"this is not an image\": \"is\" is not understood: a line is an image, then only `platforms=os/arch,…`, \
+         `pin=true|false` and `referrers=true|false`",
+        "{report}"
+    );
+    let typo = warm_image(&report, "origin.test/team/toosl:1");
+    assert_eq!(typo["state"], "not_found", "{typo}");
+    assert_eq!(
+        typo["message"],
+        "not found upstream (404), and never was since it was listed: check the name in the warm file (upstream \
+         \"origin.test\", repository team/toosl); nothing of it is cached",
+        "{typo}"
+    );
 
-    // The warm tag is deleted at the origin: counted, and still served.
+    // The warm tag is deleted at the origin: counted, said since when and
+    // what it was, and still served.
     let url = format!("{}/v2/team/base/manifests/{}", origin.url(), base.digest);
     let deleted = http::client().delete(&url).send().await.expect("DELETE at the origin");
     assert_eq!(deleted.status(), 202, "distribution deleted the manifest");
     wait_until("team/base is missing upstream", || async { metric(&larder, MISSING).await == 1.0 }).await;
-    let warm = status(&admin).await["warm"]["images"][0].clone();
+    let warm = warm_image(&status(&admin).await, "origin.test/team/base:1");
     assert_eq!(warm["state"], "missing_upstream", "{warm}");
+    let message = warm["message"].as_str().unwrap_or_default();
+    assert!(message.starts_with("gone upstream (404) since 20"), "{warm}");
+    assert!(
+        message.ends_with(&format!(
+            "; it was {}: what is cached is still served, as far as stale_if_error allows",
+            base.digest
+        )),
+        "{warm}"
+    );
     let pulled = skopeo::pull(&larder.image_ref("team/base:1"), false).await.expect("the deleted warm tag still pulls");
     assert_eq!(pulled.manifest_digest, base.digest);
+
+    // Checked every second, each is warned about once, when its state
+    // changed, not at every check.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let log = larder.log();
+    for image in ["origin.test/team/toosl:1", "origin.test/team/base:1"] {
+        let warnings =
+            log.lines().filter(|l| l.contains("warm image not ready") && l.contains(&format!("\"{image}\""))).count();
+        assert_eq!(warnings, 1, "{image}: one warning, at the change:\n{log}");
+    }
+}
+
+/// The warm image listed as `image` in a `/status` answer.
+fn warm_image(report: &Value, image: &str) -> Value {
+    let images = report["warm"]["images"].as_array().cloned().unwrap_or_default();
+    images.into_iter().find(|i| i["image"] == image).unwrap_or_else(|| panic!("{image} in {report}"))
 }
 
 #[tokio::test]

@@ -206,6 +206,9 @@ impl Cache {
 
     /// Runs the fill of `digest` for `repo` in its own task, for a client
     /// or a peer (`via`), and ahead of any client or not (`priority`).
+    /// The fill fails at its deadline ([`fill::deadline`]); a task that
+    /// panics, or is dropped, fails it too ([`FlightGuard`]), so the digest
+    /// is never left with a flight nobody finishes.
     pub(super) fn spawn_fill(
         self: &Arc<Self>,
         upstream: Arc<Upstream>,
@@ -230,22 +233,31 @@ impl Cache {
         let declared = self.memory.declared_size(&member_key(upstream.name(), &repo, &digest));
         let mut in_flight = self.evictor.in_flight(upstream.name(), declared.unwrap_or(0));
         let progress = tx.subscribe();
+        let guard = FlightGuard { cache: Arc::clone(self), digest, tx, ended: false };
+        let purges_seen = upkeep::purges::lock_purges(&self.purges).count();
         // A fill the warm loop starts stays background work (clients first).
         tokio::spawn(crate::background::inherit(async move {
-            let filled = tokio::select! {
-                filled = cache.fill(&upstream, &repo, digest, via, &priority, &tx) => filled,
+            let mut guard = guard;
+            let tx = &guard.tx;
+            // Time the upstream's bandwidth held the fill's reads back is
+            // larder's, not the source's: it does not count toward the
+            // deadline (see fill::deadline).
+            let held = || upstream.bandwidth().held(&priority);
+            let timer = fill::deadline(tx.subscribe(), cache.config.max_blob_size, held);
+            let result = tokio::select! {
+                filled = cache.fill(&upstream, &repo, digest, (via, &priority), purges_seen, tx) => filled,
+                late = timer => Err(late),
                 never = count_in_flight(progress, &mut in_flight) => match never {},
             };
             drop(in_flight);
-            match filled {
+            match result {
                 Ok((file, size)) => {
                     if priority.is_ahead() {
                         cache.memory.insert_fetched_ahead(digest);
                     }
                     cache.memory.insert_blob_size(digest, size);
                     cache.memory.insert_open_blob(digest, Arc::clone(&file), size);
-                    tx.send_replace(Progress::Complete { file, size });
-                    cache.fills.remove(&digest);
+                    guard.end(Progress::Complete { file, size });
                     tracing::debug!(%digest, size, upstream = upstream.name(), "fill committed");
                 }
                 Err(e) => {
@@ -253,22 +265,64 @@ impl Cache {
                         cache.evictor.disk_full();
                     }
                     tracing::warn!(%digest, upstream = upstream.name(), %repo, error = %e, "fill failed");
-                    // Out of the map first: a follower that retries for its
-                    // own repository must not find this fill again.
-                    cache.fills.remove(&digest);
-                    tx.send_replace(Progress::Failed(e));
+                    guard.end(Progress::Failed(e));
                 }
             }
-            metrics().fills_in_flight.dec();
             drop(registered);
         }));
     }
 
-    /// The most bytes a fill of `digest` for `repo` may write: the size a
-    /// manifest of that repository declared for it, else `max_blob_size`.
-    /// Bounds an upstream that streams without `Content-Length`.
-    pub(super) fn fill_limit(&self, upstream: &str, repo: &RepoName, digest: &Digest) -> u64 {
-        self.memory.declared_size(&member_key(upstream, repo, digest)).unwrap_or(self.config.max_blob_size)
+    /// The size a manifest of `repo` declared for `digest`: remembered in
+    /// memory, else read from the index (where it outlives restarts).
+    pub(super) async fn declared_size(
+        &self,
+        upstream: &str,
+        repo: &RepoName,
+        digest: &Digest,
+    ) -> Result<Option<u64>, Error> {
+        let key = member_key(upstream, repo, digest);
+        if let Some(size) = self.memory.declared_size(&key) {
+            return Ok(Some(size));
+        }
+        let (index, k) = (Arc::clone(&self.index), key.clone());
+        let size = blocking(move || Ok(index.declared_size(&k)?)).await?;
+        if let Some(size) = size {
+            self.memory.insert_declared_size(key, size);
+        }
+        Ok(size)
+    }
+}
+
+/// A fill in flight, owned by its task: it leaves the map of fills (and
+/// the in-flight gauge) when the task ends, however it ends. Dropped
+/// without [`FlightGuard::end`] (the task panicked, or was cancelled), it
+/// publishes a failure, so readers abort their bodies, and the next
+/// request starts a new fill instead of joining one nobody finishes.
+struct FlightGuard {
+    cache: Arc<Cache>,
+    digest: Digest,
+    tx: watch::Sender<Progress>,
+    ended: bool,
+}
+
+impl FlightGuard {
+    /// Publishes how the fill ended. Out of the map first: a follower that
+    /// retries (for its own repository, or after a failure) must not find
+    /// this fill again.
+    fn end(&mut self, outcome: Progress) {
+        self.cache.fills.remove(&self.digest);
+        self.tx.send_replace(outcome);
+        self.ended = true;
+    }
+}
+
+impl Drop for FlightGuard {
+    fn drop(&mut self) {
+        if !self.ended {
+            tracing::error!(digest = %self.digest, "a fill's task ended without a result (it panicked or was cancelled); failing the fill");
+            self.end(Progress::Failed(Error::Internal("the fill's task ended without a result".into())));
+        }
+        metrics().fills_in_flight.dec();
     }
 }
 

@@ -49,12 +49,15 @@ impl Cache {
         if matches!(content, Content::Blob) && self.fills.get(digest).is_some_and(|f| f.owner == repo_owner) {
             return Ok(());
         }
-        self.confirm_member(upstream, repo, digest, content, via).await
+        self.confirm_member(upstream, repo, digest, content, via).await.map(drop)
     }
 
     /// [`Cache::ensure_member`] without taking a fill in flight as proof:
     /// what a fill reading the shared tier must ask before it serves a byte
-    /// (the shared tier holds every repository's content).
+    /// (the shared tier holds every repository's content). Returns the
+    /// content's size when the check learnt it (the `Content-Length` of
+    /// upstream's or the owner's `HEAD`): a size from a source that is
+    /// trusted, unlike the shared tier's object.
     pub(super) async fn confirm_member(
         &self,
         upstream: &Upstream,
@@ -62,26 +65,38 @@ impl Cache {
         digest: &Digest,
         content: Content,
         via: Via,
-    ) -> Result<(), Error> {
-        if !self.local_member(upstream.name(), repo, digest).await? {
-            // The digest's owner may know already (it fetched it for this
-            // repository); otherwise it, or this replica, asks upstream.
-            let confirmed = match self.member_from_owner(upstream, repo, digest, content, via).await {
-                Some(answer) => answer?,
-                None => match content {
-                    Content::Blob => upstream.head_blob(repo, digest).await?.is_some(),
-                    Content::Manifest => upstream.head_manifest(repo, &Reference::Digest(*digest)).await?.is_some(),
-                },
-            };
-            if !confirmed {
-                return Err(match content {
-                    Content::Blob => Error::BlobUnknown(*digest),
-                    Content::Manifest => Error::ManifestUnknown,
-                });
-            }
-            self.remember_member(upstream.name(), repo, digest).await?;
+    ) -> Result<Option<u64>, Error> {
+        if self.local_member(upstream.name(), repo, digest).await? {
+            return Ok(None);
         }
-        Ok(())
+        // The digest's owner may know already (it fetched it for this
+        // repository); otherwise it, or this replica, asks upstream.
+        // Upstream's answer about a manifest carries its warnings for `repo`.
+        let mut warnings = None;
+        let confirmed = match self.member_from_owner(upstream, repo, digest, content, via).await {
+            Some(answer) => answer?,
+            None => match content {
+                Content::Blob => upstream.head_blob(repo, digest).await?,
+                Content::Manifest => {
+                    let answer = upstream.head_manifest_warned(repo, &Reference::Digest(*digest)).await?;
+                    answer.map(|(_, w)| {
+                        warnings = Some(w);
+                        None
+                    })
+                }
+            },
+        };
+        let Some(size) = confirmed else {
+            return Err(match content {
+                Content::Blob => Error::BlobUnknown(*digest),
+                Content::Manifest => Error::ManifestUnknown,
+            });
+        };
+        self.remember_member(upstream.name(), repo, digest).await?;
+        if let Some(warnings) = warnings {
+            self.rewarn(upstream.name(), repo, digest, warnings).await?;
+        }
+        Ok(size)
     }
 
     /// Makes every manifest and blob of an image a member of `repo`, the
@@ -105,7 +120,7 @@ impl Cache {
         items.extend(blobs.iter().map(|d| (*d, Content::Blob)));
         futures_util::stream::iter(items)
             .map(|(digest, content)| async move {
-                self.confirm_member(upstream, repo, &digest, content, Via::Client).await
+                self.confirm_member(upstream, repo, &digest, content, Via::Client).await.map(drop)
             })
             .buffer_unordered(CONFIRMATIONS_AT_ONCE)
             .try_collect::<()>()

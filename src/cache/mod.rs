@@ -77,7 +77,7 @@ pub use store::index;
 pub use store::memory::StoredManifest;
 pub use upkeep::maintenance::{ClusterPurged, Purged};
 pub use upkeep::pins;
-pub use upkeep::reconcile::Report;
+pub use upkeep::reconcile::{Report, Watch as VerifyWatch};
 
 use crate::blocking::blocking;
 use crate::cluster::PeerLink;
@@ -146,19 +146,20 @@ pub struct Cache {
     evictor: Arc<Evictor>,
     /// One upstream manifest GET per (upstream, repo, reference).
     manifest_fetches: SingleFlight<String, Arc<StoredManifest>>,
-    /// One upstream HEAD per tag being revalidated.
-    revalidations: SingleFlight<String, Option<Digest>>,
+    /// One upstream HEAD per tag being revalidated: where the tag points,
+    /// and the registry warnings of the answer.
+    revalidations: SingleFlight<String, Option<(Digest, crate::oci::Warnings)>>,
     /// One upstream `tags/list` or `referrers` request per page however many ask.
     listing_fetches: SingleFlight<String, Option<Page>>,
     /// The shared tier and its upload queue (`[shared]`).
     shared: Option<(Arc<SharedStore>, Uploads)>,
     /// The other replicas (`[cluster]`).
     peers: Option<PeerLink>,
-    /// Recent purges: the index prefix purged and when, newest last (at
-    /// most [`MAX_PURGE_BARRIERS`]). A tag mapping a peer confirmed before
-    /// a purge of its repository is not taken from it (see
-    /// [`Cache::purged_after`]).
-    purges: std::sync::Mutex<std::collections::VecDeque<(String, SystemTime)>>,
+    /// Recent purges (see [`upkeep::purges`]): a tag mapping a peer
+    /// confirmed before a purge of its repository is not taken from it
+    /// ([`Cache::purged_after`]), and a fill started before one commits
+    /// without that repository's membership row.
+    purges: Arc<std::sync::Mutex<upkeep::purges::Purges>>,
     /// What eviction passes over (the warm images' content), and how much
     /// that is (see [`pins`]).
     pins: std::sync::RwLock<Arc<pins::Pins>>,
@@ -281,7 +282,7 @@ impl Cache {
             manifest_fetches: SingleFlight::default(),
             revalidations: SingleFlight::default(),
             listing_fetches: SingleFlight::default(),
-            purges: std::sync::Mutex::default(),
+            purges: Arc::default(),
             pins: std::sync::RwLock::default(),
             pinned_usage: std::sync::Mutex::default(),
             warm_tags: std::sync::RwLock::default(),
@@ -291,9 +292,14 @@ impl Cache {
     /// Re-hashes every blob against its name and the index (`larder verify`),
     /// removing bad entries when `repair` is set. Needs the cache folder to
     /// itself: redb refuses a second process.
-    pub fn verify(config: &CacheConfig, repair: bool) -> Result<Report, Error> {
+    /// `watch` is told the totals and each blob hashed (progress).
+    pub fn verify(
+        config: &CacheConfig,
+        repair: bool,
+        watch: &mut dyn upkeep::reconcile::Watch,
+    ) -> Result<Report, Error> {
         let (store, index) = open_locked(&config.dir)?;
-        upkeep::reconcile::reconcile(&store, &index, true, repair, unix_ms(SystemTime::now()))
+        upkeep::reconcile::reconcile(&store, &index, true, repair, unix_ms(SystemTime::now()), watch)
     }
 
     /// Bytes of blobs and manifests on disk.

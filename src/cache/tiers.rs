@@ -26,7 +26,7 @@ use crate::cluster::PeerUrl;
 use crate::cluster::client::{Ask, PEER_LOOKUP_TIMEOUT, PEER_RESPONSE_MARGIN, PeerError, TAG_CONFIRMED_HEADER};
 use crate::error::{Error, UpstreamError};
 use crate::metrics::metrics;
-use crate::oci::{Digest, MAX_MANIFEST_SIZE, MediaType, Reference, RepoName, inspect_manifest};
+use crate::oci::{Digest, MAX_MANIFEST_SIZE, MediaType, Reference, RepoName, Warnings, inspect_manifest};
 use crate::upstream::{FetchedManifest, Upstream, content_length};
 
 /// What a peer's error answer means for the asker.
@@ -71,12 +71,14 @@ impl Cache {
     /// fetch or a forward): after this replica joined, or lost its disk,
     /// that is who owned the key before, and upstream is spared. Small
     /// answers, so the extra round trip costs little; blobs rely on the
-    /// shared tier for the same.
-    fn peer_to_ask(&self, key: &str, via: Via) -> Option<(PeerUrl, bool)> {
+    /// shared tier for the same. An upstream whose fills use the client's
+    /// credentials has its owner asked only what it holds: the owner has
+    /// none to fetch with.
+    fn peer_to_ask(&self, upstream: &Upstream, key: &str, via: Via) -> Option<(PeerUrl, bool)> {
         let link = self.peers.as_ref()?;
         if via == Via::Client {
             if let Some(owner) = link.owner_elsewhere(key) {
-                return Some((owner, false));
+                return Some((owner, upstream.fills_with_client_credentials()));
             }
         }
         link.first_other(key).map(|peer| (peer, true))
@@ -105,13 +107,21 @@ impl Cache {
     /// Reads a blob from the shared tier from `offset`, once the
     /// repository is known to have it upstream: the shared tier holds
     /// every repository's content, so having the bytes proves nothing.
+    ///
+    /// Nor does the object's size: the blob's is learnt from a source that
+    /// is trusted before a byte is streamed (`expected`, a manifest's; the
+    /// `HEAD` the membership check made, upstream's or the owner's; else
+    /// one `HEAD` upstream). An object longer than that is read only up to
+    /// it; a shorter one ends where it ends, and the fill resumes from the
+    /// byte reached with the next source. Either is counted, and the
+    /// verified blob uploaded over it ([`SourceBody::mend`]). Only when no
+    /// such source answers (upstream down) is the object's own size used.
     pub(super) async fn open_shared(
         &self,
-        upstream: &Upstream,
-        repo: &RepoName,
-        digest: &Digest,
+        (upstream, repo, digest): (&Upstream, &RepoName, &Digest),
         offset: u64,
         via: Via,
+        expected: Option<u64>,
     ) -> Result<SourceBody, Unavailable> {
         let Some((store, _)) = &self.shared else {
             return Err(Unavailable::Next(Error::BlobUnknown(*digest)));
@@ -121,8 +131,8 @@ impl Cache {
             Ok(None) => Err(Unavailable::Next(Error::BlobUnknown(*digest))),
             Err(e) => Err(Unavailable::Next(Error::Storage(format!("shared tier: {e}")))),
         };
-        let member = |checked: Result<(), Error>| match checked {
-            Ok(()) => Ok(()),
+        let member = |checked: Result<Option<u64>, Error>| match checked {
+            Ok(size) => Ok(size),
             Err(e) if e.is_repository_specific() => Err(Unavailable::Final(e)),
             Err(e) => Err(Unavailable::Next(e)),
         };
@@ -132,29 +142,52 @@ impl Cache {
         let get = store.get_blob(digest, offset..);
         let check = self.confirm_member(upstream, repo, digest, Content::Blob, via);
         tokio::pin!(get, check);
-        let blob = tokio::select! {
+        let (blob, learnt) = tokio::select! {
             got = &mut get => {
                 let blob = found(got)?;
-                member(check.await)?;
-                blob
+                (blob, member(check.await)?)
             }
             checked = &mut check => {
-                member(checked)?;
-                found(get.await)?
+                let learnt = member(checked)?;
+                (found(get.await)?, learnt)
             }
         };
         if blob.range.start != offset {
             let e = format!("shared tier answered from byte {} for {offset}", blob.range.start);
             return Err(Unavailable::Next(Error::Storage(e)));
         }
+        let trusted = match expected.or(learnt) {
+            Some(size) => Some(size),
+            None => self.blob_size_upstream(upstream, repo, digest).await,
+        };
+        let mend = trusted.is_some_and(|size| size != blob.size);
+        if let (true, Some(size)) = (mend, trusted) {
+            metrics().shared_corrupt.inc();
+            tracing::error!(%digest, object = blob.size, blob = size, "the shared tier's object has the wrong size; reading it up to the blob's size at most, and uploading the verified blob over it");
+        }
+        let total = trusted.unwrap_or(blob.size);
+        let blob = if blob.size > total { blob.take(total.saturating_sub(offset)) } else { blob };
         Ok(SourceBody {
-            total: Some(blob.size),
+            total: Some(total),
             skip: 0,
             body: blob.into_body(),
             permit: None,
             received: None,
             idle: super::shared::READ_TIMEOUT,
+            mend,
         })
+    }
+
+    /// The blob's size by one `HEAD` upstream (for the shared tier, when
+    /// nothing else said it): `None` when upstream does not say, or fails.
+    async fn blob_size_upstream(&self, upstream: &Upstream, repo: &RepoName, digest: &Digest) -> Option<u64> {
+        match upstream.head_blob(repo, digest).await {
+            Ok(answer) => answer.flatten(),
+            Err(e) => {
+                tracing::warn!(%digest, error = %e, "cannot learn the blob's size upstream; trusting the shared tier's object");
+                None
+            }
+        }
     }
 
     /// Asks `peer` (the digest's owner, or after it broke off the next
@@ -235,6 +268,7 @@ impl Cache {
             permit: None,
             received: Some(metrics().peer_bytes.clone()),
             idle: upstream.body_idle_timeout(),
+            mend: false,
         })
     }
 
@@ -253,7 +287,7 @@ impl Cache {
             Reference::Digest(d) => digest_owner_key(d),
             Reference::Tag(t) => tag_owner_key(upstream.name(), repo, t),
         };
-        let (owner, lookup) = self.peer_to_ask(&key, via)?;
+        let (owner, lookup) = self.peer_to_ask(upstream, &key, via)?;
         let link = self.peers.as_ref()?;
         let path = format!("/v2/{repo}/manifests/{reference}?{}", ns_query(upstream.name()));
         let ask = Ask {
@@ -300,7 +334,8 @@ impl Cache {
     }
 
     /// Asks the digest's owner whether `repo` has it: `None` when there is
-    /// no other owner or it cannot answer.
+    /// no other owner or it cannot answer; else, as [`Upstream::head_blob`]
+    /// answers, `Some` with the size if the owner sent it.
     pub(super) async fn member_from_owner(
         &self,
         upstream: &Upstream,
@@ -308,8 +343,8 @@ impl Cache {
         digest: &Digest,
         content: Content,
         via: Via,
-    ) -> Option<Result<bool, Error>> {
-        let (owner, lookup) = self.peer_to_ask(&digest_owner_key(digest), via)?;
+    ) -> Option<Result<Option<Option<u64>>, Error>> {
+        let (owner, lookup) = self.peer_to_ask(upstream, &digest_owner_key(digest), via)?;
         let link = self.peers.as_ref()?;
         let what = match content {
             Content::Blob => "blobs",
@@ -326,7 +361,7 @@ impl Cache {
             timeout: self.peer_timeout(upstream, lookup),
         };
         match link.client.send(&owner, ask).await {
-            Ok(_) => Some(Ok(true)),
+            Ok(resp) => Some(Ok(Some(content_length(resp.headers())))),
             Err(PeerError::Unreachable(e)) => {
                 tracing::warn!(peer = %owner, %digest, error = e, "owner unreachable; marked down");
                 link.peers.mark_down(&owner);
@@ -340,7 +375,7 @@ impl Cache {
             }
             Err(PeerError::Status { .. }) if lookup => None,
             Err(PeerError::Status { status, code, retry_after }) => match verdict(status, &code, retry_after) {
-                Verdict::NotFound => Some(Ok(false)),
+                Verdict::NotFound => Some(Ok(None)),
                 Verdict::Final(e) => Some(Err(e)),
                 Verdict::Fallback => None,
             },
@@ -356,7 +391,9 @@ impl Cache {
         digest: &Digest,
     ) -> Result<Option<Arc<super::StoredManifest>>, Error> {
         match self.stored_manifest(digest).await? {
-            Some(m) if self.local_member(upstream, repo, digest).await? => Ok(Some(m)),
+            Some(m) if self.local_member(upstream, repo, digest).await? => {
+                Ok(Some(self.warned(m, upstream, repo).await?))
+            }
             _ => Ok(None),
         }
     }
@@ -374,7 +411,8 @@ impl Cache {
         if age >= upstream.config.tag_ttl(&self.config) && !upstream.config.tag_is_immutable(tag.as_str()) {
             return Ok(None);
         }
-        Ok(self.stored_manifest(&entry.digest).await?.map(|m| (m, entry.confirmed)))
+        let Some(m) = self.stored_manifest(&entry.digest).await? else { return Ok(None) };
+        Ok(Some((self.warned(m, upstream.name(), repo).await?, entry.confirmed)))
     }
 
     /// Whether this replica knows `repo` has `digest` (a membership row,
@@ -398,7 +436,11 @@ impl Cache {
         let (store, _) = self.shared.as_ref()?;
         match store.get_manifest(digest).await {
             Ok(Some(m)) => match inspect_manifest(&m.bytes, Some(m.media_type)) {
-                Ok((media_type, refs)) => Some(FetchedManifest { bytes: m.bytes, media_type, digest: *digest, refs }),
+                // The shared tier keeps bytes and media type only: warnings come
+                // with upstream's or an owner's answer.
+                Ok((media_type, refs)) => {
+                    Some(FetchedManifest { bytes: m.bytes, media_type, digest: *digest, refs, warnings: None })
+                }
                 Err(e) => {
                     tracing::warn!(%digest, error = e, "shared tier manifest is not a manifest");
                     None
@@ -468,6 +510,8 @@ async fn read_manifest(
     let declared = header(CONTENT_TYPE.as_str()).as_deref().and_then(MediaType::parse);
     let named: Option<Digest> = header("docker-content-digest").and_then(|d| d.parse().ok());
     let confirmed = confirmed_at(header(TAG_CONFIRMED_HEADER).as_deref(), SystemTime::now());
+    // The owner relays upstream's warnings as a client gets them.
+    let warnings = Some(Warnings::from_headers(resp.headers()));
     let body = tokio::time::timeout(idle, Limited::new(resp.into_body(), MAX_MANIFEST_SIZE).collect())
         .await
         .map_err(|_| UpstreamError::Timeout("peer manifest body"))?
@@ -484,7 +528,7 @@ async fn read_manifest(
         return Err(UpstreamError::Protocol(format!("peer manifest hashes to {digest}, not {expected}")).into());
     }
     let (media_type, refs) = inspect_manifest(&bytes, declared).map_err(UpstreamError::Protocol)?;
-    Ok((FetchedManifest { bytes, media_type, digest, refs }, confirmed))
+    Ok((FetchedManifest { bytes, media_type, digest, refs, warnings }, confirmed))
 }
 
 #[cfg(test)]

@@ -117,10 +117,121 @@ impl ServerCertVerifier for PinnedOrRoots {
 /// What a request to the admin listener carries.
 pub type RequestBody = BoxBody<Bytes, crate::body::BoxError>;
 
+/// Where the command found the admin URL and the token, for the messages
+/// of a failed call: what to check when larder cannot be reached, and
+/// where the token came from, or everywhere it was looked for.
+#[derive(Clone, Debug, Default)]
+pub struct Found {
+    /// Where the URL came from (`--admin or LARDER_ADMIN`, `server.admin_listen
+    /// of larder.toml`); `None`: the built-in default.
+    pub url_from: Option<String>,
+    /// larder's config (`--config`) says its admin listener speaks TLS.
+    pub tls_in_config: bool,
+    /// Where the token sent came from; `None`: none was sent.
+    pub token_from: Option<String>,
+    /// Each place a token was looked for, when none was found.
+    pub token_looked: Vec<String>,
+}
+
+impl Found {
+    /// Said after a 401: which token was sent, or that none was and where
+    /// the command looked.
+    fn token_hint(&self) -> String {
+        match &self.token_from {
+            Some(from) => format!("the token sent came from {from}"),
+            None => format!(
+                "this command found no token to send: {}; pass --config with larder's config file (its [admin] \
+                 token_file, or the token larder generated in its cache folder), or --token-file",
+                self.token_looked.join(", ")
+            ),
+        }
+    }
+
+    /// Said when the listener cannot be reached, a line each: the likely
+    /// causes, the commonest first. TLS only when it may be why: the
+    /// config says the listener speaks it, or a connection was made but no
+    /// HTTP answer came (what a TLS listener does to plain HTTP).
+    fn unreachable_hint(&self, base: &str, failure: Failure) -> String {
+        let mut causes = vec![
+            match failure {
+                Failure::Refused => {
+                    "nothing listens there: is larder running, with its admin listener (server.admin_listen) on this \
+                 address?"
+                }
+                Failure::Certificate => {
+                    "its certificate is not trusted: pass --ca-file with its CA (or --config: larder's own admin \
+                 certificate is trusted as it is), and --tls-name if it names another host"
+                }
+                Failure::Connect => "is larder running there, and is the address right?",
+                Failure::NoHttp => {
+                    "something accepted the connection there, but did not answer as larder's admin listener does"
+                }
+            }
+            .to_owned(),
+        ];
+        let connected = failure == Failure::NoHttp;
+        match &self.url_from {
+            Some(from) => causes.push(format!("the address came from {from}")),
+            None => causes.push(format!(
+                "without --config or --admin, larder commands look at {base}: pass --config with larder's config \
+                 file (its admin_listen, token and certificate are then used), or --admin URL"
+            )),
+        }
+        if base.starts_with("http://") && (self.tls_in_config || connected) {
+            let why = if self.tls_in_config {
+                "larder's config serves the admin listener over TLS"
+            } else {
+                "if the admin listener speaks TLS"
+            };
+            causes.push(format!(
+                "{why} ([admin] tls, or [server.tls]): use --admin https://... with --ca-file, or --config alone"
+            ));
+        }
+        causes.join("\n  ")
+    }
+}
+
+/// How a call failed before any answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Failure {
+    /// The connection was refused: nothing listens.
+    Refused,
+    /// The TLS handshake failed on the certificate.
+    Certificate,
+    /// Another connect failure (a timeout, an unreachable host, a name).
+    Connect,
+    /// Connected, but no HTTP answer came.
+    NoHttp,
+}
+
+impl Failure {
+    fn of(e: &hyper_util::client::legacy::Error) -> Failure {
+        let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
+        while let Some(s) = source {
+            let io = s.downcast_ref::<std::io::Error>();
+            if io.is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused) {
+                return Failure::Refused;
+            }
+            // rustls' error travels inside an io::Error (whose `source`
+            // skips it).
+            let tls = s.downcast_ref::<rustls::Error>().or_else(|| io?.get_ref()?.downcast_ref::<rustls::Error>());
+            if matches!(tls, Some(rustls::Error::InvalidCertificate(_))) {
+                return Failure::Certificate;
+            }
+            source = s.source();
+        }
+        if crate::upstream::error_chain(e).contains("certificate") {
+            return Failure::Certificate;
+        }
+        if e.is_connect() { Failure::Connect } else { Failure::NoHttp }
+    }
+}
+
 /// A running larder's admin listener.
 pub struct AdminClient {
     base: String,
     token: Option<Secret>,
+    found: Found,
     inner: Client<hyper_rustls::HttpsConnector<HttpConnector>, RequestBody>,
 }
 
@@ -158,7 +269,18 @@ impl AdminClient {
             None => https,
         };
         let https = https.enable_http1().wrap_connector(http);
-        Ok(AdminClient { base, token, inner: Client::builder(TokioExecutor::new()).build(https) })
+        Ok(AdminClient {
+            base,
+            token,
+            found: Found::default(),
+            inner: Client::builder(TokioExecutor::new()).build(https),
+        })
+    }
+
+    /// Where the URL and the token were found, for the messages of a failed call.
+    pub fn with_found(mut self, found: Found) -> AdminClient {
+        self.found = found;
+        self
     }
 
     pub fn base(&self) -> &str {
@@ -196,13 +318,12 @@ impl AdminClient {
         let unreachable = |message: String| CallError::Unreachable { url: self.base.clone(), message };
         let resp = match tokio::time::timeout(timeout, self.inner.request(req)).await {
             Ok(Ok(resp)) => resp,
-            Ok(Err(e)) if self.base.starts_with("http://") => {
-                // A TLS listener hangs up on plain HTTP: say what may be wrong.
-                let hint = "; if the admin listener speaks TLS ([admin] tls, or [server.tls]), use --admin https://... \
-                            with --ca-file, or --config";
-                return Err(unreachable(format!("{}{hint}", crate::upstream::error_chain(&e))));
+            Ok(Err(e)) => {
+                // A TLS listener hangs up on plain HTTP after the connection
+                // was made; nothing listening refuses the connection itself.
+                let hint = self.found.unreachable_hint(&self.base, Failure::of(&e));
+                return Err(unreachable(format!("{}\n  {hint}", crate::upstream::error_chain(&e))));
             }
-            Ok(Err(e)) => return Err(unreachable(crate::upstream::error_chain(&e))),
             Err(_) => return Err(unreachable(format!("no answer within {timeout:?}"))),
         };
         if resp.status().is_success() {
@@ -210,7 +331,13 @@ impl AdminClient {
         }
         let status = resp.status().as_u16();
         let body = read_body(resp.into_body()).await.unwrap_or_default();
-        Err(refusal(status, &body))
+        match refusal(status, &body) {
+            CallError::Refused { status: 401, code, message } => {
+                let message = format!("{message}\n  {}", self.found.token_hint());
+                Err(CallError::Refused { status: 401, code, message })
+            }
+            refused => Err(refused),
+        }
     }
 
     /// [`AdminClient::call`], then the whole (small) body.
@@ -283,5 +410,29 @@ impl Lines {
                 self.buffer.extend_from_slice(&data);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unreachable_listener_names_the_likely_causes_and_tls_only_when_it_may_be_why() {
+        let default = Found::default();
+        assert_eq!(
+            default.unreachable_hint("http://127.0.0.1:9090", Failure::Refused),
+            "nothing listens there: is larder running, with its admin listener (server.admin_listen) on this \
+             address?\n  without --config or --admin, larder commands look at http://127.0.0.1:9090: pass --config \
+             with larder's config file (its admin_listen, token and certificate are then used), or --admin URL"
+        );
+        let tls_config = Found { url_from: Some("--admin (or LARDER_ADMIN)".into()), tls_in_config: true, ..default };
+        let hint = tls_config.unreachable_hint("http://127.0.0.1:9090", Failure::Refused);
+        assert!(hint.ends_with("\n  larder's config serves the admin listener over TLS ([admin] tls, or [server.tls]): use --admin https://... with --ca-file, or --config alone"), "{hint}");
+        let hint = Found::default().unreachable_hint("http://127.0.0.1:9090", Failure::NoHttp);
+        assert!(hint.contains("\n  if the admin listener speaks TLS"), "connected, no HTTP: {hint}");
+        let hint = Found::default().unreachable_hint("https://127.0.0.1:9090", Failure::Certificate);
+        assert!(hint.starts_with("its certificate is not trusted: pass --ca-file"), "{hint}");
+        assert!(!hint.contains("speaks TLS"), "{hint}");
     }
 }

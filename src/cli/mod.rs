@@ -7,10 +7,13 @@
 //! is `http://127.0.0.1:9090` with the token generated in the default
 //! config's cache folder (`./larder-data/admin-token`) if there is one.
 
+pub mod check_config;
 pub mod client;
 pub mod prefetch;
+pub mod progress;
 pub mod seed;
 pub mod status;
+pub mod verify;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -20,7 +23,7 @@ use http::Method;
 use crate::config::{Config, GENERATED_ADMIN_TOKEN_FILE, Secret, parse_admin_token};
 use crate::server::admin::status::Status;
 use crate::server::admin::status_page::bytes;
-use client::{AdminClient, CallError, Trust};
+use client::{AdminClient, CallError, Found, Trust};
 
 /// The admin URL when nothing says otherwise.
 pub const DEFAULT_ADMIN: &str = "http://127.0.0.1:9090";
@@ -42,6 +45,8 @@ pub struct Target {
     /// `--tls-name` (or `LARDER_ADMIN_TLS_NAME`): the DNS name the admin
     /// certificate is verified under, instead of the URL's host.
     pub tls_name: Option<String>,
+    /// `--config`, as given: named in messages.
+    pub config_path: Option<PathBuf>,
 }
 
 /// The URL clients use for a listen address: a wildcard becomes loopback.
@@ -61,21 +66,22 @@ fn read_token(path: &Path) -> Result<Secret, CallError> {
 
 /// The token larder generated at start-up, when `config` (or, without
 /// `--config`, the embedded default config) names no `[admin] token_file`
-/// and the file exists. One that exists but cannot be read (another user's
-/// mode 0600 file) is an error that says so.
-fn generated_token(config: Option<&Config>) -> Result<Option<Secret>, CallError> {
+/// and the file exists; with the file's path either way (`None` when a
+/// token file is configured). One that exists but cannot be read (another
+/// user's mode 0600 file) is an error that says so.
+fn generated_token(config: Option<&Config>) -> Result<(Option<Secret>, Option<PathBuf>), CallError> {
     let dir = match config {
-        Some(c) if c.admin.token_file.is_some() => return Ok(None),
+        Some(c) if c.admin.token_file.is_some() => return Ok((None, None)),
         Some(c) => c.cache.dir.clone(),
         None => match Config::embedded_default() {
             Ok(c) => c.cache.dir,
-            Err(_) => return Ok(None),
+            Err(_) => return Ok((None, None)),
         },
     };
     let path = dir.join(GENERATED_ADMIN_TOKEN_FILE);
     match std::fs::metadata(&path) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        _ => read_token(&path).map(Some).map_err(|e| {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok((None, Some(path))),
+        _ => read_token(&path).map(|t| (Some(t), Some(path.clone()))).map_err(|e| {
             CallError::Usage(format!(
                 "{e} (the token larder writes when its admin listener is on loopback without [admin] \
                  token_file: run as larder's user, or pass --token-file)"
@@ -104,13 +110,57 @@ impl Target {
             (None, Some(listen)) => url_of(listen, admin_tls.is_some()),
             (None, None) => DEFAULT_ADMIN.to_owned(),
         };
+        let config_name = self.config_path.as_ref().map(|p| p.display().to_string());
+        let mut found = Found {
+            url_from: match (&self.admin, config.and_then(|c| c.server.admin_listen)) {
+                (Some(_), _) => Some("--admin (or LARDER_ADMIN)".to_owned()),
+                (None, Some(_)) => {
+                    Some(format!("server.admin_listen of {}", config_name.as_deref().unwrap_or("larder's config")))
+                }
+                (None, None) => None,
+            },
+            tls_in_config: admin_tls.is_some(),
+            ..Found::default()
+        };
         let token = match (&self.token_file, &self.token, config.and_then(|c| c.admin.token_file.as_ref())) {
-            (Some(path), _, _) => Some(read_token(path)?),
+            (Some(path), _, _) => {
+                found.token_from = Some(format!("{} (--token-file, or LARDER_ADMIN_TOKEN_FILE)", path.display()));
+                Some(read_token(path)?)
+            }
             (None, Some(token), _) => {
+                found.token_from = Some(TOKEN_ENV.to_owned());
                 Some(parse_admin_token(token).map_err(|e| CallError::Usage(format!("{TOKEN_ENV}: {e}")))?)
             }
-            (None, None, Some(path)) => Some(read_token(path)?),
-            (None, None, None) => generated_token(config)?,
+            (None, None, Some(path)) => {
+                found.token_from = Some(format!(
+                    "{} ([admin] token_file of {})",
+                    path.display(),
+                    config_name.as_deref().unwrap_or("--config")
+                ));
+                Some(read_token(path)?)
+            }
+            (None, None, None) => {
+                let (token, path) = generated_token(config)?;
+                found.token_looked = vec![
+                    "--token-file (and LARDER_ADMIN_TOKEN_FILE) not given".to_owned(),
+                    format!("{TOKEN_ENV} not set"),
+                    match &config_name {
+                        Some(name) => format!("{name} has no [admin] token_file"),
+                        None => "no --config given".to_owned(),
+                    },
+                ];
+                if let Some(path) = &path {
+                    match &token {
+                        Some(_) => found.token_from = Some(format!("{} (generated by larder)", path.display())),
+                        None => found.token_looked.push(format!(
+                            "no token larder generated at {}{}",
+                            path.display(),
+                            if config.is_none() { " (the embedded default's cache folder)" } else { "" }
+                        )),
+                    }
+                }
+                token
+            }
         };
         let name = self
             .tls_name
@@ -127,7 +177,7 @@ impl Target {
             // itself, whatever names it carries (127.0.0.1 rarely is one).
             pinned: admin_tls.map(|t| read_certs(&t.cert)).transpose()?.and_then(|certs| certs.into_iter().next()),
         };
-        AdminClient::new(&admin, token, trust)
+        Ok(AdminClient::new(&admin, token, trust)?.with_found(found))
     }
 }
 
@@ -144,14 +194,20 @@ pub async fn purge(client: &AdminClient, upstream: &str, repo: Option<&str>) -> 
         Some(repo) => format!("{upstream}/{repo}"),
         None => upstream.to_owned(),
     };
-    println!(
-        "purged {what}: {} tags, {} membership rows, {} blobs, {} manifests, {} freed",
-        n("tags"),
-        n("members"),
-        n("blobs"),
-        n("manifests"),
-        bytes(n("bytes"))
-    );
+    if ["tags", "members", "blobs", "manifests", "bytes"].iter().all(|k| n(k) == 0) {
+        // Rather than a line of zeros: a name never pulled (or purged
+        // already), perhaps a typo.
+        println!("nothing cached for {what}: nothing purged here");
+    } else {
+        println!(
+            "purged {what}: {} tags, {} membership rows, {} blobs, {} manifests, {} freed",
+            n("tags"),
+            n("members"),
+            n("blobs"),
+            n("manifests"),
+            bytes(n("bytes"))
+        );
+    }
     // In a cluster, every other replica was asked to purge the same.
     let replicas = purged["replicas"].as_array().cloned().unwrap_or_default();
     let mut missed = Vec::new();

@@ -8,7 +8,7 @@ use std::io::Write as _;
 use std::time::{Duration, Instant};
 
 use http::Method;
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::ProgressBar;
 
 use super::client::{AdminClient, CallError, Lines, refusal};
 use crate::cache::prefetch::PrefetchProgress;
@@ -29,15 +29,7 @@ impl Display {
         if !terminal {
             return Display::Plain { last: None, last_blobs: usize::MAX };
         }
-        let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stdout());
-        let style = ProgressStyle::with_template(
-            "{spinner:.green} [{elapsed_precise}] [{bar:32.cyan/blue}] {bytes}/{total_bytes} {msg} {binary_bytes_per_sec} ETA {eta}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar())
-        .progress_chars("=> ");
-        bar.set_style(style);
-        bar.enable_steady_tick(Duration::from_millis(200));
-        Display::Bar(bar)
+        Display::Bar(super::progress::bar())
     }
 
     fn update(&mut self, p: &PrefetchProgress, started: Instant) {

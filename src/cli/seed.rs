@@ -76,7 +76,9 @@ fn unpack(reader: BodyReader, dir: &Path) -> Result<String, CallError> {
     let failed = |what: &str, e: &dyn std::fmt::Display| CallError::Protocol(format!("{what}: {e}"));
     let mut archive = tar::Archive::new(reader);
     let mut incoming = None;
-    let (mut blobs, mut bytes) = (0usize, 0u64);
+    // Files newly written, by digest hex, with their sizes: manifests and
+    // blobs alike, told apart once index.json is read.
+    let mut written: Vec<(String, u64)> = Vec::new();
     for entry in archive.entries().map_err(|e| failed("the export", &e))? {
         let mut entry = entry.map_err(|e| failed("the export was cut off", &e))?;
         let path = entry.path().map_err(|e| failed("the export", &e))?.into_owned();
@@ -99,15 +101,17 @@ fn unpack(reader: BodyReader, dir: &Path) -> Result<String, CallError> {
                 }
                 let mut temp =
                     tempfile::NamedTempFile::new_in(dir.join("blobs/sha256")).map_err(|e| failed(name, &e))?;
-                bytes += std::io::copy(&mut entry, &mut temp).map_err(|e| failed("the export was cut off", &e))?;
+                let size = std::io::copy(&mut entry, &mut temp).map_err(|e| failed("the export was cut off", &e))?;
                 temp.as_file().sync_all().map_err(|e| failed(name, &e))?;
                 temp.persist(&target).map_err(|e| failed(name, &e.error))?;
-                blobs += 1;
+                written.push((name.trim_start_matches("blobs/sha256/").to_owned(), size));
             }
             _ => {}
         }
     }
     let incoming = incoming.ok_or_else(|| CallError::Protocol("the export has no index.json".into()))?;
+    let manifests = manifest_hexes(dir, &incoming);
+    let (new_manifests, new_blobs): (Vec<_>, Vec<_>) = written.iter().partition(|(hex, _)| manifests.contains(hex));
     let index_path = dir.join("index.json");
     let mut index = match std::fs::read(&index_path) {
         Ok(json) => LayoutIndex::parse(&json).map_err(|e| failed(&index_path.display().to_string(), &e))?,
@@ -132,7 +136,32 @@ fn unpack(reader: BodyReader, dir: &Path) -> Result<String, CallError> {
     let mut temp = tempfile::NamedTempFile::new_in(dir).map_err(|e| failed("index.json", &e))?;
     temp.write_all(&json).and_then(|()| temp.as_file().sync_all()).map_err(|e| failed("index.json", &e))?;
     temp.persist(&index_path).map_err(|e| failed("index.json", &e.error))?;
-    Ok(format!("{blobs} new blobs, {}", crate::server::admin::status_page::bytes(bytes)))
+    let bytes = |files: &[&(String, u64)]| crate::server::admin::status_page::bytes(files.iter().map(|(_, n)| n).sum());
+    let plural = |n: usize, one: &str| if n == 1 { format!("{n} new {one}") } else { format!("{n} new {one}s") };
+    Ok(format!(
+        "{}, {}; {}",
+        plural(new_blobs.len(), "blob"),
+        bytes(&new_blobs),
+        plural(new_manifests.len(), "manifest")
+    ))
+}
+
+/// The digest hexes of the manifests an exported image is made of: those
+/// index.json names and, for an index, its children (read from `dir`).
+fn manifest_hexes(dir: &Path, index: &LayoutIndex) -> std::collections::HashSet<String> {
+    let mut found = std::collections::HashSet::new();
+    let mut next: Vec<String> = index.manifests.iter().map(|d| d.digest.clone()).collect();
+    while let Some(digest) = next.pop() {
+        let Some(hex) = digest.strip_prefix("sha256:").map(str::to_owned) else { continue };
+        if !found.insert(hex.clone()) {
+            continue;
+        }
+        let Ok(bytes) = std::fs::read(dir.join("blobs/sha256").join(&hex)) else { continue };
+        if let Ok((_, refs)) = crate::oci::inspect_manifest(&bytes, None) {
+            next.extend(refs.manifests.iter().map(|d| d.to_string()));
+        }
+    }
+    found
 }
 
 /// `larder import PATH [--as UPSTREAM/REPO]`: on the stopped cache folder

@@ -2,7 +2,7 @@
 
 use std::fmt::Write as _;
 
-use crate::server::admin::status::{Repository, Status};
+use crate::server::admin::status::{HOLDINGS_TTL, Repository, Status};
 use crate::server::admin::status_page::{ago, bytes, images, of_total, percent, short_digest, span};
 use crate::warm::status::WarmReport;
 
@@ -109,9 +109,10 @@ pub fn render(s: &Status, admin: &str) -> String {
         }
         let _ = writeln!(
             out,
-            "  {}{} {}: {cached}, {} requests, {} errors, {last_error}; {rate}",
+            "  {}{}{} {}: {cached}, {} requests, {} errors, {last_error}; {rate}",
             u.name,
             if u.default { " (default)" } else { "" },
+            if u.verifies_clients { " (verifies clients)" } else { "" },
             u.url,
             u.requests,
             u.errors
@@ -121,6 +122,14 @@ pub fn render(s: &Status, admin: &str) -> String {
         warm(&mut out, &s.warm, s.now_ms);
     }
     let r = &s.repositories;
+    // The repository figures are an index scan reused for a while: say how
+    // old, so that a repository evicted a moment ago is not a surprise.
+    let _ = writeln!(
+        out,
+        "\nrepositories from an index scan of {} (one scan at most every {} s)",
+        ago(s.now_ms, r.scanned_ms),
+        HOLDINGS_TTL.as_secs()
+    );
     repositories(&mut out, "largest repositories", &r.largest, s.now_ms);
     repositories(&mut out, "most recently used", &r.recent, s.now_ms);
     if !r.complete {

@@ -104,10 +104,10 @@ impl Validator<'_> {
             None => None,
             Some(file) => {
                 let path = self.path(&file);
-                let text = std::fs::read_to_string(&path)
-                    .map_err(|e| self.err("admin.token_file", format!("cannot read {}: {e}", path.display())))?;
-                parse_admin_token(&text)
-                    .map_err(|e| self.err("admin.token_file", format!("{}: {e}", path.display())))?;
+                if let Some(text) = self.secret_text("admin.token_file", &path)? {
+                    parse_admin_token(&text)
+                        .map_err(|e| self.err("admin.token_file", format!("{}: {e}", path.display())))?;
+                }
                 Some(path)
             }
         };

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use super::units::Size;
 use super::{ConfigError, Validator};
 
 /// Default share of `max_size` above which eviction starts.
@@ -78,14 +79,21 @@ impl Validator<'_> {
         let rc = raw.unwrap_or_default();
         let max_size = self.size("cache.max_size", rc.max_size.as_deref(), 50 << 30)?;
         if max_size < MIN_MAX_SIZE {
-            return Err(self.err("cache.max_size", format!("{max_size} bytes is less than the minimum of 1MiB")));
+            return Err(self.err(
+                "cache.max_size",
+                format!("{} is less than the minimum, {}", Size(max_size), Size(MIN_MAX_SIZE)),
+            ));
         }
         let max_blob_size =
             self.size("cache.max_blob_size", rc.max_blob_size.as_deref(), max_size / DEFAULT_MAX_BLOB_SIZE_DIVISOR)?;
         if max_blob_size == 0 || max_blob_size > max_size {
             return Err(self.err(
                 "cache.max_blob_size",
-                format!("must be more than 0 and at most cache.max_size ({max_size} bytes), not {max_blob_size}"),
+                format!(
+                    "must be more than 0 and at most cache.max_size, {}, not {}",
+                    Size(max_size),
+                    Size(max_blob_size)
+                ),
             ));
         }
         let cache = CacheConfig {
@@ -122,13 +130,16 @@ impl Validator<'_> {
         if cache.warm_interval.is_some_and(|i| i < MIN_WARM_INTERVAL) {
             return Err(self.err("cache.warm_interval", "must be at least 1s"));
         }
-        if !(0.0 < cache.low_watermark && cache.low_watermark < cache.high_watermark && cache.high_watermark <= 1.0) {
+        // Each watermark's own error under its own key: the high one
+        // alone first, then the low one against it.
+        let (low, high) = (cache.low_watermark, cache.high_watermark);
+        if !(0.0 < high && high <= 1.0) {
+            return Err(self.err("cache.high_watermark", format!("must be above 0 and at most 1, not {high}")));
+        }
+        if !(0.0 < low && low < high) {
             return Err(self.err(
-                "cache.high_watermark",
-                format!(
-                    "watermarks must satisfy 0 < low_watermark ({}) < high_watermark ({}) <= 1",
-                    cache.low_watermark, cache.high_watermark
-                ),
+                "cache.low_watermark",
+                format!("must be above 0 and below cache.high_watermark ({high}), not {low}"),
             ));
         }
         Ok(cache)

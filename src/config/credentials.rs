@@ -71,8 +71,8 @@ impl Validator<'_> {
             (Some(p), None, None) => Some(Err(Secret::new(p.clone()))),
             (None, Some(f), None) => {
                 let path = self.path(f);
-                let text = std::fs::read_to_string(&path)
-                    .map_err(|e| self.err(key("password_file"), format!("cannot read {}: {e}", path.display())))?;
+                let text =
+                    self.secret_text(&key("password_file"), &path)?.unwrap_or_else(|| super::SKIPPED_SECRET.into());
                 let password = text.trim_end_matches(['\r', '\n']);
                 if password.is_empty() {
                     return Err(self.err(key("password_file"), format!("{} is empty", path.display())));
@@ -80,7 +80,7 @@ impl Validator<'_> {
                 Some(Ok((path, Secret::new(password))))
             }
             (None, None, Some(var)) => Some(Err(Secret::new(
-                (self.env)(var)
+                self.env_var(&key("password_env"), var, super::SKIPPED_SECRET)
                     .ok_or_else(|| self.err(key("password_env"), format!("environment variable {var} is not set")))?,
             ))),
             _ => {

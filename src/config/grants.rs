@@ -39,7 +39,7 @@ impl Validator<'_> {
                     _ => None,
                 };
                 if let Some(why) = missing {
-                    return Err(self.err(key("who"), format!("{w:?}: {why}")));
+                    return Err(self.err(key("who"), format!("{:?}: {why}", w.to_string())));
                 }
             }
             let upstreams = match &g.upstreams {

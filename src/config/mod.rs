@@ -9,7 +9,9 @@
 //! `${ENV}`), and the order sections are checked in, where one depends on
 //! another (`[admin] tls` and `[cluster]` on `[server]`, `grants` on the
 //! upstreams and `[server]`'s ways of identifying clients, `[[warm]]` and
-//! each upstream's `max_size` on the upstreams and `[cache]`).
+//! each upstream's `max_size` on the upstreams and `[cache]`). What is
+//! valid but worth a second look is in `warnings`; sizes and durations in
+//! `units`.
 
 mod admin;
 mod cache;
@@ -21,8 +23,10 @@ mod parse_error;
 mod secret;
 mod server;
 mod shared;
+pub mod units;
 mod upstream;
 mod warm;
+mod warnings;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -45,9 +49,9 @@ pub use server::{
 };
 pub use shared::{MIN_SHARED_MAX_AGE, SharedConfig, SharedCredentials};
 pub use upstream::{
-    DEFAULT_BODY_IDLE_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_FILL_CONNECTIONS, DEFAULT_MAX_CONCURRENCY,
-    DEFAULT_RESPONSE_TIMEOUT, FallbackUrl, MAX_FILL_CONNECTIONS, MAX_MAX_CONCURRENCY, MAX_UPSTREAM_TIMEOUT,
-    MAX_UPSTREAM_URLS, UpstreamConfig,
+    ClientCredentialsMode, DEFAULT_BODY_IDLE_TIMEOUT, DEFAULT_CLIENT_CREDENTIALS_TTL, DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_FILL_CONNECTIONS, DEFAULT_MAX_CONCURRENCY, DEFAULT_RESPONSE_TIMEOUT, FallbackUrl, MAX_FILL_CONNECTIONS,
+    MAX_MAX_CONCURRENCY, MAX_UPSTREAM_TIMEOUT, MAX_UPSTREAM_URLS, UpstreamConfig,
 };
 pub use warm::{MAX_WARM_IMAGES, MAX_WARM_LINE, WarmFile, WarmImage, parse_warm_file, parse_warm_line, resolve_image};
 
@@ -75,6 +79,27 @@ pub struct Config {
     /// Images kept warm and pinned (`[[warm]]`); `cache.warm_file` adds more.
     pub warm: Vec<WarmImage>,
 }
+
+/// What `larder check-config --without-secrets` did not look at: a file
+/// or an environment variable that holds a secret or is set where larder
+/// runs (a pod's mounts and downward API), not where a config is written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Skipped {
+    /// The config key, e.g. `upstream[0].password_file`.
+    pub key: String,
+    /// What was not done, e.g. `secrets/hub-token was not read`.
+    pub what: String,
+}
+
+impl std::fmt::Display for Skipped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "`{}`: {}", self.key, self.what)
+    }
+}
+
+/// What a secret skipped by `--without-secrets` is checked as: long
+/// enough for every length rule (tokens, cluster secrets).
+const SKIPPED_SECRET: &str = "a-placeholder-for-a-secret-not-read-by-check-config";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -134,7 +159,37 @@ impl Config {
             file: file.to_owned(),
             message: parse_error::describe_parse_error(text, &e),
         })?;
-        Validator { file, base_dir, env }.config(raw)
+        Validator { file, base_dir, env, skipped: None }.config(raw)
+    }
+
+    /// Reads and validates a config file as [`Config::load`] does, but
+    /// without reading what holds secrets or is set only where larder runs:
+    /// the files of `password_file`, `token_file`, `secret_file`, the S3
+    /// key files, `htpasswd`, certificates, keys and CA files, and
+    /// environment variables that are not set here (`password_env`,
+    /// `${POD_IP}`, `AWS_*`). Every other rule is checked. For a config
+    /// repository's CI; the config returned is for checking only, never
+    /// for running (its secrets are placeholders).
+    pub fn load_without_secrets(path: &Path) -> Result<(Config, Vec<Skipped>), ConfigError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { file: file.clone(), source })?;
+        Config::parse_without_secrets(&text, &file, path.parent(), &|name| std::env::var(name).ok())
+    }
+
+    /// [`Config::load_without_secrets`] of config text.
+    pub fn parse_without_secrets(
+        text: &str,
+        file: &str,
+        base_dir: Option<&Path>,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<(Config, Vec<Skipped>), ConfigError> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            file: file.to_owned(),
+            message: parse_error::describe_parse_error(text, &e),
+        })?;
+        let skipped = std::cell::RefCell::new(Vec::new());
+        let config = Validator { file, base_dir, env, skipped: Some(&skipped) }.config(raw)?;
+        Ok((config, skipped.into_inner()))
     }
 
     pub fn default_upstream(&self) -> Option<&UpstreamConfig> {
@@ -146,6 +201,8 @@ struct Validator<'a> {
     file: &'a str,
     base_dir: Option<&'a Path>,
     env: &'a dyn Fn(&str) -> Option<String>,
+    /// With `--without-secrets`: what was not read, noted as it goes.
+    skipped: Option<&'a std::cell::RefCell<Vec<Skipped>>>,
 }
 
 impl Validator<'_> {
@@ -162,15 +219,14 @@ impl Validator<'_> {
 
     fn duration(&self, key: &str, v: Option<&str>, default: Duration) -> Result<Duration, ConfigError> {
         let Some(s) = v else { return Ok(default) };
-        // humantime panics on sums that overflow a Duration (found by
-        // fuzzing): bound the text before parsing, and the value after, so
-        // that durations can be added to each other anywhere.
+        // Bound the text before parsing (its suggestions add up parts),
+        // and the value after, so that durations can be added to each
+        // other anywhere.
         let digit_run_too_long = s.split(|c: char| !c.is_ascii_digit()).any(|run| run.len() > MAX_DURATION_DIGITS);
         if s.len() > MAX_DURATION_TEXT || digit_run_too_long {
             return Err(self.err(key, format!("{s:?} is far too long for a duration")));
         }
-        let d = humantime::parse_duration(s)
-            .map_err(|e| self.err(key, format!("{s:?} is not a duration like \"30s\", \"5m\" or \"7d\": {e}")))?;
+        let d = units::parse_duration(s).map_err(|e| self.err(key, e))?;
         if d > MAX_DURATION {
             return Err(self.err(key, format!("{s:?} is longer than 100 years")));
         }
@@ -180,10 +236,7 @@ impl Validator<'_> {
     fn size(&self, key: &str, v: Option<&str>, default: u64) -> Result<u64, ConfigError> {
         match v {
             None => Ok(default),
-            Some(s) => s
-                .parse::<bytesize::ByteSize>()
-                .map(|b| b.as_u64())
-                .map_err(|e| self.err(key, format!("{s:?} is not a size like \"256MiB\" or \"50GiB\": {e}"))),
+            Some(s) => units::parse_size(s).map_err(|e| self.err(key, e)),
         }
     }
 
@@ -191,8 +244,42 @@ impl Validator<'_> {
         v.parse().map_err(|_| self.err(key, format!("{v:?} is not an address like \"0.0.0.0:5000\"")))
     }
 
+    /// Without secrets: notes that `key`'s `what` was skipped, and says so.
+    fn skip(&self, key: &str, what: impl FnOnce() -> String) -> bool {
+        let Some(skipped) = self.skipped else { return false };
+        skipped.borrow_mut().push(Skipped { key: key.to_owned(), what: what() });
+        true
+    }
+
+    /// A secret file's text, or `None` when skipped (without secrets).
+    fn secret_text(&self, key: &str, path: &Path) -> Result<Option<String>, ConfigError> {
+        if self.skip(key, || format!("{} was not read", path.display())) {
+            return Ok(None);
+        }
+        let text =
+            std::fs::read_to_string(path).map_err(|e| self.err(key, format!("cannot read {}: {e}", path.display())))?;
+        Ok(Some(text))
+    }
+
+    /// An environment variable; `None` when unset, or a placeholder when
+    /// unset and skipped (without secrets).
+    fn env_var(&self, key: &str, name: &str, placeholder: &str) -> Option<String> {
+        match (self.env)(name) {
+            Some(v) => Some(v),
+            None if self
+                .skip(key, || format!("${name} is not set here; checked with {placeholder:?} in its place")) =>
+            {
+                Some(placeholder.to_owned())
+            }
+            None => None,
+        }
+    }
+
     fn readable(&self, key: &str, p: &str) -> Result<PathBuf, ConfigError> {
         let path = self.path(p);
+        if self.skip(key, || format!("{} was not opened", path.display())) {
+            return Ok(path);
+        }
         std::fs::File::open(&path).map_err(|e| self.err(key, format!("cannot read {}: {e}", path.display())))?;
         Ok(path)
     }
@@ -204,6 +291,17 @@ impl Validator<'_> {
         // Grants name upstreams, and users or certificates `[server]` must
         // be able to tell apart.
         server.grants = self.grants(&raw_grants, &upstreams, &server)?;
+        // Both would read the client's one Authorization header.
+        if server.auth.is_some() {
+            if let Some(i) = upstreams.iter().position(|u| u.client_credentials != ClientCredentialsMode::Ignore) {
+                return Err(self.err(
+                    format!("upstream[{i}].client_credentials"),
+                    "\"verify\" checks the client's Basic credentials with the registry, and [server.auth] htpasswd \
+                     checks the same Authorization header against larder's own users: use one of them (grants can \
+                     still name clients by certificate, without htpasswd)",
+                ));
+            }
+        }
         let log = self.log(raw.log)?;
         let admin = self.admin(raw.admin.unwrap_or_default(), &server)?;
         let shared = raw.shared.map(|s| self.shared(s)).transpose()?;
@@ -213,7 +311,7 @@ impl Validator<'_> {
             if let Some(size) = u.max_size.filter(|s| *s > cache.max_size) {
                 return Err(self.err(
                     format!("upstream[{i}].max_size"),
-                    format!("{size} bytes is more than cache.max_size ({} bytes)", cache.max_size),
+                    format!("{} is more than cache.max_size, {}", units::Size(size), units::Size(cache.max_size)),
                 ));
             }
         }
@@ -227,8 +325,7 @@ impl Validator<'_> {
     /// (files written by `echo` or a Kubernetes Secret), never empty.
     fn secret_file(&self, key: &str, p: &str) -> Result<Secret, ConfigError> {
         let path = self.path(p);
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| self.err(key, format!("cannot read {}: {e}", path.display())))?;
+        let Some(text) = self.secret_text(key, &path)? else { return Ok(Secret::new(SKIPPED_SECRET)) };
         let value = text.trim_end();
         if value.is_empty() {
             return Err(self.err(key, format!("{} is empty", path.display())));
@@ -250,8 +347,12 @@ impl Validator<'_> {
             if !name_ok {
                 return Err(self.err(key, format!("{name:?} is not an environment variable name")));
             }
-            let value =
-                (self.env)(name).ok_or_else(|| self.err(key, format!("environment variable {name} is not set")))?;
+            // Without secrets, an unset variable becomes a name that is a
+            // valid host: `${POD_IP}` → `pod-ip`.
+            let placeholder = name.to_ascii_lowercase().replace('_', "-");
+            let value = self
+                .env_var(key, name, &placeholder)
+                .ok_or_else(|| self.err(key, format!("environment variable {name} is not set")))?;
             out.push_str(&value);
             rest = &after[end + 1..];
         }
@@ -537,11 +638,26 @@ mod tests {
             ("[server]\nmax_connections = 0\n", "server.max_connections"),
             ("[server]\nsendfile = \"yes\"\n", "server.sendfile"),
             ("[server]\nmax_connections = 1048577\n", "server.max_connections"),
+            // Each watermark under its own key.
+            ("[cache]\nlow_watermark = 0.97\n", "cache.low_watermark"),
+            ("[cache]\nlow_watermark = 0\n", "cache.low_watermark"),
+            ("[cache]\nhigh_watermark = 1.5\n", "cache.high_watermark"),
+            ("[cache]\nmax_size = \"50G\"\n", "cache.max_size"),
+            ("[cache]\ntag_ttl = \"7 days\"\n", "cache.tag_ttl"),
         ];
         for (prefix, key) in cases {
             let e = parse(&format!("{prefix}{MINIMAL}")).unwrap_err().to_string();
             assert!(e.contains(&format!("`{key}`")), "{e}");
         }
+        let e = parse(&format!("[cache]\nmax_size = \"1KiB\"\n{MINIMAL}")).unwrap_err().to_string();
+        assert!(
+            e.ends_with("`cache.max_size`: 1 KiB (1024 bytes) is less than the minimum, 1 MiB (1048576 bytes)"),
+            "{e}"
+        );
+        let e = parse(&format!("[cache]\nmax_size = \"1GiB\"\nmax_blob_size = \"2GiB\"\n{MINIMAL}"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("at most cache.max_size, 1 GiB (1073741824 bytes), not 2 GiB (2147483648 bytes)"), "{e}");
         let e = parse("[[upstream]]\nname = \"x.io\"\nurl = \"ftp://x.io\"\n").unwrap_err().to_string();
         assert!(e.contains("`upstream[0].url`"), "{e}");
         let e = parse("[[upstream]]\nname = \"X IO\"\nurl = \"https://x.io\"\n").unwrap_err().to_string();

@@ -15,6 +15,15 @@ pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(25);
 /// Default cap on open client connections of the registry listener: room
 /// for a hub serving thousands of kubelets, each keeping a connection open.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 16_384;
+/// Default `server.manifest_deadline`: a manifest's response headers go
+/// out within this of its request, whatever upstream, a hub (`via`) or a
+/// cluster owner does. containerd 2.3 (and Docker 29.7, which builds on
+/// it) gives up on any response whose headers take 30 s; 25 s leaves
+/// room for the client's own round trips.
+pub const DEFAULT_MANIFEST_DEADLINE: std::time::Duration = std::time::Duration::from_secs(25);
+/// Range accepted for `server.manifest_deadline`.
+pub const MANIFEST_DEADLINE_RANGE: std::ops::RangeInclusive<std::time::Duration> =
+    std::time::Duration::from_secs(1)..=std::time::Duration::from_secs(120);
 /// Largest `server.max_connections` accepted (each connection holds a
 /// descriptor; Linux's default hard limit is 2^20).
 pub const MAX_MAX_CONNECTIONS: usize = 1 << 20;
@@ -38,6 +47,10 @@ pub struct ServerConfig {
     pub grants: Vec<crate::policy::Grant>,
     /// When cached blob bytes go out with sendfile (cleartext HTTP/1).
     pub sendfile: SendfileMode,
+    /// A manifest request is answered within this: from the cache, stale
+    /// if a revalidation cannot finish in time (within `stale_if_error`),
+    /// else `504`. A fetch still running goes on and fills the cache.
+    pub manifest_deadline: Duration,
 }
 
 /// `server.sendfile`: which cleartext HTTP/1 clients get cached blob bytes
@@ -80,6 +93,7 @@ pub(super) struct RawServer {
     admin_listen: Option<String>,
     shutdown_grace: Option<String>,
     max_connections: Option<usize>,
+    manifest_deadline: Option<String>,
     tls: Option<RawTls>,
     auth: Option<RawAuth>,
     sendfile: Option<String>,
@@ -136,6 +150,14 @@ impl Validator<'_> {
                     );
                 }
             },
+            manifest_deadline: match self.duration(
+                "server.manifest_deadline",
+                rs.manifest_deadline.as_deref(),
+                DEFAULT_MANIFEST_DEADLINE,
+            )? {
+                d if MANIFEST_DEADLINE_RANGE.contains(&d) => d,
+                _ => return Err(self.err("server.manifest_deadline", "must be between 1s and 120s")),
+            },
             tls: rs.tls.as_ref().map(|t| self.tls(t)).transpose()?,
             auth: rs.auth.as_ref().map(|a| self.auth(a)).transpose()?.flatten(),
             grants: Vec::new(),
@@ -184,6 +206,17 @@ impl Validator<'_> {
 mod tests {
     use super::*;
     use crate::config::test_support::*;
+
+    #[test]
+    fn the_manifest_deadline_is_25s_unless_set_between_1s_and_120s() {
+        assert_eq!(parse(MINIMAL).unwrap().server.manifest_deadline, DEFAULT_MANIFEST_DEADLINE);
+        let c = parse(&format!("[server]\nmanifest_deadline = \"10s\"\n{MINIMAL}")).unwrap();
+        assert_eq!(c.server.manifest_deadline, Duration::from_secs(10));
+        for bad in ["0s", "500ms", "121s", "1h"] {
+            let e = parse(&format!("[server]\nmanifest_deadline = \"{bad}\"\n{MINIMAL}")).unwrap_err().to_string();
+            assert!(e.contains("server.manifest_deadline"), "{bad}: {e}");
+        }
+    }
 
     #[test]
     fn sendfile_is_auto_unless_set() {

@@ -90,9 +90,12 @@ impl Validator<'_> {
         let endpoint = s.endpoint.as_deref().map(|e| self.endpoint(e)).transpose()?;
         let region = match (&s.region, &endpoint) {
             (Some(r), _) => r.clone(),
-            (None, None) => (self.env)("AWS_REGION").or_else(|| (self.env)("AWS_DEFAULT_REGION")).ok_or_else(|| {
-                self.err("shared.region", "set the bucket's region (or AWS_REGION in the environment)")
-            })?,
+            (None, None) => (self.env)("AWS_REGION")
+                .or_else(|| (self.env)("AWS_DEFAULT_REGION"))
+                .or_else(|| self.env_var("shared.region", "AWS_REGION", "us-east-1"))
+                .ok_or_else(|| {
+                    self.err("shared.region", "set the bucket's region (or AWS_REGION in the environment)")
+                })?,
             (None, Some(_)) => {
                 return Err(self.err(
                     "shared.region",
@@ -125,6 +128,14 @@ impl Validator<'_> {
                     // metadata); an S3-compatible store needs one of them
                     // named or keys.
                     _ if chain_source || endpoint.is_none() => SharedCredentials::Chain,
+                    _ if self.skip("shared.access_key_id_file", || {
+                        "not set, and AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY are not set here: checked as if \
+                         the environment larder runs in sets them"
+                            .to_owned()
+                    }) =>
+                    {
+                        SharedCredentials::Chain
+                    }
                     _ => {
                         return Err(self.err(
                             "shared.access_key_id_file",

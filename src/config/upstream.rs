@@ -47,6 +47,26 @@ pub const MIN_MAX_BANDWIDTH: u64 = 64 << 10;
 /// own limit: upstream waits must end first, so the client gets a 504
 /// instead of a cut connection (checked against the watchdog at compile time).
 pub const MAX_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(100);
+/// Default `client_credentials_ttl`: how long a (client credentials,
+/// repository) pair upstream accepted is trusted without asking again.
+pub const DEFAULT_CLIENT_CREDENTIALS_TTL: Duration = Duration::from_secs(300);
+/// Longest `client_credentials_ttl` accepted: a revoked pull secret keeps
+/// working through larder for at most this long.
+pub const MAX_CLIENT_CREDENTIALS_TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// `client_credentials`: what larder does with the Basic credentials a
+/// client sends for this upstream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientCredentialsMode {
+    /// Ignored (the default): larder's own grants decide, as before.
+    Ignore,
+    /// Every request needs credentials the upstream itself accepts for
+    /// pulling the repository (`crate::upstream::verify`), cached or not.
+    Verify {
+        /// How long a verified pair is trusted (`client_credentials_ttl`).
+        ttl: Duration,
+    },
+}
 
 #[derive(Debug, Clone)]
 pub struct UpstreamConfig {
@@ -103,6 +123,8 @@ pub struct UpstreamConfig {
     pub connect_timeout: Duration,
     pub response_timeout: Duration,
     pub body_idle_timeout: Duration,
+    /// `client_credentials` and `client_credentials_ttl`.
+    pub client_credentials: ClientCredentialsMode,
 }
 
 /// A fallback of `urls`, and whether it gets the upstream's credentials:
@@ -153,6 +175,8 @@ pub(super) struct RawUpstream {
     connect_timeout: Option<String>,
     response_timeout: Option<String>,
     body_idle_timeout: Option<String>,
+    client_credentials: Option<String>,
+    client_credentials_ttl: Option<String>,
 }
 
 /// One entry of `urls`: `"https://host"`, or
@@ -189,6 +213,13 @@ impl<'de> Deserialize<'de> for RawUrl {
     }
 }
 
+impl ClientCredentialsMode {
+    /// Whether clients' credentials are checked with the upstream.
+    pub fn verifies(&self) -> bool {
+        matches!(self, ClientCredentialsMode::Verify { .. })
+    }
+}
+
 impl UpstreamConfig {
     pub fn tag_ttl(&self, cache: &CacheConfig) -> Duration {
         self.tag_ttl.unwrap_or(cache.tag_ttl)
@@ -206,11 +237,9 @@ impl UpstreamConfig {
 }
 
 impl Config {
-    /// What is valid but worth an operator's second look, one line each,
-    /// naming the key: `check-config` prints these, and larder logs them
-    /// at start. Today: where an upstream's credentials go across sites,
-    /// or where a fallback on another site pulls without them.
-    pub fn warnings(&self) -> Vec<String> {
+    /// Where an upstream's credentials go across sites, or where a
+    /// fallback on another site pulls without them (see [`Config::warnings`]).
+    pub(super) fn fallback_warnings(&self) -> Vec<String> {
         let mut warnings = Vec::new();
         for (i, u) in self.upstreams.iter().enumerate() {
             if u.credentials.is_none() {
@@ -391,8 +420,9 @@ impl Validator<'_> {
             None => None,
             Some(v) => Some(self.size(&key("max_size"), Some(v), 0)?),
         };
-        if max_size.is_some_and(|m| m < super::MIN_MAX_SIZE) {
-            return Err(self.err(key("max_size"), "must be at least 1MiB"));
+        if let Some(m) = max_size.filter(|m| *m < super::MIN_MAX_SIZE) {
+            let (m, min) = (super::units::Size(m), super::units::Size(super::MIN_MAX_SIZE));
+            return Err(self.err(key("max_size"), format!("{m} is less than the minimum, {min}")));
         }
         let max_bandwidth = match u.max_bandwidth.as_deref() {
             None => None,
@@ -409,10 +439,16 @@ impl Validator<'_> {
             })?;
         let ca_file = u.ca_file.as_deref().map(|f| self.path(f));
         if let Some(ca) = &ca_file {
-            if !ca.is_file() {
+            if !self.skip(&key("ca_file"), || format!("{} was not opened", ca.display())) && !ca.is_file() {
                 return Err(self.err(key("ca_file"), format!("{} is not a readable file", ca.display())));
             }
         }
+        let client_credentials = self.client_credentials(
+            &key,
+            u.client_credentials.as_deref(),
+            u.client_credentials_ttl.as_deref(),
+            via.is_some(),
+        )?;
         Ok(UpstreamConfig {
             name: u.name,
             aliases: u.aliases,
@@ -437,6 +473,7 @@ impl Validator<'_> {
             fill_connections,
             fill_ahead: u.fill_ahead.unwrap_or(true),
             ca_file,
+            client_credentials,
             connect_timeout: self.upstream_timeout(
                 &key("connect_timeout"),
                 u.connect_timeout.as_deref(),
@@ -453,6 +490,48 @@ impl Validator<'_> {
                 DEFAULT_BODY_IDLE_TIMEOUT,
             )?,
         })
+    }
+
+    /// `client_credentials = "verify" | "ignore"` and its ttl. An upstream
+    /// with `via` cannot verify: it never dials the registry, and a
+    /// client's credentials never go to the hub.
+    fn client_credentials(
+        &self,
+        key: &dyn Fn(&str) -> String,
+        mode: Option<&str>,
+        ttl: Option<&str>,
+        via: bool,
+    ) -> Result<ClientCredentialsMode, ConfigError> {
+        match mode.unwrap_or("ignore") {
+            "ignore" => {
+                if ttl.is_some() {
+                    return Err(
+                        self.err(key("client_credentials_ttl"), "applies only with client_credentials = \"verify\"")
+                    );
+                }
+                Ok(ClientCredentialsMode::Ignore)
+            }
+            "verify" => {
+                if via {
+                    return Err(self.err(
+                        key("client_credentials"),
+                        "an upstream with `via` never asks the registry itself, and a client's credentials never go \
+                         to the hub: set client_credentials = \"verify\" on the larder that clients reach and that \
+                         dials the registry",
+                    ));
+                }
+                let k = key("client_credentials_ttl");
+                let ttl = self.duration(&k, ttl, DEFAULT_CLIENT_CREDENTIALS_TTL)?;
+                if ttl.is_zero() || ttl > MAX_CLIENT_CREDENTIALS_TTL {
+                    return Err(self.err(
+                        k,
+                        format!("must be more than 0s and at most {}h", MAX_CLIENT_CREDENTIALS_TTL.as_secs() / 3600),
+                    ));
+                }
+                Ok(ClientCredentialsMode::Verify { ttl })
+            }
+            other => Err(self.err(key("client_credentials"), format!("{other:?} is not \"verify\" or \"ignore\""))),
+        }
     }
 
     /// `url`, or `urls = [primary, fallback…]`: exactly one of the two.
@@ -539,11 +618,11 @@ mod tests {
     #[test]
     fn max_bandwidth_is_bytes_per_second_with_or_without_a_per_second_suffix() {
         assert_eq!(parse(MINIMAL).unwrap().upstreams[0].max_bandwidth, None, "unlimited by default");
-        for value in ["50MiB", "50MiB/s", "52428800"] {
+        for value in ["50MiB", "50MiB/s", "52428800B", "52428800B/s"] {
             let c = parse(&format!("{MINIMAL}max_bandwidth = \"{value}\"\n")).unwrap();
             assert_eq!(c.upstreams[0].max_bandwidth, Some(50 << 20), "{value}");
         }
-        for value in ["fast", "1KiB", "0"] {
+        for value in ["fast", "1KiB", "0", "52428800"] {
             let e = parse(&format!("{MINIMAL}max_bandwidth = \"{value}\"\n")).unwrap_err().to_string();
             assert!(e.contains("`upstream[0].max_bandwidth`"), "{value}: {e}");
         }
@@ -693,6 +772,52 @@ mod tests {
                 .to_string();
             assert!(e.contains(&format!("`{key}`")), "{e}");
         }
+    }
+
+    #[test]
+    fn client_credentials_verify_with_a_ttl_and_never_through_a_hub() {
+        let up = |lines: &str| format!("[[upstream]]\nname = \"ghcr.io\"\nurl = \"https://ghcr.io\"\n{lines}\n");
+        let c = parse(&up("")).unwrap();
+        assert_eq!(c.upstreams[0].client_credentials, ClientCredentialsMode::Ignore);
+        let c = parse(&up("client_credentials = \"verify\"")).unwrap();
+        assert_eq!(
+            c.upstreams[0].client_credentials,
+            ClientCredentialsMode::Verify { ttl: DEFAULT_CLIENT_CREDENTIALS_TTL }
+        );
+        let c = parse(&up("client_credentials = \"verify\"\nclient_credentials_ttl = \"90s\"")).unwrap();
+        assert_eq!(c.upstreams[0].client_credentials, ClientCredentialsMode::Verify { ttl: Duration::from_secs(90) });
+        let cases = [
+            ("client_credentials = \"check\"", "upstream[0].client_credentials", "is not \"verify\""),
+            ("client_credentials_ttl = \"1m\"", "upstream[0].client_credentials_ttl", "only with"),
+            (
+                "client_credentials = \"verify\"\nclient_credentials_ttl = \"0s\"",
+                "upstream[0].client_credentials_ttl",
+                "more than 0s",
+            ),
+            (
+                "client_credentials = \"verify\"\nclient_credentials_ttl = \"25h\"",
+                "upstream[0].client_credentials_ttl",
+                "at most 24h",
+            ),
+            ("client_credentials = \"verify\"\nvia = \"http://hub:5000\"", "upstream[0].client_credentials", "hub"),
+        ];
+        for (lines, key, words) in cases {
+            let e = parse(&up(lines)).unwrap_err().to_string();
+            assert!(e.contains(&format!("`{key}`")) && e.contains(words), "{lines}: {e}");
+        }
+    }
+
+    #[test]
+    fn client_credentials_verify_and_an_htpasswd_cannot_share_the_authorization_header() {
+        let dir = tempfile::tempdir().unwrap();
+        let htpasswd = dir.path().join("htpasswd");
+        std::fs::write(&htpasswd, "").unwrap();
+        let text = format!(
+            "[server.auth]\nhtpasswd = {:?}\n[[upstream]]\nname = \"ghcr.io\"\nurl = \"https://ghcr.io\"\nclient_credentials = \"verify\"\n",
+            htpasswd.display().to_string()
+        );
+        let e = parse(&text).unwrap_err().to_string();
+        assert!(e.contains("`upstream[0].client_credentials`") && e.contains("htpasswd"), "{e}");
     }
 
     #[test]

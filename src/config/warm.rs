@@ -145,7 +145,10 @@ pub fn parse_warm_line(line: &str, upstreams: &[UpstreamConfig]) -> Result<Optio
     let line = line.split_once('#').map_or(line, |(before, _)| before).trim();
     let mut words = line.split_whitespace();
     let Some(image) = words.next() else { return Ok(None) };
-    let (upstream, repo, reference) = resolve_image(image, upstreams)?;
+    // The whole line is quoted when it is more than the image: `this is
+    // not an image` is one mistake, not a problem with the word "is".
+    let whole = |e: String| if line == image { e } else { format!("{line:?}: {e}") };
+    let (upstream, repo, reference) = resolve_image(image, upstreams).map_err(whole)?;
     let mut warm = WarmImage {
         image: image.to_owned(),
         upstream,
@@ -159,16 +162,17 @@ pub fn parse_warm_line(line: &str, upstreams: &[UpstreamConfig]) -> Result<Optio
         match word.split_once('=') {
             Some(("platforms", list)) => {
                 let list: Vec<String> = list.split(',').map(str::to_owned).collect();
-                warm.platforms = platforms(&list)?;
+                warm.platforms = platforms(&list).map_err(whole)?;
             }
             Some(("pin", "true")) => warm.pin = true,
             Some(("referrers", "true")) => warm.referrers = true,
             Some(("referrers", "false")) => warm.referrers = false,
             Some(("pin", "false")) => warm.pin = false,
             _ => {
-                return Err(format!(
-                    "{word:?}: after the image, only `platforms=os/arch,…`, `pin=true|false` and `referrers=true|false` are understood"
-                ));
+                return Err(whole(format!(
+                    "{word:?} is not understood: a line is an image, then only `platforms=os/arch,…`, \
+                     `pin=true|false` and `referrers=true|false`"
+                )));
             }
         }
     }
@@ -316,5 +320,30 @@ mod tests {
         assert!(file.bad_lines[1].1.contains("[[warm]] already"));
         assert!(file.bad_lines[2].1.contains("earlier line"));
         assert!(file.bad_lines[3].1.contains("colour=blue"));
+    }
+
+    #[test]
+    fn a_bad_line_is_quoted_whole() {
+        let file = parse_warm_file(
+            "this is not an image
+",
+            &upstreams(),
+            &[],
+        );
+        assert_eq!(
+            file.bad_lines,
+            [(
+                1,
+                "\"this is not an image\": \"is\" is not understood: a line is an image, then only \
+                 `platforms=os/arch,…`, `pin=true|false` and `referrers=true|false`"
+                    .to_owned()
+            )]
+        );
+        let file = parse_warm_file("quay.io/org/app:1 pin=false\n", &upstreams(), &[]);
+        assert!(
+            file.bad_lines[0].1.starts_with("\"quay.io/org/app:1 pin=false\": \"quay.io/org/app:1\""),
+            "{:?}",
+            file.bad_lines
+        );
     }
 }

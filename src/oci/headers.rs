@@ -10,6 +10,11 @@ use super::Digest;
 pub const DOCKER_CONTENT_DIGEST: HeaderName = HeaderName::from_static("docker-content-digest");
 pub const API_VERSION: HeaderName = HeaderName::from_static("docker-distribution-api-version");
 pub const API_VERSION_V2: HeaderValue = HeaderValue::from_static("registry/2.0");
+/// The `ns` a request was scoped by, echoed (distribution-spec, "Registry
+/// Proxying": a registry that uses `ns` SHOULD return it in this header).
+pub const OCI_NAMESPACE: HeaderName = HeaderName::from_static("oci-namespace");
+/// Upstream's informational warnings (distribution-spec, "Warnings").
+pub const WARNING: HeaderName = http::header::WARNING;
 
 impl Digest {
     /// `sha256:<hex>`, for `Docker-Content-Digest`.

@@ -10,8 +10,10 @@ mod media;
 mod reference;
 pub mod referrers;
 pub mod tag_list;
+mod warning;
 
 pub use digest::{Digest, DigestError, Hasher, Hex};
 pub use manifest::{MAX_MANIFEST_SIZE, ManifestRefs, inspect as inspect_manifest};
 pub use media::{Accept, MediaType};
 pub use reference::{NameError, Reference, RepoName, Tag};
+pub use warning::{MAX_WARNING_BYTES, MAX_WARNINGS, Warnings};

@@ -12,7 +12,7 @@ use crate::body::{self, Body};
 use crate::cache::fill::{read_body, wait_for_headers};
 use crate::cache::{BlobSource, CacheResult, StoredManifest, Via};
 use crate::error::Error;
-use crate::oci::headers::{API_VERSION, API_VERSION_V2, DOCKER_CONTENT_DIGEST};
+use crate::oci::headers::{API_VERSION, API_VERSION_V2, DOCKER_CONTENT_DIGEST, WARNING};
 use crate::oci::{Accept, Digest, Reference};
 use crate::sendfile::FileSink;
 use crate::state::App;
@@ -49,7 +49,10 @@ pub async fn manifest(
     (method, headers): (&Method, &HeaderMap),
     client: Option<std::net::IpAddr>,
 ) -> Result<(Response<Body>, CacheResult), Error> {
-    let (m, result) = app.cache.manifest_via(&route.upstream, &route.repo, reference, route.via).await?;
+    // Headers within `server.manifest_deadline` of the request, whatever
+    // upstream does (containerd 2.3 gives up on a response at 30 s).
+    let deadline = tokio::time::Instant::now() + app.config.server.manifest_deadline;
+    let (m, result) = app.cache.manifest_by(&route.upstream, &route.repo, reference, route.via, deadline).await?;
     // A client that only speaks Docker v2 must never get an OCI index it
     // cannot read (distribution answers MANIFEST_UNKNOWN there too). By
     // digest, the client asked for exactly these bytes.
@@ -70,8 +73,10 @@ pub async fn manifest(
     Ok((manifest_response(&m, method == Method::HEAD, confirmed)?, result))
 }
 
-/// A manifest as served: its exact bytes (none for `HEAD`) and headers;
-/// with `confirmed`, when upstream last confirmed the tag asked for (for a peer).
+/// A manifest as served: its exact bytes (none for `HEAD`) and headers,
+/// upstream's registry warnings among them (`GET` and `HEAD` alike:
+/// containerd reports the ones of the `HEAD` that resolves a tag); with
+/// `confirmed`, when upstream last confirmed the tag asked for (for a peer).
 pub fn manifest_response(
     m: &StoredManifest,
     head: bool,
@@ -91,6 +96,9 @@ pub fn manifest_response(
     if let Some(confirmed) = confirmed {
         let ms = confirmed.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
         resp = resp.header(crate::cluster::client::TAG_CONFIRMED_HEADER, ms);
+    }
+    for warning in m.warnings.iter() {
+        resp = resp.header(WARNING, warning.clone());
     }
     built(resp.body(body))
 }

@@ -25,6 +25,7 @@ use tokio_rustls::TlsAcceptor;
 use tracing::Instrument;
 
 use crate::body::Body;
+use crate::error::Error;
 use crate::metrics::metrics;
 use crate::policy::ClientIdentity;
 use crate::shutdown::Shutdown;
@@ -83,14 +84,20 @@ pub async fn serve(
 /// records metrics and logs one line.
 /// Every log line of a request carries its id (also sent back as
 /// `X-Request-Id`), so one pull can be followed through the logs.
+/// Every response to a request with `?ns=` carries it back in
+/// `OCI-Namespace`, errors included.
 /// `peer` is the client's address (the connection's source).
 pub async fn handle(app: Arc<App>, req: Request<Incoming>, peer: std::net::IpAddr) -> Response<Body> {
     let id = RequestId(rand::random());
     let span = tracing::info_span!("request", id = %id);
     let hex = id.hex();
+    let namespace = routes::namespace_echo(req.uri());
     let mut resp = handle_request(app, req, &hex, peer).instrument(span).await;
     if let Ok(value) = http::HeaderValue::from_bytes(&hex) {
         resp.headers_mut().insert("x-request-id", value);
+    }
+    if let Some(ns) = namespace {
+        resp.headers_mut().insert(crate::oci::headers::OCI_NAMESPACE, ns);
     }
     resp
 }
@@ -116,12 +123,69 @@ fn check_grants(
         return Ok(());
     }
     metrics().grant_denied.with_label_values(&[route.upstream.name()]).inc();
-    tracing::info!(?client, upstream = route.upstream.name(), repo = %route.repo, "no grant for this client");
+    tracing::info!(
+        user = client.user_text(),
+        certificate = %client.certificate_text(),
+        upstream = route.upstream.name(),
+        repo = %route.repo,
+        "no grant for this client"
+    );
     Err(crate::error::Error::Denied(format!(
         "no grant gives this client repository {:?} of upstream {:?}",
         route.repo.as_str(),
         route.upstream.name()
     )))
+}
+
+/// Parses the route and decides whether this client may have it, before
+/// any cache read or dial: the upstream's policy (in the parse), the
+/// grants, then, for an upstream with `client_credentials = "verify"`,
+/// the client's own credentials checked with that upstream. `GET /v2/`
+/// challenges a client without credentials when any upstream verifies, so
+/// that skopeo, podman and dockerd (which send credentials only where
+/// `/v2/` asked for them) send theirs.
+async fn authorize(
+    app: &App,
+    parts: &http::request::Parts,
+    user: Option<String>,
+    peer: std::net::IpAddr,
+) -> (&'static str, Result<Parsed, crate::error::Error>) {
+    let parsed = match routes::parse(&parts.method, &parts.uri, &app.upstreams) {
+        Ok(parsed) => parsed,
+        Err(e) => return ("invalid", Err(e)),
+    };
+    match &parsed {
+        Parsed::Repo(route) => {
+            let label = route.endpoint.label();
+            if let Err(e) = check_grants(app, &parts.extensions, user, route) {
+                return (label, Err(e));
+            }
+            let probe = match &route.endpoint {
+                routes::Endpoint::Manifest(r) => crate::upstream::Probe::Manifest(r.clone()),
+                routes::Endpoint::Blob(d) => crate::upstream::Probe::Blob(*d),
+                routes::Endpoint::TagsList(_) => crate::upstream::Probe::Tags,
+                routes::Endpoint::Referrers(d, _) => crate::upstream::Probe::Referrers(*d),
+            };
+            if let Err(e) = route.upstream.verify_client(&parts.headers, &route.repo, probe, peer).await {
+                return (label, Err(e));
+            }
+        }
+        Parsed::Base => {
+            let verifying = app.config.upstreams.iter().any(|u| u.client_credentials.verifies());
+            if verifying && !parts.headers.contains_key(http::header::AUTHORIZATION) {
+                return (
+                    "base",
+                    Err(crate::error::Error::CredentialsRequired {
+                        realm: "larder".to_owned(),
+                        message: "this mirror serves some registries only to clients those registries accept: \
+                                  send your credentials for them (HTTP Basic)"
+                            .to_owned(),
+                    }),
+                );
+            }
+        }
+    }
+    ("base", Ok(parsed))
 }
 
 /// A request's id: 16 hex digits in its log span and its `X-Request-Id`,
@@ -158,17 +222,22 @@ async fn handle_request(
         Some(auth) => auth.check(&parts.headers, peer).await.map(Some),
         None => Ok(None),
     };
-    let parsed = user.and_then(|user| {
-        let parsed = routes::parse(&parts.method, &parts.uri, &app.upstreams)?;
-        if let Parsed::Repo(route) = &parsed {
-            check_grants(&app, &parts.extensions, user, route)?;
-        }
-        Ok(parsed)
-    });
+    let (label, parsed) = match user {
+        Ok(user) => authorize(&app, &parts, user, peer).await,
+        Err(e) => ("invalid", Err(e)),
+    };
     let (route, outcome) = match parsed {
         Ok(Parsed::Base) => ("base", handlers::base(&parts.method).map(|r| (r, None))),
         Ok(Parsed::Repo(route)) => (route.endpoint.label(), handlers::route(&app, route, &parts).await),
-        Err(e) => ("invalid", Err(e)),
+        // Refused for who asks (policy, grants, password, the client's
+        // credentials upstream): the route is valid, and its status says
+        // it was denied. Routes parsed before the refusal have their label.
+        Err(e @ (Error::Denied(_) | Error::Unauthorized { .. } | Error::TooManyRequests { .. }))
+            if label == "invalid" =>
+        {
+            (routes::label_of_path(parts.uri.path()), Err(e))
+        }
+        Err(e) => (label, Err(e)),
     };
     let (resp, cache, error) = match outcome {
         Ok((resp, cache)) => (resp, cache, None),

@@ -170,7 +170,16 @@ async fn purge(app: &App, query: Option<&str>) -> Result<Response<Body>, Refused
     let repo = param("repo").map(|r| r.parse::<crate::oci::RepoName>().map_err(Error::NameInvalid)).transpose();
     let repo = repo.map_err(Refused::Refused)?;
     let purged = app.cache.purge(upstream.name(), repo.as_ref()).await.map_err(Refused::Failed)?;
-    tracing::info!(upstream = upstream.name(), repo = ?repo, ?purged, "purged at a peer's request");
+    tracing::info!(
+        upstream = upstream.name(),
+        repo = repo.as_ref().map_or("every repository", |r| r.as_str()),
+        tags = purged.tags,
+        members = purged.members,
+        blobs = purged.blobs,
+        manifests = purged.manifests,
+        bytes = purged.bytes,
+        "purged at a peer's request"
+    );
     let body =
         serde_json::to_vec(&purged).map_err(|e| Refused::Failed(Error::Internal(format!("purge answer: {e}"))))?;
     Response::builder()

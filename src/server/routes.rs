@@ -109,6 +109,29 @@ pub fn parse(method: &Method, uri: &Uri, upstreams: &Upstreams) -> Result<Parsed
     Ok(Parsed::Repo(Route { upstream: Arc::clone(upstream), repo, endpoint, via: Via::Client }))
 }
 
+/// The route label of a request refused before its route was made (a
+/// repository policy or grant denial, a missing or wrong password, too
+/// many password checks waiting): the endpoint its path names, so that a
+/// denied pull is counted under its route with its 401/403/429 status.
+/// `invalid` for a path that names no endpoint.
+pub fn label_of_path(path: &str) -> &'static str {
+    let Some(rest) = path.strip_prefix("/v2") else { return "invalid" };
+    let rest = rest.trim_start_matches('/');
+    if rest.is_empty() {
+        "base"
+    } else if rest.ends_with("/tags/list") {
+        "tags"
+    } else if rest.contains("/manifests/") {
+        "manifest"
+    } else if rest.contains("/blobs/") {
+        "blob"
+    } else if rest.contains("/referrers/") {
+        "referrers"
+    } else {
+        "invalid"
+    }
+}
+
 /// A digest-shaped reference must be a valid digest (400 otherwise); any
 /// other string that is not a valid tag is a manifest that cannot exist
 /// (404, as the OCI conformance suite expects).
@@ -149,6 +172,22 @@ fn ns(query: Option<&str>) -> Option<String> {
     form_urlencoded::parse(query?.as_bytes()).find(|(k, _)| k == "ns").map(|(_, v)| v.into_owned())
 }
 
+/// Longest `ns` value echoed in `OCI-Namespace`: a host name (253) with a
+/// port. A longer one names no upstream (404) and is not echoed.
+pub const MAX_NS_ECHO: usize = 260;
+
+/// The `OCI-Namespace` value for a request: its `ns` parameter as the
+/// client sent it (the first one, the one routing uses), whether or not
+/// it names an upstream. `None` without `ns`, or for one that is too long
+/// or not a valid header value.
+pub fn namespace_echo(uri: &Uri) -> Option<http::HeaderValue> {
+    let ns = ns(uri.query())?;
+    if ns.len() > MAX_NS_ECHO {
+        return None;
+    }
+    http::HeaderValue::from_str(&ns).ok()
+}
+
 /// The `n` and `last` parameters of a `tags/list` query, re-encoded.
 fn pagination(query: Option<&str>) -> Option<String> {
     keep_params(query, &["n", "last"])
@@ -171,6 +210,22 @@ fn keep_params(query: Option<&str>, keep: &[&str]) -> Option<String> {
 mod tests {
     use super::*;
     use crate::config::Config;
+
+    #[test]
+    fn a_refused_request_is_labelled_with_the_route_its_path_names() {
+        for (path, label) in [
+            ("/v2/", "base"),
+            ("/v2", "base"),
+            ("/v2/team/app/manifests/v1", "manifest"),
+            ("/v2/team/app/blobs/sha256:abc", "blob"),
+            ("/v2/team/app/tags/list", "tags"),
+            ("/v2/team/app/referrers/sha256:abc", "referrers"),
+            ("/v2/team/app/other", "invalid"),
+            ("/metrics", "invalid"),
+        ] {
+            assert_eq!(label_of_path(path), label, "{path}");
+        }
+    }
 
     fn upstreams() -> Upstreams {
         let config = Config::parse(
@@ -199,6 +254,20 @@ mod tests {
     }
 
     const D: &str = "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+
+    #[test]
+    fn the_namespace_echo_is_the_ns_the_client_sent() {
+        let echo = |uri: &str| namespace_echo(&uri.parse().unwrap());
+        assert_eq!(echo("/v2/a/manifests/v1?ns=index.docker.io").unwrap(), "index.docker.io");
+        assert_eq!(echo("/v2/a/manifests/v1?n=1&ns=ghcr.io&ns=quay.io").unwrap(), "ghcr.io");
+        assert_eq!(echo("/v2/a/manifests/v1?ns=localhost%3A5000").unwrap(), "localhost:5000");
+        assert_eq!(echo("/v2/a/manifests/v1?ns=evil.example").unwrap(), "evil.example", "unknown ones too");
+        assert!(echo("/v2/a/manifests/v1").is_none());
+        assert!(echo("/v2/a/manifests/v1?n=1").is_none());
+        assert!(echo("/v2/a/manifests/v1?ns=a%0Ab").is_none(), "not a header value");
+        assert!(echo(&format!("/v2/a/manifests/v1?ns={}", "a".repeat(MAX_NS_ECHO + 1))).is_none());
+        assert!(echo(&format!("/v2/a/manifests/v1?ns={}", "a".repeat(MAX_NS_ECHO))).is_some());
+    }
 
     #[test]
     fn default_upstream_with_library_namespace() {

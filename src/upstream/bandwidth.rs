@@ -22,9 +22,15 @@
 //!   nearly all of it, and when no client fill runs they go at full width.
 //!
 //! The wait happens between two reads, outside the body's idle timeout:
-//! a fill held back is not a stalled upstream.
+//! a fill held back is not a stalled upstream. For the same reason the
+//! time a fill is held back ([`Bandwidth::held`], [`Pace::held`]) is not
+//! its source's: the fill's deadline and the rule on resumes that bring
+//! little leave it out (a fill ahead may yield for as long as clients use
+//! the whole rate, and a rate below the fills' minimum rate of 256 KiB/s
+//! holds every fill below it).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -66,12 +72,30 @@ struct State {
     updated: Instant,
     /// Client fills waiting for the bucket now.
     clients_waiting: usize,
-    /// The fills of this upstream in flight, by [`Priority::id`], each
-    /// with how many [`Registered`] guards hold it.
-    fills: HashMap<usize, (Priority, usize)>,
+    /// The fills of this upstream in flight, by [`Priority::id`].
+    fills: HashMap<usize, Fill>,
     /// Without a rate: the one fill that yields and may read while a
     /// client fill runs.
     lane: Option<usize>,
+}
+
+/// A fill in flight, as the bandwidth knows it.
+struct Fill {
+    priority: Priority,
+    /// How many [`Registered`] guards hold it.
+    holders: usize,
+    /// Its reads waiting now (its parts wait each on their own).
+    waiting: usize,
+    /// Since when at least one of its reads waits.
+    since: Option<Instant>,
+    /// Wall time at least one of its reads waited, up to `since`.
+    held: Duration,
+}
+
+impl Fill {
+    fn held(&self, now: Instant) -> Duration {
+        self.held + self.since.map_or(Duration::ZERO, |since| now.saturating_duration_since(since))
+    }
 }
 
 /// What a fill's next chunk must do.
@@ -118,7 +142,15 @@ impl Bandwidth {
     /// (also when its task panics or is cancelled); a fill may be
     /// registered more than once (before it starts, and while it runs).
     pub fn register(self: &Arc<Self>, priority: &Priority) -> Registered {
-        self.lock().fills.entry(priority.id()).or_insert_with(|| (priority.clone(), 0)).1 += 1;
+        let mut state = self.lock();
+        let fill = state.fills.entry(priority.id()).or_insert_with(|| Fill {
+            priority: priority.clone(),
+            holders: 0,
+            waiting: 0,
+            since: None,
+            held: Duration::ZERO,
+        });
+        fill.holders += 1;
         Registered { bandwidth: Arc::clone(self), id: priority.id() }
     }
 
@@ -131,18 +163,43 @@ impl Bandwidth {
 
     /// What one fill's reads from upstream wait for.
     pub fn pace(self: &Arc<Self>, priority: &Priority) -> Pace {
-        Pace { bandwidth: Arc::clone(self), priority: priority.clone() }
+        Pace { bandwidth: Arc::clone(self), priority: priority.clone(), held: Arc::default() }
+    }
+
+    /// How long, in wall time, the reads of the fill registered with
+    /// `priority` have been held back so far: while at least one of them
+    /// waited for the bucket or the lane (parts waiting together count
+    /// once). Zero for a fill not registered.
+    pub fn held(&self, priority: &Priority) -> Duration {
+        self.lock().fills.get(&priority.id()).map_or(Duration::ZERO, |f| f.held(Instant::now()))
+    }
+
+    /// One more read of the fill `id` waits (`true`) or one stopped waiting.
+    fn mark_waiting(&self, id: usize, waiting: bool) {
+        let mut state = self.lock();
+        let Some(fill) = state.fills.get_mut(&id) else { return };
+        let now = Instant::now();
+        if waiting {
+            fill.waiting += 1;
+            fill.since.get_or_insert(now);
+        } else {
+            fill.waiting = fill.waiting.saturating_sub(1);
+            if fill.waiting == 0 {
+                fill.held = fill.held(now);
+                fill.since = None;
+            }
+        }
     }
 
     fn decide(&self, state: &mut State, priority: &Priority, bytes: u64) -> Decision {
         let class = priority.class();
         let Some(rate) = self.rate else {
-            if class == Class::Client || !state.fills.values().any(|(p, _)| p.class() == Class::Client) {
+            if class == Class::Client || !state.fills.values().any(|f| f.priority.class() == Class::Client) {
                 return Decision::Go;
             }
             let id = priority.id();
             return match state.lane {
-                Some(holder) if holder != id && state.fills.get(&holder).is_some_and(|(p, _)| p.yields()) => {
+                Some(holder) if holder != id && state.fills.get(&holder).is_some_and(|f| f.priority.yields()) => {
                     Decision::Wait(None)
                 }
                 _ => {
@@ -180,8 +237,8 @@ impl Bandwidth {
     fn deregister(&self, id: usize) {
         let mut state = self.lock();
         let ended = match state.fills.get_mut(&id) {
-            Some((_, holders)) if *holders > 1 => {
-                *holders -= 1;
+            Some(fill) if fill.holders > 1 => {
+                fill.holders -= 1;
                 false
             }
             Some(_) => state.fills.remove(&id).is_some(),
@@ -215,6 +272,23 @@ impl Drop for Registered {
 pub struct Pace {
     bandwidth: Arc<Bandwidth>,
     priority: Priority,
+    /// How long this pace's reads were held back, in nanoseconds.
+    held: Arc<AtomicU64>,
+}
+
+/// Counts a read of a fill as held back while it waits (also when the
+/// wait is cancelled).
+struct Held<'a> {
+    pace: &'a Pace,
+    since: Instant,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        let nanos = u64::try_from(self.since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.pace.held.fetch_add(nanos, Ordering::Relaxed);
+        self.pace.bandwidth.mark_waiting(self.pace.priority.id(), false);
+    }
 }
 
 /// Counts a client fill as waiting while it waits (also when the wait is
@@ -234,6 +308,7 @@ impl Pace {
     pub async fn take(&self, bytes: u64) {
         let bandwidth = &*self.bandwidth;
         let started = Instant::now();
+        let mut held = None;
         let class = loop {
             // Registered before deciding, so that a change in between is seen.
             let changed = bandwidth.changed.notified();
@@ -250,6 +325,10 @@ impl Pace {
                 });
                 (decision, class, waiting)
             };
+            if matches!(decision, Decision::Wait(_)) && held.is_none() {
+                bandwidth.mark_waiting(self.priority.id(), true);
+                held = Some(Held { pace: self, since: Instant::now() });
+            }
             match decision {
                 Decision::Go => break class,
                 Decision::Wait(Some(d)) => tokio::select! {
@@ -262,6 +341,7 @@ impl Pace {
                 },
             }
         };
+        drop(held);
         let waited = started.elapsed();
         if !waited.is_zero() {
             metrics()
@@ -269,6 +349,14 @@ impl Pace {
                 .with_label_values(&[&bandwidth.upstream, class.as_str()])
                 .inc_by(waited.as_secs_f64());
         }
+    }
+}
+
+impl Pace {
+    /// How long this pace's reads have been held back so far (summed over
+    /// its reads, which wait one at a time).
+    pub fn held(&self) -> Duration {
+        Duration::from_nanos(self.held.load(Ordering::Relaxed))
     }
 }
 

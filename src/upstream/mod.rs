@@ -18,12 +18,14 @@ pub mod dial;
 mod embedded;
 pub mod health;
 mod helper;
+mod lent;
 pub mod priority;
 mod ratelimit;
 mod realm;
 mod scope;
 mod tokens;
 mod upstreams;
+mod verify;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -39,12 +41,13 @@ pub use challenge::Challenge;
 pub use client::{client_tls, error_chain};
 pub use priority::{Permit, Priority};
 pub use upstreams::Upstreams;
+pub use verify::Probe;
 
 use crate::config::UpstreamConfig;
 use crate::error::{Error, UpstreamError};
 use crate::metrics::metrics;
-use crate::oci::{Digest, MAX_MANIFEST_SIZE, ManifestRefs, MediaType, Reference, RepoName};
-use auth::{Auth, Hop, Presented};
+use crate::oci::{Digest, MAX_MANIFEST_SIZE, ManifestRefs, MediaType, Reference, RepoName, Warnings};
+use auth::{Auth, Hop, Presented, Who};
 use client::{HttpClient, Named};
 use ratelimit::RateLimit;
 use tokio::time::Instant;
@@ -83,12 +86,26 @@ pub struct Upstream {
     demoted: Mutex<Vec<Option<Instant>>>,
     rate_limit: RateLimit,
     revalidation: Backoff,
+    /// With `client_credentials = "verify"`: the verdicts on clients'
+    /// credentials and the bounds on checking them.
+    verifier: Option<verify::Verifier>,
 }
 
 /// One of the upstream's own origins, and whether its credentials go there.
 struct Origin {
     uri: Uri,
     credentials: bool,
+}
+
+/// One request as [`Upstream::open_from`] sends it to each origin.
+#[derive(Clone, Copy)]
+struct Outbound<'a> {
+    method: &'a Method,
+    path_and_query: &'a str,
+    repo: &'a RepoName,
+    accept: Option<&'static str>,
+    range: Option<&'a str>,
+    who: Who<'a>,
 }
 
 /// An upstream response whose body is still open, with the concurrency
@@ -155,6 +172,9 @@ pub struct FetchedManifest {
     pub media_type: MediaType,
     pub digest: Digest,
     pub refs: ManifestRefs,
+    /// The registry warnings sent with it (relayed to clients); `None`
+    /// from a source that keeps none (the shared tier, an import).
+    pub warnings: Option<Warnings>,
 }
 
 /// What a listing endpoint lists.
@@ -217,6 +237,10 @@ impl Upstream {
             origins,
             rate_limit: RateLimit::new(&config.name),
             revalidation: Backoff::default(),
+            verifier: match config.client_credentials {
+                crate::config::ClientCredentialsMode::Verify { ttl } => Some(verify::Verifier::new(&config.name, ttl)),
+                crate::config::ClientCredentialsMode::Ignore => None,
+            },
             config,
             http,
             auth,
@@ -297,6 +321,22 @@ impl Upstream {
         path_and_query: &str,
         repo: &RepoName,
         accept: Option<&'static str>,
+        range_priority: (Option<String>, Option<&Priority>),
+    ) -> Result<Opened, UpstreamError> {
+        self.open_as(Who::Larder, method, path_and_query, repo, accept, range_priority).await
+    }
+
+    /// [`Upstream::open`] with `who`'s credentials. A client's go only to
+    /// the origins that get the upstream's own credentials, and its
+    /// request stops at a redirect (the registry's answer is all a check
+    /// needs; a storage URL is nobody's to judge credentials by).
+    async fn open_as(
+        &self,
+        who: Who<'_>,
+        method: Method,
+        path_and_query: &str,
+        repo: &RepoName,
+        accept: Option<&'static str>,
         (range, priority): (Option<String>, Option<&Priority>),
     ) -> Result<Opened, UpstreamError> {
         let permits = if crate::background::active() { &self.background_permits } else { &self.permits };
@@ -313,10 +353,12 @@ impl Upstream {
             }
             None => path_and_query,
         };
-        let mut order = self.origin_order().into_iter().peekable();
+        let client = matches!(who, Who::Client(_));
+        let order = self.origin_order().into_iter().filter(|i| !client || self.origins[*i].credentials);
+        let mut order = order.collect::<Vec<_>>().into_iter().peekable();
         while let Some(i) = order.next() {
-            let result =
-                self.open_from(&self.origins[i].uri, &method, path_and_query, repo, accept, range.as_deref()).await;
+            let request = Outbound { method: &method, path_and_query, repo, accept, range: range.as_deref(), who };
+            let result = self.open_from(&self.origins[i].uri, request).await;
             let unreachable = matches!(result, Err(UpstreamError::Connect(_) | UpstreamError::Timeout(_)));
             self.demote(i, unreachable.then(|| Instant::now() + FAILOVER_PAUSE));
             let failed = unreachable || result.as_ref().is_ok_and(|r| r.status().is_server_error());
@@ -339,15 +381,9 @@ impl Upstream {
     /// [`MAX_REDIRECTS`], never from https to http, and a redirect target
     /// is dialled only at an address [`dial`] allows. `Authorization` only
     /// ever carries what [`Auth`] chose for that hop's origin.
-    async fn open_from(
-        &self,
-        base: &Uri,
-        method: &Method,
-        path_and_query: &str,
-        repo: &RepoName,
-        accept: Option<&'static str>,
-        range: Option<&str>,
-    ) -> Result<Response<Incoming>, UpstreamError> {
+    async fn open_from(&self, base: &Uri, request: Outbound<'_>) -> Result<Response<Incoming>, UpstreamError> {
+        let Outbound { method, path_and_query, repo, accept, range, who } = request;
+        let larder = matches!(who, Who::Larder);
         let mut url = Self::url(base, path_and_query)?;
         let mut answer: Option<HeaderValue> = None;
         let mut redirects = 0;
@@ -358,10 +394,11 @@ impl Upstream {
                 own: origin.is_some(),
                 credentials: origin.is_some_and(|o| o.credentials),
                 requested: repo,
+                who,
             };
             let (authorization, presented) = match answer.take() {
                 Some(fresh) => (Some(fresh), Presented::Fresh),
-                None => self.auth.up_front(&hop).await?,
+                None => self.auth.up_front(&self.http, &hop).await?,
             };
             let mut req =
                 Request::builder().method(method.clone()).uri(url.clone()).header(USER_AGENT, crate::USER_AGENT);
@@ -385,7 +422,10 @@ impl Upstream {
             }
             if status == StatusCode::UNAUTHORIZED {
                 if matches!(presented, Presented::Fresh) {
-                    self.auth.failed("denied");
+                    // A client refused is the client's business, not larder's.
+                    if larder {
+                        self.auth.failed("denied");
+                    }
                     return Ok(resp);
                 }
                 let Some(challenge) = Challenge::from_headers(resp.headers()) else {
@@ -394,7 +434,7 @@ impl Upstream {
                 answer = Some(self.auth.answer(&self.http, &hop, challenge, presented).await?);
                 continue;
             }
-            let redirect = matches!(status.as_u16(), 301 | 302 | 303 | 307 | 308);
+            let redirect = larder && matches!(status.as_u16(), 301 | 302 | 303 | 307 | 308);
             if let (true, Some(location)) = (redirect, resp.headers().get(LOCATION)) {
                 redirects += 1;
                 if redirects > MAX_REDIRECTS {
@@ -447,6 +487,7 @@ impl Upstream {
         }
         let declared = header_str(resp.headers(), CONTENT_TYPE.as_str()).and_then(MediaType::parse);
         let header_digest = header_str(resp.headers(), "docker-content-digest").and_then(|d| d.parse::<Digest>().ok());
+        let warnings = Some(Warnings::from_headers(resp.headers()));
         if let Some(len) = content_length(resp.headers()) {
             if len > MAX_MANIFEST_SIZE as u64 {
                 return Err(UpstreamError::Protocol(format!("manifest of {len} bytes exceeds {MAX_MANIFEST_SIZE}")));
@@ -467,12 +508,22 @@ impl Upstream {
             }
         }
         let (media_type, refs) = crate::oci::inspect_manifest(&bytes, declared).map_err(UpstreamError::Protocol)?;
-        Ok(Some(FetchedManifest { bytes, media_type, digest, refs }))
+        Ok(Some(FetchedManifest { bytes, media_type, digest, refs, warnings }))
     }
 
     /// HEAD a manifest: the digest a tag points at now, or confirmation that
     /// a digest exists in `repo`. `Ok(None)`: upstream does not have it.
     pub async fn head_manifest(&self, repo: &RepoName, reference: &Reference) -> Result<Option<Digest>, UpstreamError> {
+        Ok(self.head_manifest_warned(repo, reference).await?.map(|(digest, _)| digest))
+    }
+
+    /// [`Upstream::head_manifest`], with the registry warnings of the
+    /// answer (a tag's revalidation keeps its manifest's warnings current).
+    pub async fn head_manifest_warned(
+        &self,
+        repo: &RepoName,
+        reference: &Reference,
+    ) -> Result<Option<(Digest, Warnings)>, UpstreamError> {
         let path = format!("/v2/{repo}/manifests/{reference}");
         let opened = self.open(Method::HEAD, &path, repo, Some(MediaType::upstream_accept()), (None, None)).await?;
         let resp = opened.response;
@@ -480,7 +531,7 @@ impl Upstream {
             StatusCode::NOT_FOUND => Ok(None),
             StatusCode::OK => header_str(resp.headers(), "docker-content-digest")
                 .and_then(|d| d.parse().ok())
-                .map(Some)
+                .map(|digest| Some((digest, Warnings::from_headers(resp.headers()))))
                 .ok_or_else(|| UpstreamError::Protocol("HEAD manifest without Docker-Content-Digest".into())),
             status => Err(failure(status, resp.headers())),
         }

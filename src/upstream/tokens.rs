@@ -40,11 +40,15 @@ const TOKEN_EXPIRY_MARGIN_DIVISOR: u32 = 4;
 const MAX_TOKEN_EXPIRY_MARGIN: Duration = Duration::from_secs(30);
 
 /// Whose token: the upstream's (obtained with its credentials, if it has
-/// any), or an anonymous one for a redirect target.
+/// any), an anonymous one for a redirect target, one obtained with a
+/// verified client's credentials lent for the repository in its scope, or
+/// (never cached) one for a client being checked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Identity {
     Upstream,
     Anonymous,
+    Lent,
+    Client,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

@@ -80,6 +80,11 @@ struct Entry {
     message: Option<String>,
     /// The blob fetch in flight, whose progress is the bytes cached.
     progress: Option<watch::Receiver<PrefetchProgress>>,
+    /// Unix millis of the first check that found it gone, while it is.
+    gone_since_ms: Option<u64>,
+    /// The state last logged as a warning: a state is warned about once,
+    /// when it is entered, not at every interval.
+    warned: Option<WarmState>,
 }
 
 impl Entry {
@@ -95,6 +100,8 @@ impl Entry {
             next_due: Instant::now(),
             message: None,
             progress: None,
+            gone_since_ms: None,
+            warned: None,
         }
     }
 
@@ -478,9 +485,13 @@ impl Warm {
     async fn check(&self, key: &str) {
         let found = {
             let state = self.lock();
-            state.entries.iter().find(|e| e.image.key() == key).map(|e| (e.image.clone(), e.row))
+            state
+                .entries
+                .iter()
+                .find(|e| e.image.key() == key)
+                .map(|e| (e.image.clone(), e.row, e.gone_since_ms, e.from_file))
         };
-        let Some((image, row)) = found else { return };
+        let Some((image, row, gone_since_ms, from_file)) = found else { return };
         let Some(upstream) = self.upstreams.get(&image.upstream).cloned() else { return };
         let started_ms = now_ms();
         let outcome = match self.cache.check_warm(&upstream, &image.repo, &image.reference).await {
@@ -491,13 +502,32 @@ impl Warm {
                 }
                 outcome
             }
-            Ok(Seen::Gone) => Outcome {
-                state: WarmState::MissingUpstream,
-                row,
-                bytes: self.cached_bytes(&image, &upstream, row).await,
-                message: Some(
-                    "gone upstream (404): what is cached is still served, as far as stale_if_error allows".to_owned(),
-                ),
+            // Seen before (a digest is recorded): gone since. Never seen: a
+            // name upstream has never had, most likely a typo.
+            Ok(Seen::Gone) => match row {
+                Some(seen) => Outcome {
+                    state: WarmState::MissingUpstream,
+                    row,
+                    bytes: self.cached_bytes(&image, &upstream, row).await,
+                    message: Some(format!(
+                        "gone upstream (404) since {}; it was {}: what is cached is still served, as far as \
+                         stale_if_error allows",
+                        shown_time(gone_since_ms.unwrap_or(started_ms)),
+                        seen.digest
+                    )),
+                },
+                None => Outcome {
+                    state: WarmState::NotFound,
+                    row,
+                    bytes: None,
+                    message: Some(format!(
+                        "not found upstream (404), and never was since it was listed: check the name in {} \
+                         (upstream {:?}, repository {}); nothing of it is cached",
+                        if from_file { "the warm file" } else { "[[warm]]" },
+                        image.upstream,
+                        image.repo
+                    )),
+                },
             },
             Err(e) => Outcome {
                 state: WarmState::Failed,
@@ -506,19 +536,15 @@ impl Warm {
                 message: Some(e.to_string()),
             },
         };
-        match outcome.state {
-            WarmState::Ready => tracing::debug!(image = image.image, "warm image ready"),
-            state => tracing::warn!(
-                image = image.image,
-                state = state.as_str(),
-                message = outcome.message.as_deref().unwrap_or(""),
-                "warm image not ready"
-            ),
-        }
         let interval = self.interval(&image);
         {
             let mut state = self.lock();
             if let Some(e) = state.entries.iter_mut().find(|e| e.image.key() == key) {
+                log_change(e, &outcome);
+                e.gone_since_ms = match outcome.state {
+                    WarmState::MissingUpstream => Some(e.gone_since_ms.unwrap_or(started_ms)),
+                    _ => None,
+                };
                 e.state = outcome.state;
                 e.row = outcome.row.or(e.row);
                 if let Some((cached, total)) = outcome.bytes {
@@ -670,6 +696,33 @@ impl Warm {
         let sizes = self.cache.cached_blob_sizes(digests).await.ok()?;
         Some((sizes.iter().flatten().sum(), plan.bytes()))
     }
+}
+
+/// Logs a check's outcome: a state other than ready is a warning once,
+/// when it is entered (each interval's repeat is debug), and leaving it is
+/// logged once too.
+fn log_change(entry: &mut Entry, outcome: &Outcome) {
+    let image = entry.image.image.as_str();
+    let message = outcome.message.as_deref().unwrap_or("");
+    match (outcome.state, entry.warned) {
+        (WarmState::Ready, None) => tracing::debug!(image, "warm image ready"),
+        (WarmState::Ready, Some(was)) => {
+            tracing::info!(image, was = was.as_str(), "warm image ready again");
+            entry.warned = None;
+        }
+        (state, Some(was)) if was == state => {
+            tracing::debug!(image, state = state.as_str(), message, "warm image still not ready")
+        }
+        (state, _) => {
+            tracing::warn!(image, state = state.as_str(), message, "warm image not ready");
+            entry.warned = Some(state);
+        }
+    }
+}
+
+/// Unix millis as an operator reads a time: `2026-12-05T01:15:12Z`.
+fn shown_time(ms: u64) -> String {
+    humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_millis(ms)).to_string()
 }
 
 fn failed(row: Option<WarmRow>, bytes: Option<(u64, u64)>, e: Error) -> Outcome {

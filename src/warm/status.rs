@@ -13,9 +13,13 @@ pub enum WarmState {
     Ready,
     /// Being checked for the first time, or its blobs are being fetched.
     Fetching,
-    /// Upstream says it is gone (404): what is cached is still served, as
-    /// far as `stale_if_error` allows.
+    /// Upstream says it is gone (404), and it was there before (larder
+    /// has a digest for it): what is cached is still served, as far as
+    /// `stale_if_error` allows.
     MissingUpstream,
+    /// Upstream has never had it (404 at every check since it was listed):
+    /// a typo in the list, or an image not pushed yet. Nothing is cached.
+    NotFound,
     /// Upstream failed the check or a fetch; retried at the next interval.
     Failed,
 }
@@ -26,6 +30,7 @@ impl WarmState {
             WarmState::Ready => "ready",
             WarmState::Fetching => "fetching",
             WarmState::MissingUpstream => "missing_upstream",
+            WarmState::NotFound => "not_found",
             WarmState::Failed => "failed",
         }
     }
@@ -70,7 +75,9 @@ pub struct WarmReport {
 /// Sets `larder_warm_images{state}` from the images' states.
 pub fn count(images: &[WarmStatus]) {
     let m = crate::metrics::metrics();
-    for state in [WarmState::Ready, WarmState::Fetching, WarmState::MissingUpstream, WarmState::Failed] {
+    for state in
+        [WarmState::Ready, WarmState::Fetching, WarmState::MissingUpstream, WarmState::NotFound, WarmState::Failed]
+    {
         let n = images.iter().filter(|i| i.state == state).count();
         m.warm_images.with_label_values(&[state.as_str()]).set(i64::try_from(n).unwrap_or(i64::MAX));
     }

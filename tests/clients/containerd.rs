@@ -18,16 +18,46 @@ impl Containerd {
     /// Starts containerd with its own root, state, sockets and `opt` path,
     /// and the CRI plugin disabled (ctr does not need it).
     pub fn start() -> Containerd {
+        Containerd::start_with(false)
+    }
+
+    /// Starts containerd with the CRI plugin on, as a kubelet's node runs
+    /// it: `hosts.toml` files from [`Containerd::mirror`] configure its
+    /// registries, the native snapshotter unpacks, and [`Containerd::socket`]
+    /// serves CRI's `ImageService` (see [`super::cri`]).
+    pub fn start_cri() -> Containerd {
+        Containerd::start_with(true)
+    }
+
+    fn start_with(cri: bool) -> Containerd {
         let containerd = crate::common::which("containerd");
         crate::common::which("ctr");
         let dir = tempfile::Builder::new().prefix("larder-containerd-").tempdir().expect("temp dir");
         let d = dir.path();
+        let plugins = if cri {
+            format!(
+                r#"[plugins."io.containerd.grpc.v1.cri"]
+  disable_tcp_service = true
+  stream_server_address = "127.0.0.1"
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "native"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{cni}/bin"
+    conf_dir = "{cni}/conf"
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = "{hosts}"
+"#,
+                cni = d.join("cni").display(),
+                hosts = d.join("certs.d").display(),
+            )
+        } else {
+            "disabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n".to_owned()
+        };
         let config = format!(
             r#"version = 2
 root = "{root}"
 state = "{state}"
-disabled_plugins = ["io.containerd.grpc.v1.cri"]
-[grpc]
+{plugins}[grpc]
   address = "{sock}"
 [ttrpc]
   address = "{ttrpc}"
@@ -59,7 +89,7 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
         instance
     }
 
-    fn socket(&self) -> PathBuf {
+    pub fn socket(&self) -> PathBuf {
         self.dir.path().join("containerd.sock")
     }
 
@@ -80,6 +110,18 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
         let hosts = format!(
             "server = \"https://{registry}\"\n\n[host.\"{larder_url}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"
         );
+        std::fs::write(dir.join("hosts.toml"), hosts).expect("write hosts.toml");
+    }
+
+    /// Writes `certs.d/<registry>/hosts.toml` with `mirrors` in order, each
+    /// with pull and resolve (containerd tries the next when one fails).
+    pub fn mirrors(&self, registry: &str, mirrors: &[String]) {
+        let dir = self.hosts_dir().join(registry);
+        std::fs::create_dir_all(&dir).expect("certs.d dir");
+        let mut hosts = format!("server = \"https://{registry}\"\n");
+        for m in mirrors {
+            hosts.push_str(&format!("\n[host.\"{m}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"));
+        }
         std::fs::write(dir.join("hosts.toml"), hosts).expect("write hosts.toml");
     }
 

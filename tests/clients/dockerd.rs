@@ -94,6 +94,55 @@ impl Dockerd {
         run(c)
     }
 
+    /// A docker client config folder (`DOCKER_CONFIG`) holding what
+    /// `docker login` leaves after logging in to Docker Hub as `user`: the
+    /// `auth` entry under `https://index.docker.io/v1/`. (The login itself
+    /// needs Docker Hub: dockerd checks the credentials there, never with
+    /// a mirror.) `name` tells folders apart.
+    pub fn hub_login(&self, name: &str, user: &str, password: &str) -> PathBuf {
+        use base64::Engine;
+        let dir = self.dir.path().join(format!("client-{name}"));
+        std::fs::create_dir_all(&dir).expect("client config dir");
+        let auth = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+        let config = serde_json::json!({"auths": {"https://index.docker.io/v1/": {"auth": auth}}});
+        std::fs::write(dir.join("config.json"), config.to_string()).expect("write config.json");
+        dir
+    }
+
+    /// `docker login` (to Docker Hub) by a client whose config is in
+    /// `config`, the password on stdin: its output, or its error.
+    pub fn login(&self, config: &Path, user: &str, password: &str) -> Result<String, String> {
+        use std::io::Write;
+        let mut c = self.docker();
+        c.env("DOCKER_CONFIG", config).args(["login", "--username", user, "--password-stdin"]);
+        let mut child = c
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run docker login");
+        if let Some(mut stdin) = child.stdin.take() {
+            let _ = stdin.write_all(password.as_bytes());
+        }
+        let out = child.wait_with_output().expect("docker login");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        if out.status.success() { Ok(text) } else { Err(text) }
+    }
+
+    /// `docker pull <image>` by a client whose config is in `config`.
+    pub fn pull_as(&self, config: &Path, image: &str) -> Result<String, String> {
+        let mut c = self.docker();
+        c.env("DOCKER_CONFIG", config).args(["pull", image]);
+        run(c)
+    }
+
+    /// `docker rmi <image>` (whether or not it is there).
+    pub fn remove(&self, image: &str) {
+        let mut c = self.docker();
+        c.args(["rmi", "--force", image]);
+        let _ = run(c);
+    }
+
     /// The `RepoDigests` dockerd recorded for a pulled image.
     pub fn repo_digests(&self, image: &str) -> Vec<String> {
         let mut c = self.docker();

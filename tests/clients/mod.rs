@@ -7,8 +7,10 @@
 #![allow(dead_code)]
 
 pub mod containerd;
+pub mod cri;
 pub mod dockerd;
 pub mod hosts;
+pub mod podman;
 
 use std::path::Path;
 use std::process::Command;

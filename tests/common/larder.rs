@@ -219,6 +219,14 @@ impl LarderBuilder {
         self
     }
 
+    /// Local faults for the larder process to inject into its own I/O on
+    /// the fill path: `LARDER_INJECT_FAULTS` (read by a debug build only;
+    /// the rules are in src/faults.rs), e.g. `temp_read:EIO:0:1` for one
+    /// failed hash read-back.
+    pub fn inject_faults(self, rules: &str) -> Self {
+        self.env("LARDER_INJECT_FAULTS", rules)
+    }
+
     /// Runs larder inside network namespace `ns` (`ip netns exec`), its
     /// registry listener on `ip:5000`; the test reaches it from a
     /// namespace on the same lab (see `netns::Lab`).

@@ -43,11 +43,11 @@ pub async fn wait_for_commits(larder: &Larder) {
 }
 
 /// The admin address the latest start of larder logged it listens on
-/// (`larder listening addr=… admin=Some(127.0.0.1:PORT)`).
+/// (`larder listening addr=… admin=127.0.0.1:PORT`).
 pub fn admin_address(larder: &Larder) -> String {
     let log = larder.log();
     let line = log.lines().rev().find(|l| l.contains("larder listening"));
-    line.and_then(|l| l.split_whitespace().find_map(|w| w.strip_prefix("admin=Some(")?.strip_suffix(')')))
+    line.and_then(|l| l.split_whitespace().find_map(|w| w.strip_prefix("admin=").filter(|a| *a != "none")))
         .unwrap_or_else(|| panic!("larder logged no admin address:\n{log}"))
         .to_owned()
 }

@@ -9,6 +9,13 @@
 //! anonymously; valid credentials are granted every action they ask for
 //! (pull, push, delete). Wrong credentials are answered 401.
 //!
+//! Tenants ([`TokenServer::add_user`]) are users whose access list the test
+//! sets and changes: each may pull the repositories under its prefixes and
+//! nothing else, and those prefixes become private (no anonymous pulls). A
+//! tenant asking for a repository it may not pull gets a token with an
+//! empty access list, as Docker Hub hands out; the registry then refuses
+//! the request made with it.
+//!
 //! Every token request is recorded, so tests can assert on how many were
 //! made and whether they carried credentials.
 //!
@@ -97,6 +104,10 @@ struct State {
     service: String,
     issuer: String,
     credentials: Credentials,
+    /// Tenants: password and the repository prefixes each may pull.
+    tenants: Mutex<std::collections::HashMap<String, (String, Vec<String>)>>,
+    /// Prefixes that anonymous requests get no access to, beyond `private/`.
+    private: Mutex<Vec<String>>,
     requests: Mutex<Vec<TokenRequest>>,
     next_jti: AtomicU64,
 }
@@ -148,6 +159,8 @@ impl TokenServer {
             service: service.to_owned(),
             issuer: issuer.to_owned(),
             credentials,
+            tenants: Mutex::default(),
+            private: Mutex::default(),
             requests: Mutex::new(Vec::new()),
             next_jti: AtomicU64::new(1),
         });
@@ -202,6 +215,23 @@ impl TokenServer {
             })
             .collect();
         self.state.mint("larder-test-harness", &access)
+    }
+
+    /// Adds a tenant who may pull the repositories under `pulls` (e.g.
+    /// `"team-a/"`), which become private.
+    pub fn add_user(&self, credentials: &Credentials, pulls: &[&str]) {
+        let pulls: Vec<String> = pulls.iter().map(|p| (*p).to_owned()).collect();
+        lock(&self.state.private).extend(pulls.iter().cloned());
+        lock(&self.state.tenants).insert(credentials.user.clone(), (credentials.password.clone(), pulls));
+    }
+
+    /// Changes what tenant `user` may pull (`&[]`: revoked).
+    pub fn set_pulls(&self, user: &str, pulls: &[&str]) {
+        let pulls: Vec<String> = pulls.iter().map(|p| (*p).to_owned()).collect();
+        lock(&self.state.private).extend(pulls.iter().cloned());
+        if let Some(tenant) = lock(&self.state.tenants).get_mut(user) {
+            tenant.1 = pulls;
+        }
     }
 
     /// Every request answered so far.
@@ -302,6 +332,13 @@ async fn handle(state: &State, request: Request<Incoming>) -> Response<Full<Byte
     let credentials_valid = user_pass
         .as_ref()
         .is_some_and(|(user, password)| *user == state.credentials.user && *password == state.credentials.password);
+    // A tenant's prefixes, when the request carries a tenant's right password.
+    let tenant: Option<Vec<String>> = user_pass.as_ref().and_then(|(user, password)| {
+        lock(&state.tenants).get(user).filter(|(p, _)| p == password).map(|(_, pulls)| pulls.clone())
+    });
+    let private: Vec<String> = lock(&state.private).clone();
+    let is_private =
+        |name: &str| name.starts_with(PRIVATE_PREFIX) || private.iter().any(|p| name.starts_with(p.as_str()));
     let mut record = TokenRequest {
         method,
         user: user_pass.as_ref().map(|(user, _)| user.clone()),
@@ -313,7 +350,7 @@ async fn handle(state: &State, request: Request<Incoming>) -> Response<Full<Byte
         status: 200,
     };
 
-    if user_pass.is_some() && !credentials_valid {
+    if user_pass.is_some() && !credentials_valid && tenant.is_none() {
         record.status = 401;
         state.requests().push(record);
         return json_response(
@@ -329,14 +366,18 @@ async fn handle(state: &State, request: Request<Incoming>) -> Response<Full<Byte
         .filter_map(|(_, name, actions)| {
             let allowed: Vec<String> = actions
                 .split(',')
-                .filter(|action| credentials_valid || (*action == "pull" && !name.starts_with(PRIVATE_PREFIX)))
+                .filter(|action| match &tenant {
+                    Some(pulls) => *action == "pull" && pulls.iter().any(|p| name.starts_with(p.as_str())),
+                    None => credentials_valid || (*action == "pull" && !is_private(name)),
+                })
                 .map(str::to_owned)
                 .collect();
             (!allowed.is_empty()).then(|| (name.to_owned(), allowed))
         })
         .collect();
     record.granted = access.iter().map(|(name, actions)| format!("repository:{name}:{}", actions.join(","))).collect();
-    let subject = record.user.clone().filter(|_| credentials_valid).unwrap_or_default();
+    record.credentials_valid = credentials_valid || tenant.is_some();
+    let subject = record.user.clone().filter(|_| record.credentials_valid).unwrap_or_default();
     let token = state.mint(&subject, &access);
     state.requests().push(record);
     json_response(StatusCode::OK, json!({"token": token, "access_token": token, "expires_in": TOKEN_LIFETIME_SECS}))
@@ -369,6 +410,11 @@ fn json_response(status: StatusCode, body: serde_json::Value) -> Response<Full<B
         .headers_mut()
         .insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
     response
+}
+
+/// A lock whose data a panic elsewhere cannot have left half-changed.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 fn unix_now() -> u64 {

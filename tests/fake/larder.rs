@@ -18,9 +18,19 @@ pub struct LarderBuilder {
     upstream_url: String,
     /// Extra `key = value` lines for the `[[upstream]]` table.
     upstream_lines: Vec<String>,
+    /// `LARDER_INJECT_FAULTS` for the process, if set.
+    faults: Option<String>,
 }
 
 impl LarderBuilder {
+    /// Local faults for larder to inject into its own I/O on the fill
+    /// path (`LARDER_INJECT_FAULTS`, read by a debug build only; the rules
+    /// are in src/faults.rs), e.g. `temp_read:EIO:0:1`.
+    pub fn inject_faults(mut self, rules: &str) -> Self {
+        self.faults = Some(rules.to_owned());
+        self
+    }
+
     /// An extra `[[upstream]]` setting, `value` written as TOML.
     pub fn upstream_setting(mut self, key: &str, value: &str) -> Self {
         self.upstream_lines.push(format!("{key} = {value}"));
@@ -55,6 +65,7 @@ impl LarderBuilder {
             .arg(&config_path)
             .env("RUST_LOG", "larder=debug")
             .env("NO_COLOR", "1")
+            .envs(self.faults.iter().map(|rules| (super::INJECT_FAULTS, rules)))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -130,7 +141,7 @@ pub struct Larder {
 
 impl Larder {
     pub fn builder(upstream: &FakeUpstream) -> LarderBuilder {
-        LarderBuilder { upstream_url: upstream.url(), upstream_lines: Vec::new() }
+        LarderBuilder { upstream_url: upstream.url(), upstream_lines: Vec::new(), faults: None }
     }
 
     /// A larder in front of `upstream` with the default settings.

@@ -1,8 +1,11 @@
 //! Test kit for larder's fault-injection tests: a fake upstream registry
-//! with faults to inject ([`FakeUpstream`]), a larder process per test
-//! ([`Larder`]), raw-TCP HTTP/1.1 clients that can read slowly, leave
-//! early, and tell an aborted body from a complete one ([`client`]), and
-//! hosts that only record what reaches them ([`recorder`]).
+//! with faults to inject ([`FakeUpstream`]: broken, stalled, trickling,
+//! lying bodies, and ranges answered wrongly, [`Ranges`]), a larder
+//! process per test ([`Larder`]) that can fail its own disk I/O on
+//! request ([`INJECT_FAULTS`]), raw-TCP HTTP/1.1 clients that can read
+//! slowly, leave early, and tell an aborted body from a complete one
+//! ([`client`]), and hosts that only record what reaches them
+//! ([`recorder`]).
 //!
 //! Each test file includes this folder with `mod fake;` and uses a part of
 //! it, so items one file does not use are expected.
@@ -24,7 +27,14 @@ use bytes::Bytes;
 use sha2::{Digest as _, Sha256};
 
 pub use larder::{Larder, LarderBuilder};
-pub use upstream::{FakeUpstream, FakeUpstreamBuilder, Faults, Logged};
+pub use upstream::{FakeUpstream, FakeUpstreamBuilder, Faults, Logged, Ranges};
+
+/// The environment variable a debug build of larder reads its injected
+/// local faults from (src/faults.rs): `point:action[:skip[:times]]`, e.g.
+/// `temp_read:EIO:0:1` (the first hash read-back of a ranged fill fails
+/// with EIO) or `fill:panic:0:1` (the first fill task panics once it has its
+/// temp file). Both larder harnesses set it: `inject_faults(rules)`.
+pub const INJECT_FAULTS: &str = "LARDER_INJECT_FAULTS";
 
 /// The repository every test asks for.
 pub const REPO: &str = "test/app";

@@ -16,6 +16,11 @@
 //! released, the next requests failed with a status, and the whole server
 //! taken down and brought back.
 //!
+//! A blob GET's `Range` is answered the ways real upstreams get it wrong
+//! when asked ([`Ranges`]: ignored, honoured, honoured for the first part
+//! only, longer, shorter or shifted), each answer's body subject to the
+//! same faults (a part that trickles, or stalls after a few bytes).
+//!
 //! For attack tests it can also act as a registry that wants credentials
 //! ([`FakeUpstreamBuilder::challenge`]), hands out a token at `/token`,
 //! redirects a blob to a "CDN" ([`FakeUpstreamBuilder::redirect`]), serves
@@ -82,6 +87,57 @@ pub struct Faults {
     /// Answers every request for the item with this status (and error
     /// JSON) instead of the content.
     pub status: Option<u16>,
+    /// How a blob GET with a `Range` header is answered (unset: as
+    /// [`Ranges::Ignored`], a registry that ignores `Range`).
+    pub ranges: Option<Ranges>,
+}
+
+/// How the fake answers a blob GET that carries `Range: bytes=first-last`
+/// (an unparseable or unsatisfiable one gets the whole blob, `200`). The
+/// faults on the body (a stall, a trickle, a cut) apply to each answer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Ranges {
+    /// `200` with the whole blob, as a registry that ignores `Range`.
+    #[default]
+    Ignored,
+    /// `206` with exactly the bytes asked, as distribution and object
+    /// stores answer.
+    Honoured,
+    /// `206` for a range from byte 0, `200` with the whole blob for any
+    /// later one: mixed backends behind a load balancer.
+    FirstOnly,
+    /// `206` from the byte asked to the blob's end, however little was
+    /// asked: a cache still populating the object.
+    Overlong,
+    /// `206` with exactly the bytes asked for a range from byte 0, from
+    /// the byte asked to the blob's end for any later one.
+    OverlongLater,
+    /// `206` from the byte asked, at most this many bytes of it.
+    Short(usize),
+    /// `206` starting this many bytes after the byte asked (and ending as
+    /// many after, within the blob), its `Content-Range` saying so.
+    Shifted(usize),
+}
+
+impl Ranges {
+    /// The status, bytes and `Content-Range` answering `range` for `blob`.
+    fn answer(self, range: Option<&str>, blob: &Bytes) -> (u16, Bytes, Option<String>) {
+        let size = blob.len();
+        let Some((first, last)) = range.and_then(|r| cdn_range(r, size)) else {
+            return (200, blob.clone(), None);
+        };
+        let (first, last) = match self {
+            Ranges::Ignored => return (200, blob.clone(), None),
+            Ranges::FirstOnly if first > 0 => return (200, blob.clone(), None),
+            Ranges::Honoured | Ranges::FirstOnly => (first, last),
+            Ranges::Overlong => (first, size - 1),
+            Ranges::OverlongLater if first > 0 => (first, size - 1),
+            Ranges::OverlongLater => (first, last),
+            Ranges::Short(n) => (first, last.min(first + n.max(1) - 1)),
+            Ranges::Shifted(by) => ((first + by).min(size - 1), (last + by).min(size - 1)),
+        };
+        (206, blob.slice(first..=last), Some(format!("bytes {first}-{last}/{size}")))
+    }
 }
 
 impl Faults {
@@ -97,6 +153,7 @@ impl Faults {
             trickle: self.trickle.or(global.trickle),
             stall_after: self.stall_after.or(global.stall_after),
             status: self.status.or(global.status),
+            ranges: self.ranges.or(global.ranges),
         }
     }
 }
@@ -133,6 +190,9 @@ struct Item {
     chunked: bool,
     /// The only repository that has the item; `None`: every repository.
     only_in: Option<String>,
+    /// `Warning` header values sent with a manifest (GET and HEAD), one
+    /// header line each, as they are.
+    warnings: Vec<String>,
 }
 
 impl Item {
@@ -146,6 +206,7 @@ impl Item {
             redirect: None,
             chunked: false,
             only_in: None,
+            warnings: Vec::new(),
         }
     }
 }
@@ -313,6 +374,12 @@ impl FakeUpstreamBuilder {
         self.last_item(|item| item.only_in = Some(repo.to_owned()))
     }
 
+    /// The last item (a manifest) is sent with these `Warning` header
+    /// values, one line each (GET and HEAD).
+    pub fn warnings(self, values: &[&str]) -> Self {
+        self.last_item(|item| item.warnings = values.iter().map(|v| (*v).to_owned()).collect())
+    }
+
     /// The last item is sent without `Content-Length` (chunked encoding).
     pub fn chunked(self) -> Self {
         self.last_item(|item| item.chunked = true)
@@ -387,6 +454,11 @@ impl FakeUpstreamBuilder {
     /// See [`Faults::status`].
     pub fn status(self, status: u16) -> Self {
         self.last(|f| f.status = Some(status))
+    }
+
+    /// See [`Faults::ranges`].
+    pub fn ranges(self, ranges: Ranges) -> Self {
+        self.last(|f| f.ranges = Some(ranges))
     }
 
     /// Faults for every item, where the item does not set the knob itself.
@@ -481,6 +553,15 @@ impl FakeUpstream {
             .unwrap_or_else(|| panic!("the fake serves no {digest}"))
             .faults = faults;
         self.state.bump();
+    }
+
+    /// Replaces the `Warning` values sent with the item (a manifest).
+    pub fn set_warnings(&self, digest: &str, values: &[&str]) {
+        lock(&self.state.content)
+            .items
+            .get_mut(digest)
+            .unwrap_or_else(|| panic!("the fake serves no {digest}"))
+            .warnings = values.iter().map(|v| (*v).to_owned()).collect();
     }
 
     /// Clears every fault of the item: it is served correctly from now on,
@@ -904,11 +985,22 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<FakeBody>
         }
     };
     let digest_header = if faults.wrong_digest_header { super::digest(b"some other content") } else { key.clone() };
+    let (status, bytes, content_range) = match (kind, head) {
+        (Kind::Blob, false) => faults.ranges.unwrap_or_default().answer(range.as_deref(), &bytes),
+        _ => (200, bytes, None),
+    };
     let mut builder = Response::builder()
+        .status(status)
         .header(CONTENT_TYPE, item.media_type.as_deref().unwrap_or("application/octet-stream"))
         .header("Docker-Content-Digest", digest_header);
+    if let Some(content_range) = content_range {
+        builder = builder.header(CONTENT_RANGE, content_range);
+    }
     if !item.chunked {
         builder = builder.header(CONTENT_LENGTH, bytes.len());
+    }
+    for warning in &item.warnings {
+        builder = builder.header("warning", warning.as_str());
     }
     if head {
         return builder.body(empty()).expect("a valid response");

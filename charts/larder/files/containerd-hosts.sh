@@ -34,6 +34,11 @@
 #                             {nodeIP} becomes HOST_IP ([HOST_IP] for IPv6)
 #   HOST_IP                   this node's IP (the pod's status.hostIP)
 #   LARDER_CAPABILITIES       TOML array items, e.g. "pull", "resolve"
+#   LARDER_REFERRERS          add "referrers" to them: always | never | auto
+#                             (when the node's containerd is 2.2 or later)
+#   LARDER_NODE_ROOT          (auto) a folder here with the node's /usr and
+#                             bin folders mounted read-only at their paths
+#   LARDER_CONTAINERD_BIN_DIRS  (auto) node folders searched for containerd
 #   LARDER_DIAL_TIMEOUT       dial_timeout per mirror ("" leaves it out)
 #   LARDER_EXISTING           for a hosts.toml this release did not write:
 #                             prepend | keep | replace | fail
@@ -361,6 +366,94 @@ add_config_file() {
 	cat "$WORK/file.flat" >>"$flat"
 }
 
+# ---------------------------------------------------- containerd's version
+
+# containerd 2.2 was the first to accept the `referrers` capability
+# (core/remotes/docker/config/hosts.go); 1.6 to 2.1 answer it with
+# "unknown capability referrers" and ignore the whole hosts.toml. So it is
+# written only when every containerd binary found says 2.2 or later.
+REFERRERS_SINCE=2002 # 2.2, as major * 1000 + minor
+
+# "<major * 1000 + minor>" of `containerd --version`'s output
+# ("containerd <package> <version> <revision>", e.g. "containerd
+# github.com/containerd/containerd/v2 v2.2.0 1c4457e…" or Debian's
+# "containerd github.com/containerd/containerd 1.6.20~ds1 …"), one less
+# for an alpha, beta or rc of x.y.0 (2.2.0-beta.0 did not know
+# referrers); nothing when it does not read as a version.
+containerd_version_key() {
+	printf '%s\n' "$1" | awk 'NR == 1 && $1 == "containerd" {
+		v = $3; sub(/^v/, "", v)
+		if (!match(v, /^[0-9]+\.[0-9]+/)) exit
+		split(substr(v, 1, RLENGTH), p, ".")
+		# Beyond 6 digits awk prints 1e+23, which sh cannot compare.
+		if (length(p[1]) > 6 || length(p[2]) > 6) exit
+		pre = (v ~ /^[0-9]+\.[0-9]+\.0-(alpha|beta|rc)/) ? 1 : 0
+		print p[1] * 1000 + p[2] - pre
+	}'
+}
+
+# Sets REFERRERS (1: list "referrers" in hosts.toml) from LARDER_REFERRERS;
+# for auto, runs each containerd binary found as the node would (chrooted
+# in LARDER_NODE_ROOT, where the node's /usr is mounted: its loader and
+# libraries are found through the merged-/usr links made here).
+detect_referrers() {
+	REFERRERS=0
+	case "${LARDER_REFERRERS:-never}" in
+	always) REFERRERS=1; log "referrers capability: always (nodeSetup.referrers)"; return 0 ;;
+	never) return 0 ;;
+	auto) ;;
+	*) fail "LARDER_REFERRERS=$LARDER_REFERRERS: expected auto, always or never" ;;
+	esac
+	root=${LARDER_NODE_ROOT:-}
+	if [ -z "$root" ] || [ ! -d "$root/usr" ]; then
+		log "referrers capability left out: the node's /usr is not mounted (LARDER_NODE_ROOT), so containerd's version is unknown"
+		return 0
+	fi
+	for link in bin sbin lib lib64; do
+		[ -e "$root/$link" ] || [ -L "$root/$link" ] || ln -s "usr/$link" "$root/$link" 2>/dev/null || true
+	done
+	lowest=""
+	unknown=""
+	for dir in ${LARDER_CONTAINERD_BIN_DIRS:-}; do
+		bin="${dir%/}/containerd"
+		[ -e "$root$bin" ] || [ -L "$root$bin" ] || continue
+		# Its answer goes to a file of at most 4 KiB (a binary that writes
+		# forever is stopped by SIGXFSZ, not this container's memory limit),
+		# and it is killed at 10 s (one that ignores SIGTERM holds nothing up).
+		if (ulimit -f 8 && exec timeout -s KILL 10 chroot "$root" "$bin" --version) >"$WORK/version" 2>&1; then
+			ran=1
+		else
+			ran=0
+		fi
+		out=$(head -c 4096 "$WORK/version")
+		if [ "$ran" = 0 ]; then
+			log "$bin --version failed: $(printf '%s' "$out" | head -n 1)"
+			unknown="$unknown $bin"
+			continue
+		fi
+		key=$(containerd_version_key "$out")
+		if [ -z "$key" ]; then
+			log "$bin --version: $(printf '%s' "$out" | head -n 1): not a version"
+			unknown="$unknown $bin"
+			continue
+		fi
+		log "$bin --version: $(printf '%s' "$out" | head -n 1)"
+		if [ -z "$lowest" ] || [ "$key" -lt "$lowest" ]; then
+			lowest=$key
+		fi
+	done
+	if [ -n "$unknown" ]; then
+		log "referrers capability left out: containerd's version is unknown ($unknown)"
+	elif [ -z "$lowest" ]; then
+		log "referrers capability left out: no containerd binary in $(printf '%s' "${LARDER_CONTAINERD_BIN_DIRS:-}" | tr '\n' ' ')(nodeSetup.containerdBinDirs)"
+	elif [ "$lowest" -ge "$REFERRERS_SINCE" ]; then
+		REFERRERS=1
+		log "referrers capability written: containerd $((lowest / 1000)).$((lowest % 1000)) accepts it (2.2 and later)"
+	else
+		log "referrers capability left out: containerd $((lowest / 1000)).$((lowest % 1000)) would refuse the whole hosts.toml with it (2.2 and later accept it)"
+	fi
+}
+
 # ----------------------------------------------------------- hosts.toml files
 
 toml_string() {  # a TOML basic string
@@ -374,7 +467,9 @@ render_block() {  # $1: registry folder (node path)
 		[ -n "$url" ] || continue
 		key=$(toml_string "$url")
 		printf '[host.%s]\n' "$key"
-		printf '  capabilities = [%s]\n' "${LARDER_CAPABILITIES:-\"pull\", \"resolve\"}"
+		caps=${LARDER_CAPABILITIES:-\"pull\", \"resolve\"}
+		[ "$REFERRERS" != 1 ] || caps="$caps, \"referrers\""
+		printf '  capabilities = [%s]\n' "$caps"
 		if [ -n "${LARDER_DIAL_TIMEOUT:-}" ]; then
 			printf '  dial_timeout = %s\n' "$(toml_string "$LARDER_DIAL_TIMEOUT")"
 		fi
@@ -609,6 +704,7 @@ if [ "$MODE" = cleanup ]; then
 fi
 
 check_containerd
+detect_referrers
 [ "$MODE" = setup ] || exit 0
 
 [ -d "$HOSTS_MOUNT" ] || fail "$HOSTS_MOUNT ($HOSTS_DIR on the node) is not mounted"

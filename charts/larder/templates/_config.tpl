@@ -61,7 +61,7 @@ dir = "/var/lib/larder"
 max_size = {{ include "larder.toml.string" (include "larder.maxSize" $) }}
 high_watermark = {{ include "larder.toml.float" .highWatermark }}
 low_watermark = {{ include "larder.toml.float" .lowWatermark }}
-memory = {{ include "larder.toml.string" .memory }}
+memory = {{ include "larder.toml.string" (include "larder.size" (dict "value" .memory "key" "config.cache.memory")) }}
 tag_ttl = {{ include "larder.toml.string" .tagTtl }}
 stale_if_error = {{ include "larder.toml.string" .staleIfError }}
 {{- end }}
@@ -94,11 +94,11 @@ library_namespace = {{ .libraryNamespace }}
 {{- end }}
 {{- with .maxSize }}
 # This upstream's share of the cache: its least recently used content goes first.
-max_size = {{ include "larder.toml.string" . }}
+max_size = {{ include "larder.toml.string" (include "larder.size" (dict "value" . "key" (printf "upstreams[%s].maxSize" $u.name))) }}
 {{- end }}
 {{- with .maxBandwidth }}
 # Bytes per second for all this upstream's downloads; clients' first.
-max_bandwidth = {{ include "larder.toml.string" . }}
+max_bandwidth = {{ include "larder.toml.string" (include "larder.size" (dict "value" . "key" (printf "upstreams[%s].maxBandwidth" $u.name))) }}
 {{- end }}
 {{- with .tagTtl }}
 tag_ttl = {{ include "larder.toml.string" . }}
@@ -126,6 +126,13 @@ body_idle_timeout = {{ include "larder.toml.string" . }}
 ca_file = {{ include "larder.toml.string" .caFile }}
 {{- else if .caConfigMap }}
 ca_file = {{ include "larder.toml.string" (printf "/run/larder/ca/%s/%s" (include "larder.upstreamDir" .name) (default "ca.crt" .caConfigMap.key)) }}
+{{- end }}
+{{- if eq (toString .clientCredentials) "verify" }}
+# Every client's own credentials are checked with this upstream before anything of it is served.
+client_credentials = "verify"
+{{- with .clientCredentialsTtl }}
+client_credentials_ttl = {{ include "larder.toml.string" . }}
+{{- end }}
 {{- end }}
 {{- with .credentials }}
 username = {{ include "larder.toml.string" .username }}

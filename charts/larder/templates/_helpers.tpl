@@ -181,11 +181,12 @@ Node folders of the node setup, by nodeSetup.distribution, as YAML
 */}}
 {{- define "larder.nodeSetup.paths" -}}
 {{- $ns := .Values.nodeSetup }}
+{{- $usrBins := list "/usr/local/sbin" "/usr/local/bin" "/usr/sbin" "/usr/bin" }}
 {{- $presets := dict
-  "containerd" (dict "hostsDir" "/etc/containerd/certs.d" "config" "/etc/containerd/config.toml")
-  "k3s" (dict "hostsDir" "/var/lib/rancher/k3s/agent/etc/containerd/certs.d" "config" "/var/lib/rancher/k3s/agent/etc/containerd/config.toml")
-  "rke2" (dict "hostsDir" "/var/lib/rancher/rke2/agent/etc/containerd/certs.d" "config" "/var/lib/rancher/rke2/agent/etc/containerd/config.toml")
-  "talos" (dict "hostsDir" "/etc/cri/conf.d/hosts" "config" "/etc/cri/containerd.toml")
+  "containerd" (dict "hostsDir" "/etc/containerd/certs.d" "config" "/etc/containerd/config.toml" "binDirs" $usrBins)
+  "k3s" (dict "hostsDir" "/var/lib/rancher/k3s/agent/etc/containerd/certs.d" "config" "/var/lib/rancher/k3s/agent/etc/containerd/config.toml" "binDirs" (list "/var/lib/rancher/k3s/data/current/bin"))
+  "rke2" (dict "hostsDir" "/var/lib/rancher/rke2/agent/etc/containerd/certs.d" "config" "/var/lib/rancher/rke2/agent/etc/containerd/config.toml" "binDirs" (list "/var/lib/rancher/rke2/bin"))
+  "talos" (dict "hostsDir" "/etc/cri/conf.d/hosts" "config" "/etc/cri/containerd.toml" "binDirs" $usrBins)
 }}
 {{- $p := get $presets (toString $ns.distribution) }}
 {{- if not $p }}
@@ -195,6 +196,22 @@ Node folders of the node setup, by nodeSetup.distribution, as YAML
 hostsDir: {{ default $p.hostsDir $ns.certsDir | trimSuffix "/" | quote }}
 config: {{ $config | quote }}
 configDir: {{ default (dir $config) $ns.containerdConfigDir | trimSuffix "/" | quote }}
+binDirs: {{ default $p.binDirs $ns.containerdBinDirs | toJson }}
+{{- end }}
+
+{{/*
+The node folders the node setup mounts (read-only) to run the node's
+`containerd --version` chrooted: /usr, and each bin folder outside it.
+*/}}
+{{- define "larder.nodeSetup.binMounts" -}}
+{{- $paths := include "larder.nodeSetup.paths" . | fromYaml }}
+{{- $mounts := list "/usr" }}
+{{- range $paths.binDirs }}
+{{- if not (or (eq . "/usr") (hasPrefix "/usr/" .)) }}
+{{- $mounts = append $mounts . }}
+{{- end }}
+{{- end }}
+{{- $mounts | uniq | toJson }}
 {{- end }}
 
 {{/*
@@ -214,6 +231,26 @@ anything else. Call with (dict "value" "50Gi" "key" "persistence.size").
 {{- end }}
 
 {{/*
+A size as larder.toml spells it (a whole number and one of larder's
+units, no space): "50Gi" is written "50GiB", "50G" (Kubernetes: 10^9)
+"50GB", a fraction in bytes ("1.5Gi" is "1610612736B"). larder itself
+refuses the lone "G" and "Gi" forms, which Kubernetes values use. Call
+with (dict "value" "50Gi" "key" "config.cache.maxSize").
+*/}}
+{{- define "larder.size" -}}
+{{- $bytes := include "larder.bytes" . }}
+{{- $v := toString .value | trim }}
+{{- $num := regexFind "^[0-9]+(\\.[0-9]+)?" $v }}
+{{- $unit := regexReplaceAll "^[0-9]+(\\.[0-9]+)? ?" $v "" }}
+{{- $units := dict "" "B" "B" "B" "k" "KB" "K" "KB" "kB" "KB" "KB" "KB" "M" "MB" "MB" "MB" "G" "GB" "GB" "GB" "T" "TB" "TB" "TB" "ki" "KiB" "Ki" "KiB" "kiB" "KiB" "KiB" "KiB" "Mi" "MiB" "MiB" "MiB" "Gi" "GiB" "GiB" "GiB" "Ti" "TiB" "TiB" "TiB" }}
+{{- if and (not (contains "." $num)) (hasKey $units $unit) }}
+{{- printf "%s%s" $num (get $units $unit) }}
+{{- else }}
+{{- printf "%sB" $bytes }}
+{{- end }}
+{{- end }}
+
+{{/*
 cache.max_size as written into larder.toml: config.cache.maxSize, or 85% of
 the cache volume's size (the PVC, or the emptyDir's sizeLimit); on a
 hostPath, whose free space the chart cannot know, it must be given.
@@ -226,7 +263,7 @@ hostPath, whose free space the chart cannot know, it must be given.
 {{- if and $volume (ge $max ($volume | int64)) }}
 {{- fail (printf "config.cache.maxSize (%s) must be below the cache volume's size (%s): downloads in progress and the index come on top of it; keep it 10-20%% below" $c.maxSize (include "larder.volumeSizeText" .)) }}
 {{- end }}
-{{- $c.maxSize }}
+{{- include "larder.size" (dict "value" $c.maxSize "key" "config.cache.maxSize") }}
 {{- else if $volume }}
 {{- printf "%dMiB" (div (mulf ($volume | float64) 0.85 | int64) 1048576) }}
 {{- else if and (include "larder.nodeMode" .) (eq .Values.node.cache.type "emptyDir") }}
@@ -359,6 +396,19 @@ Folder name for an upstream's mounted files (secrets, CA): its name with
 {{- if not .username }}
 {{- fail (printf "upstreams[%d] (%s).credentials.username is required: larder takes the username literally from its config (there is no username_file); only the password comes from the Secret" $i $u.name) }}
 {{- end }}
+{{- end }}
+{{- if eq (toString $u.clientCredentials) "verify" }}
+{{- if $.Values.hub.url }}
+{{- fail (printf "upstreams[%d] (%s).clientCredentials: \"verify\" checks clients with the registry itself, which a node behind hub.url never dials (and clients' credentials never go to the hub): set it on the hub's release" $i $u.name) }}
+{{- end }}
+{{- with $u.clientCredentialsTtl }}
+{{- $_ := include "larder.durationMillis" (dict "value" . "key" (printf "upstreams[%d] (%s).clientCredentialsTtl" $i $u.name)) }}
+{{- end }}
+{{- if $.Values.config.auth.enabled }}
+{{- fail (printf "upstreams[%d] (%s).clientCredentials: \"verify\" reads the client's Authorization header, which config.auth (htpasswd) reads too: use one of them" $i $u.name) }}
+{{- end }}
+{{- else if $u.clientCredentialsTtl }}
+{{- fail (printf "upstreams[%d] (%s).clientCredentialsTtl applies only with clientCredentials: verify" $i $u.name) }}
 {{- end }}
 {{- if and $u.caFile $u.caConfigMap }}
 {{- fail (printf "upstreams[%d] (%s): set caFile or caConfigMap, not both" $i $u.name) }}

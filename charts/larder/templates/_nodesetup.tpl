@@ -29,6 +29,7 @@ write those instead of nodeSetup.mirrorCredentials.
 {{- $v := $root.Values }}
 {{- $paths := include "larder.nodeSetup.paths" $root | fromYaml }}
 {{- $verify := and (eq .mode "setup") $v.nodeSetup.verifyContainerdConfig }}
+{{- $detect := and (eq .mode "setup") (eq $v.nodeSetup.referrers "auto") }}
 {{- $credentials := .credentials | default $v.nodeSetup.mirrorCredentials }}
 - name: {{ .name }}
   image: {{ include "larder.nodeSetup.image" $root }}
@@ -64,6 +65,14 @@ write those instead of nodeSetup.mirrorCredentials.
       value: {{ include "larder.mirrorURLs" $root | trim | quote }}
     - name: LARDER_CAPABILITIES
       value: {{ include "larder.toml.stringArray" $v.nodeSetup.capabilities | trimPrefix "[" | trimSuffix "]" | quote }}
+    - name: LARDER_REFERRERS
+      value: {{ $v.nodeSetup.referrers | quote }}
+    {{- if $detect }}
+    - name: LARDER_NODE_ROOT
+      value: /host/node
+    - name: LARDER_CONTAINERD_BIN_DIRS
+      value: {{ $paths.binDirs | join "\n" | quote }}
+    {{- end }}
     - name: LARDER_DIAL_TIMEOUT
       value: {{ $v.nodeSetup.dialTimeout | quote }}
     - name: LARDER_EXISTING
@@ -93,6 +102,12 @@ write those instead of nodeSetup.mirrorCredentials.
     capabilities:
       drop:
         - ALL
+      {{- if $detect }}
+      # To run the node's own `containerd --version` chrooted in its /usr
+      # (nodeSetup.referrers: auto).
+      add:
+        - SYS_CHROOT
+      {{- end }}
     seccompProfile:
       type: RuntimeDefault
     {{- with $v.nodeSetup.seLinuxOptions }}
@@ -115,6 +130,17 @@ write those instead of nodeSetup.mirrorCredentials.
       readOnly: true
     {{- end }}
     {{- if eq .mode "setup" }}
+    {{- if $detect }}
+    # The node's containerd binary with its loader and libraries, read-only
+    # under a root of its own (an emptyDir holding the merged-/usr links).
+    - name: node-root
+      mountPath: /host/node
+    {{- range $i, $dir := include "larder.nodeSetup.binMounts" $root | fromJsonArray }}
+    - name: node-bin-{{ $i }}
+      mountPath: /host/node{{ $dir }}
+      readOnly: true
+    {{- end }}
+    {{- end }}
     {{- if and $v.config.tls.enabled $v.config.tls.caKey }}
     - name: mirror-ca
       mountPath: /run/larder/mirror-ca
@@ -146,6 +172,18 @@ and "credentials" as for the container.
   hostPath:
     path: {{ $paths.hostsDir }}
     type: DirectoryOrCreate
+{{- if eq .Values.nodeSetup.referrers "auto" }}
+- name: node-root
+  emptyDir:
+    sizeLimit: 1Mi
+{{- range $i, $dir := include "larder.nodeSetup.binMounts" . | fromJsonArray }}
+# Read-only: where the node's containerd binary (and its libraries) live.
+- name: node-bin-{{ $i }}
+  hostPath:
+    path: {{ $dir }}
+    type: Directory
+{{- end }}
+{{- end }}
 {{- if .Values.nodeSetup.verifyContainerdConfig }}
 # Read-only: containerd's config file and the files it imports.
 - name: containerd-config

@@ -57,13 +57,16 @@ impl Cache {
     /// right before this replica in its own list). An owner lost mid-fill
     /// thus costs upstream one more GET (the runner-up's resume) whatever
     /// the number of replicas, not one per asker. A peer's request is
-    /// never passed on (one hop).
-    fn fill_sources(&self, digest: &Digest, via: Via) -> Vec<Source> {
+    /// never passed on (one hop). Nor is a fill with a client's
+    /// credentials (`Upstream::fills_with_client_credentials`): no peer
+    /// has them.
+    fn fill_sources(&self, upstream: &Upstream, digest: &Digest, via: Via) -> Vec<Source> {
         let mut sources = Vec::with_capacity(3);
         if self.shared.is_some() && via != (Via::Peer { shared_missed: true }) {
             sources.push(Source::Shared);
         }
-        if let Some(link) = self.peers.as_ref().filter(|_| via == Via::Client) {
+        let peers_fill = via == Via::Client && !upstream.fills_with_client_credentials();
+        if let Some(link) = self.peers.as_ref().filter(|_| peers_fill) {
             let ranked = link.peers.candidates(&digest_owner_key(digest));
             let before_me = ranked.into_iter().take_while(|p| !link.peers.is_me(p));
             sources.extend(before_me.map(Source::Peer));
@@ -83,7 +86,7 @@ impl Cache {
     ) -> Result<Opening, Unavailable> {
         let Want { upstream, repo, digest, via, .. } = want;
         match source {
-            Source::Shared => Ok((self.open_shared(upstream, repo, digest, offset, via).await?, None)),
+            Source::Shared => Ok((self.open_shared((upstream, repo, digest), offset, via, want.expected).await?, None)),
             Source::Peer(peer) => {
                 Ok((self.open_peer(peer, upstream, repo, digest, offset, shared_missed).await?, None))
             }
@@ -93,15 +96,19 @@ impl Cache {
 
     /// Asks upstream for the blob from byte `offset`. When what is left of
     /// it is at least `parallel_fill_min` (by the size its manifest
-    /// declared) and the upstream may use more than one connection, only
+    /// declared), the upstream may use more than one connection and its
+    /// ranges were not found unreliable lately ([`super::ranges`]), only
     /// the first part is asked for: a `206` for it means upstream answers
     /// ranges and the rest comes in parts; a `200` (an upstream that
     /// ignores `Range`) is the whole blob, read as one stream from
-    /// `offset` on, so nothing is fetched twice.
+    /// `offset` on, so nothing is fetched twice, and so is a `206` from
+    /// `offset` that runs past the part (after which the upstream's ranges
+    /// are not relied on for a while).
     async fn open_upstream(&self, want: Want<'_>, offset: u64) -> Result<Opening, Unavailable> {
         let Want { upstream, repo, digest, priority, expected, .. } = want;
         let ranged = upstream.config.fill_connections.get() > 1
-            && expected.is_some_and(|size| size > offset && size - offset >= self.config.parallel_fill_min);
+            && expected.is_some_and(|size| size > offset && size - offset >= self.config.parallel_fill_min)
+            && self.fills.ranges.trusted(upstream.name());
         let span = match expected.filter(|_| ranged) {
             Some(size) => Span { start: offset, end: Some(parts::part_end(offset, size)) },
             None => Span::from(offset),
@@ -116,7 +123,14 @@ impl Cache {
                 (Some((first, last, Some(total))), Some(end)) if first == offset && last < end => {
                     (Some(total), 0, Some(last + 1))
                 }
+                (Some((first, _, Some(total))), Some(_)) if first == offset => {
+                    self.fills.ranges.distrust(upstream.name());
+                    (Some(total), 0, None)
+                }
                 (range, _) => {
+                    // Other bytes than asked: this fill fails, and the
+                    // upstream's next fills ask for no parts.
+                    self.fills.ranges.distrust(upstream.name());
                     let answered = crate::upstream::described_range(range);
                     return Err(protocol(format!("upstream answered {answered} to a GET of {span}")));
                 }
@@ -134,6 +148,7 @@ impl Cache {
             permit: Some(permit),
             received: Some(metrics().upstream_bytes.with_label_values(&[upstream.name()])),
             idle: upstream.body_idle_timeout(),
+            mend: false,
         };
         Ok((body, part_end))
     }
@@ -153,18 +168,37 @@ impl Cache {
     /// and starts over (at most [`MAX_START_OVERS`] times), in a new temp
     /// file, from the sources not yet tried (or upstream again): readers
     /// that sent nothing yet follow it there, the others are aborted.
+    ///
+    /// A size a manifest of `repo` declared for the blob is the only size
+    /// it may have: upstream answering another fails the fill, and one
+    /// above `max_blob_size` fails it before anything is asked. Without
+    /// one, `max_blob_size` bounds what is written.
+    ///
+    /// `purges_seen`: [`Purges::count`](crate::cache::upkeep::purges::Purges::count)
+    /// when the fill started; a purge of `repo` since then keeps the fill
+    /// from recording `repo`'s membership when it commits.
     pub(in crate::cache) async fn fill(
         &self,
         upstream: &Upstream,
         repo: &RepoName,
         digest: Digest,
-        via: Via,
-        priority: &Priority,
+        (via, priority): (Via, &Priority),
+        purges_seen: u64,
         tx: &watch::Sender<Progress>,
     ) -> Result<(Arc<File>, u64), Error> {
-        let limit = self.fill_limit(upstream.name(), repo, &digest);
-        let expected = self.memory.declared_size(&member_key(upstream.name(), repo, &digest));
-        let mut sources: std::collections::VecDeque<Source> = self.fill_sources(&digest, via).into();
+        let expected = self.declared_size(upstream.name(), repo, &digest).await?;
+        let max = self.config.max_blob_size;
+        if let Some(size) = expected.filter(|size| *size > max) {
+            return Err(UpstreamError::Protocol(format!(
+                "blob {digest} is {size} bytes by its manifest, more than cache.max_blob_size ({max} bytes)"
+            ))
+            .into());
+        }
+        let limit = expected.unwrap_or(max);
+        // The shared tier's object was of the wrong size: the verified
+        // blob is uploaded over it.
+        let mut mend_shared = false;
+        let mut sources: std::collections::VecDeque<Source> = self.fill_sources(upstream, &digest, via).into();
         let mut partial: Option<Partial> = None;
         let mut start_overs = 0;
         let mut last_error = None;
@@ -188,8 +222,17 @@ impl Cache {
                     continue;
                 }
             };
-            let (SourceBody { body, total, skip, permit, received, idle }, part_end) = opened;
+            let (SourceBody { body, total, skip, permit, received, idle, mend }, part_end) = opened;
+            mend_shared |= mend;
             let known = partial.as_ref().and_then(|p| p.declared);
+            if let (true, Some(declared), Some(len)) = (source.vouched(), expected, total) {
+                if len != declared {
+                    return Err(UpstreamError::Protocol(format!(
+                        "blob {digest} is {len} bytes, but its manifest declares {declared}"
+                    ))
+                    .into());
+                }
+            }
             if let Some(len) = total.filter(|len| *len > limit) {
                 let e = UpstreamError::Protocol(format!(
                     "blob {digest} is {len} bytes, more than the {limit} allowed (its manifest's size, or \
@@ -214,7 +257,7 @@ impl Cache {
             if contradicts(known) {
                 // Upstream contradicts the sources before it: they were wrong.
                 let p = partial.take().expect("an earlier source declared a size");
-                tracing::warn!(%digest, before = ?known, upstream = ?total, "upstream's size differs from what earlier sources sent; starting over");
+                tracing::warn!(%digest, before = known.unwrap_or_default(), upstream = total.unwrap_or_default(), "upstream's size differs from what earlier sources sent; starting over");
                 if p.used.contains(&Source::Shared) {
                     self.condemn_shared_blob(digest, "its size differs from upstream's");
                 }
@@ -234,10 +277,12 @@ impl Cache {
                         extents: None,
                     };
                     tx.send_replace(progress);
+                    crate::faults::check(crate::faults::Point::Fill)?;
                     Partial { writer: Writer::new(temp), file, declared: total, used: Vec::new() }
                 }
             };
-            let declared = declared.or(total);
+            // A body without a length is held to the manifest's size.
+            let declared = declared.or(total).or(expected);
             let vouched = source.vouched();
             tx.send_modify(|p| {
                 if let Progress::Streaming { size, vouched_from, .. } = p {
@@ -262,6 +307,7 @@ impl Cache {
                         file: Arc::clone(&file),
                         tx,
                         idle,
+                        ranges: &self.fills.ranges,
                     };
                     job.run(writer, parts::OpenedPart { body, permit }, first_end).await
                 }
@@ -285,7 +331,8 @@ impl Cache {
                         // nothing committed is lost. A graceful stop waits for
                         // the commit (`Cache::finish_fills`).
                         tx.send_replace(Progress::Verified { file: Arc::clone(&file), size });
-                        self.commit_fill(temp, size, upstream, repo, digest, &used).await?;
+                        let upload = used.contains(&Source::Upstream) || mend_shared;
+                        self.commit_fill(temp, size, (upstream, repo, digest), purges_seen, upload).await?;
                         return Ok((file, size));
                     }
                     metrics().digest_mismatch.inc();
@@ -297,7 +344,8 @@ impl Cache {
                     if used.iter().all(Source::vouched) || start_overs >= MAX_START_OVERS {
                         return Err(e);
                     }
-                    tracing::warn!(%digest, sources = ?used, "bytes from the shared tier or a peer failed the digest; starting over");
+                    let used_names: Vec<&str> = used.iter().map(Source::name).collect();
+                    tracing::warn!(%digest, sources = %used_names.join(","), "bytes from the shared tier or a peer failed the digest; starting over");
                     start_overs += 1;
                     if sources.is_empty() {
                         sources.push_back(Source::Upstream);
@@ -335,35 +383,51 @@ impl Cache {
         }
     }
 
-    /// Commits a verified blob: fsync, rename, then the index row.
+    /// Commits a verified blob: fsync, rename, then the index row and
+    /// `repo`'s membership row, unless a purge of `repo` came after the
+    /// fill started (`purges_seen`): that is checked inside the index's
+    /// write transaction, which the purge's own is ordered with, so a
+    /// purge either removes the row or keeps it from being written.
+    /// `upload`: the blob goes to the shared tier.
     async fn commit_fill(
         &self,
         temp: NamedTempFile,
         size: u64,
-        upstream: &Upstream,
-        repo: &RepoName,
-        digest: Digest,
-        used: &[Source],
+        (upstream, repo, digest): (&Upstream, &RepoName, Digest),
+        purges_seen: u64,
+        upload: bool,
     ) -> Result<(), Error> {
-        let (store, index) = (self.store.clone(), Arc::clone(&self.index));
+        let (store, index, purges) = (self.store.clone(), Arc::clone(&self.index), Arc::clone(&self.purges));
         let member = member_key(upstream.name(), repo, &digest);
-        self.memory.insert_member(member.clone());
-        let new = blocking(move || {
+        let row = member.clone();
+        let (new, member_kept) = blocking(move || {
             store.commit(temp, &digest)?;
-            Ok(index.insert_blob(&digest, size, &member, unix_ms(SystemTime::now()))?)
+            let keep = || !upkeep::purges::lock_purges(&purges).purged_since(&row, purges_seen);
+            Ok(index.insert_fetched_blob(&digest, size, &row, keep, unix_ms(SystemTime::now()))?)
         })
         .await?;
         if new {
             self.evictor.added(size);
         }
+        if member_kept {
+            // Under the purges' lock, which a purge holds while it forgets
+            // the memory's rows: this one cannot come back after that.
+            let purges = upkeep::purges::lock_purges(&self.purges);
+            if !purges.purged_since(&member, purges_seen) {
+                self.memory.insert_member(member);
+            }
+        } else {
+            tracing::info!(%digest, upstream = upstream.name(), %repo, "the repository was purged during the fill: committed without its membership");
+        }
         // Membership was proven on the way: upstream served it for `repo`,
         // the owner checked for it, or it was confirmed before the shared
         // tier's bytes were read. Only the replica that got bytes from
-        // upstream uploads, in the background: a replica that read the
+        // upstream uploads, in the background (or one that found the
+        // shared tier's object of the wrong size): a replica that read the
         // blob from its owner leaves it to the owner (whose upload queue
         // survives restarts), so the store is written once, not once per
         // replica that streamed it.
-        if used.contains(&Source::Upstream) {
+        if upload {
             self.share_blob(digest).await;
         }
         Ok(())

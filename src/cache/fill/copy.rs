@@ -55,6 +55,7 @@ impl Writer {
 
     pub async fn write(mut self, chunk: Bytes) -> Result<Writer, Error> {
         blocking(move || {
+            crate::faults::check(crate::faults::Point::TempWrite)?;
             self.temp.as_file().write_all_at(&chunk, self.written)?;
             self.hasher.update(&chunk);
             self.written += chunk.len() as u64;
@@ -71,6 +72,7 @@ impl Writer {
             let mut buf = vec![0u8; HASH_READ];
             while self.written < upto {
                 let n = (upto - self.written).min(HASH_READ as u64) as usize;
+                crate::faults::check(crate::faults::Point::TempRead)?;
                 self.temp.as_file().read_exact_at(&mut buf[..n], self.written)?;
                 self.hasher.update(&buf[..n]);
                 self.written += n as u64;

@@ -11,12 +11,19 @@
 //! then bytes beyond the contiguous prefix are written too, and a reader
 //! whose range starts there reads them as soon as they are (asking the
 //! fill for its part first when no connection fetches it yet).
+//!
+//! A fill never wedges its digest: its task removes its flight and
+//! publishes the failure in a drop guard (`spawn_fill`), so a panic or a
+//! cancelled task fails the fill like any error, and every fill has a
+//! deadline derived from its size ([`deadline`]).
 
 mod ahead;
 mod chain;
 mod copy;
+mod deadline;
 pub mod parts;
 mod progress;
+pub mod ranges;
 pub mod source;
 
 use std::collections::HashMap;
@@ -36,6 +43,7 @@ use crate::upstream::Priority;
 
 pub use ahead::Resolved;
 pub use copy::{Bounds, Cause, Interrupted, WRITE_CHUNK, Writer, copy_body};
+pub use deadline::{FILL_GRACE, FILL_MIN_RATE, deadline};
 pub use progress::{Extents, Progress, UNVOUCHED};
 
 /// Largest read a client's body stream makes from a blob file at once
@@ -81,11 +89,13 @@ pub struct Fills {
     state: Mutex<State>,
     /// Bumped whenever a removal finishes; waiters subscribe under the lock.
     removals: watch::Sender<u64>,
+    /// Upstreams whose ranges proved unreliable lately.
+    pub ranges: ranges::RangeTrust,
 }
 
 impl Default for Fills {
     fn default() -> Self {
-        Fills { state: Mutex::default(), removals: watch::channel(0).0 }
+        Fills { state: Mutex::default(), removals: watch::channel(0).0, ranges: ranges::RangeTrust::default() }
     }
 }
 

@@ -7,7 +7,7 @@
 
 use std::collections::VecDeque;
 use std::fs::File;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use tokio::sync::Notify;
 
@@ -47,11 +47,17 @@ const MAX_WANTS: usize = 64;
 
 /// What a ranged fill has written, and what its readers wait for. Shared
 /// by the fill and its readers (through [`Progress::Streaming`]).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Extents {
     inner: Mutex<Inner>,
     /// Notified on each [`Extents::want`]: wakes the ranged fill (`parts`).
     pub(super) wanted: Notify,
+    /// Whether parts may still write to the file, read-locked by each
+    /// part's write while it runs: false once the fill went on as one
+    /// stream ([`Extents::close`]), so that a write of a part that was
+    /// dropped (its task runs on) can never land after the stream's bytes
+    /// were hashed.
+    open: RwLock<bool>,
 }
 
 #[derive(Debug, Default)]
@@ -65,7 +71,28 @@ impl Extents {
     /// Extents whose first `prefix` bytes are written (by earlier sources).
     pub(super) fn new(prefix: u64) -> Extents {
         let runs = if prefix > 0 { vec![(0, prefix)] } else { Vec::new() };
-        Extents { inner: Mutex::new(Inner { runs, wants: VecDeque::new() }), wanted: Notify::new() }
+        Extents {
+            inner: Mutex::new(Inner { runs, wants: VecDeque::new() }),
+            wanted: Notify::new(),
+            open: RwLock::new(true),
+        }
+    }
+
+    /// Runs a part's `write` (on the blocking pool) unless the parts are
+    /// closed; `false` if they are.
+    pub(super) fn write_if_open(&self, write: impl FnOnce() -> std::io::Result<()>) -> std::io::Result<bool> {
+        let open = self.open.read().unwrap_or_else(|p| p.into_inner());
+        if !*open {
+            return Ok(false);
+        }
+        write()?;
+        Ok(true)
+    }
+
+    /// No part writes to the file from now on: waits (on the blocking
+    /// pool) for the writes running now to end.
+    pub(super) fn close(&self) {
+        *self.open.write().unwrap_or_else(|p| p.into_inner()) = false;
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -146,6 +173,14 @@ mod tests {
         assert_eq!(x.contiguous(), 100);
         x.record(100, 200);
         assert_eq!(x.contiguous(), 200);
+    }
+
+    #[test]
+    fn once_closed_no_part_writes() {
+        let x = Extents::new(0);
+        assert!(x.write_if_open(|| Ok(())).unwrap());
+        x.close();
+        assert!(!x.write_if_open(|| panic!("a write after the close")).unwrap());
     }
 
     #[test]

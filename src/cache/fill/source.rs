@@ -55,6 +55,9 @@ pub struct SourceBody {
     pub received: Option<prometheus::IntCounter>,
     /// Longest pause allowed between two chunks of the body.
     pub idle: Duration,
+    /// The shared tier's object has another size than the blob's: once
+    /// verified, the blob is uploaded over it.
+    pub mend: bool,
 }
 
 /// Why a source did not give a body.

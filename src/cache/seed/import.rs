@@ -196,7 +196,7 @@ impl Staged {
         let bytes = Bytes::from(std::fs::read(temp.path())?);
         let (media_type, refs) = inspect_manifest(&bytes, media_type)
             .map_err(|e| ImportError::Incomplete(format!("manifest {digest}: {e}")))?;
-        Ok(FetchedManifest { bytes, media_type, digest: *digest, refs })
+        Ok(FetchedManifest { bytes, media_type, digest: *digest, refs, warnings: None })
     }
 
     /// Reads `image`'s manifests and checks that every blob they name is

@@ -138,6 +138,9 @@ pub async fn plan_platforms(
     declared_sizes(&top.bytes, &mut sizes);
     let mut blobs: Vec<Digest> = refs.blobs.clone();
     let mut children = Vec::new();
+    if !refs.manifests.is_empty() {
+        check_platforms(repo, reference, &refs.platforms, platforms)?;
+    }
     for (child, child_platform) in refs.manifests.iter().zip(&refs.platforms) {
         if !platform_selected(child_platform.as_deref(), platforms) {
             continue;
@@ -151,6 +154,35 @@ pub async fn plan_platforms(
     blobs.sort();
     blobs.dedup();
     Ok(Plan { top, children, blobs, sizes })
+}
+
+/// Each platform asked for must select an entry of the index: one that
+/// selects none (`linux/s390x` of an amd64/arm64 image, a typo such as
+/// `linux/amd46`) is refused, naming the platforms the index has, instead
+/// of warming nothing.
+fn check_platforms(
+    repo: &RepoName,
+    reference: &Reference,
+    have: &[Option<String>],
+    wants: &[String],
+) -> Result<(), Error> {
+    let Some(missing) =
+        wants.iter().find(|want| !have.iter().any(|h| platform_selected(h.as_deref(), std::slice::from_ref(*want))))
+    else {
+        return Ok(());
+    };
+    // Attestation manifests (`unknown/unknown`) are no platform to ask for.
+    let mut listed: Vec<&str> = have.iter().flatten().map(String::as_str).filter(|p| *p != "unknown/unknown").collect();
+    listed.sort_unstable();
+    listed.dedup();
+    let image = match reference {
+        Reference::Tag(tag) => format!("{repo}:{tag}"),
+        Reference::Digest(digest) => format!("{repo}@{digest}"),
+    };
+    Err(Error::ImageUnknown(format!(
+        "{image} has no platform {missing}: its index has {}",
+        if listed.is_empty() { "no platforms listed".to_owned() } else { listed.join(", ") }
+    )))
 }
 
 /// Fetches the manifest(s) of `repo:reference` and every blob into the

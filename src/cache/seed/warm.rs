@@ -32,27 +32,37 @@ impl Cache {
         repo: &RepoName,
         reference: &Reference,
     ) -> Result<Seen, Error> {
-        let digest = match reference {
-            Reference::Digest(digest) => *digest,
+        let (digest, warnings) = match reference {
+            Reference::Digest(digest) => (*digest, None),
             Reference::Tag(tag) => {
                 let key = tag_key(upstream.name(), repo, tag);
-                let head = {
-                    let (upstream, repo, reference) = (Arc::clone(upstream), repo.clone(), reference.clone());
-                    move || async move { upstream.head_manifest(&repo, &reference).await.map_err(Error::Upstream) }
+                let revalidate = {
+                    let (cache, upstream, repo, tag) =
+                        (Arc::clone(self), Arc::clone(upstream), repo.clone(), tag.clone());
+                    move || async move { cache.revalidate_tag(&upstream, &repo, &tag, Via::Client).await }
                 };
-                let answer = self.revalidations.run(key.clone(), head).await.0;
+                let answer = match self.revalidations.run(key.clone(), revalidate).await.0 {
+                    // The HEAD named a manifest its GET did not find.
+                    Err(Error::ManifestUnknown) => Ok(None),
+                    answer => answer,
+                };
                 let gone = matches!(answer, Ok(None));
                 if let Some(known) = self.warm_tags.write().unwrap_or_else(|p| p.into_inner()).get_mut(&key) {
                     *known = gone;
                 }
                 match answer? {
-                    Some(digest) => digest,
+                    Some((digest, warnings)) => (digest, Some(warnings)),
                     None => return Ok(Seen::Gone),
                 }
             }
         };
         match self.manifest_via(upstream, repo, &Reference::Digest(digest), Via::Client).await {
-            Ok(_) => {}
+            // The tag's answer speaks for the manifest it points to now.
+            Ok(_) => {
+                if let Some(warnings) = warnings {
+                    self.rewarn(upstream.name(), repo, &digest, warnings).await?;
+                }
+            }
             Err(Error::ManifestUnknown) => return Ok(Seen::Gone),
             Err(e) => return Err(e),
         }

@@ -121,6 +121,28 @@ pub struct SharedBlob {
 }
 
 impl SharedBlob {
+    /// The first `len` bytes of the body at most (an object longer than
+    /// the blob it is stored as): it ends there without reading on.
+    pub fn take(self, len: u64) -> SharedBlob {
+        let SharedBlob { size, range, body } = self;
+        let body = futures_util::stream::unfold((body, len), |(mut body, left)| async move {
+            if left == 0 {
+                return None;
+            }
+            match body.next().await? {
+                Ok(mut chunk) => {
+                    let n = (chunk.len() as u64).min(left);
+                    chunk.truncate(n as usize);
+                    Some((Ok(chunk), (body, left - n)))
+                }
+                Err(e) => Some((Err(e), (body, 0))),
+            }
+        })
+        .boxed();
+        let range = range.start..range.end.min(range.start + len);
+        SharedBlob { size, range, body }
+    }
+
     /// The bytes as an HTTP body (what a fill reads its sources as); a
     /// store error ends it with that error, never cleanly.
     pub fn into_body(self) -> crate::body::Body {

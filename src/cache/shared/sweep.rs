@@ -90,7 +90,7 @@ impl SharedStore {
                     };
                     match swept {
                         Ok(s) => {
-                            tracing::info!(listed = s.listed, deleted = s.deleted, ?max_age, "swept the shared tier")
+                            tracing::info!(listed = s.listed, deleted = s.deleted, max_age = %crate::config::units::spelled_duration(max_age), "swept the shared tier")
                         }
                         Err(e) => tracing::warn!(error = %e, "sweeping the shared tier failed"),
                     }

@@ -58,6 +58,7 @@ impl Store {
     /// renamed into place, and the folder fsynced so the rename survives a
     /// crash. The caller inserts the index row afterwards.
     pub fn commit(&self, temp: NamedTempFile, digest: &Digest) -> io::Result<()> {
+        crate::faults::check(crate::faults::Point::Commit)?;
         temp.as_file().sync_all()?;
         let path = self.blob_path(digest);
         let parent = path.parent().ok_or_else(|| io::Error::other("blob path has no parent"))?;

@@ -15,7 +15,8 @@
 //!   upstream each item is charged to, each upstream's own access order and
 //!   its running total, for per-upstream quotas (see `quota`).
 //!
-//! The warm images' digests live here too (`warm`).
+//! The warm images' digests live here too (`warm`), and the blob sizes
+//! each repository's manifests declare (`declared`).
 
 use std::path::Path;
 
@@ -23,6 +24,7 @@ use redb::{Database, ReadableDatabase, ReadableTable, Table, TableDefinition, Wr
 
 use crate::oci::{Digest, MediaType};
 
+mod declared;
 mod migrate;
 mod quota;
 mod warm;
@@ -34,6 +36,18 @@ pub use warm::WarmRow;
 const BLOBS: TableDefinition<&str, (u64, u64)> = TableDefinition::new("blobs");
 /// Manifests by digest hex → (media type, exact bytes).
 const MANIFESTS: TableDefinition<&str, (&str, &[u8])> = TableDefinition::new("manifests");
+/// A manifest's registry warnings for one repository: "digest
+/// hex\0upstream\0repo" (its membership row's key, digest first, as in
+/// `members_by_digest`) → the `Warning` values that upstream last sent
+/// with it for that repository, one per line (`oci::Warnings`); no row:
+/// none. Per repository, because a warning is upstream's word to one
+/// repository's clients (a deprecation there, a note about the
+/// credentials it was asked with), not a property of the bytes another
+/// repository or upstream shares. Removed with the manifest (every
+/// repository's) and with a membership row (a purge). Added after schema
+/// version 4 without a migration: an index written before has no rows,
+/// which reads as no warnings.
+const MANIFEST_WARNINGS: TableDefinition<&str, &[u8]> = TableDefinition::new("manifest_warnings");
 /// Manifests by digest hex → (size in bytes, last access in unix millis),
 /// apart from the bytes so that access times are cheap to update.
 const MANIFEST_META: TableDefinition<&str, (u64, u64)> = TableDefinition::new("manifest_meta");
@@ -64,11 +78,15 @@ const UPSTREAM_ACCESS: TableDefinition<(&str, u64, u8, &str), ()> = TableDefinit
 /// Warm images: "upstream\0repo\0reference" → (digest, previous digest or
 /// "", unix millis the digest was last seen upstream).
 const WARM: TableDefinition<&str, (&str, &str, u64)> = TableDefinition::new("warm");
+/// Blob sizes declared by the manifests of a repository:
+/// "upstream\0repo\0blob hex" → size in bytes (see `declared`).
+const DECLARED: TableDefinition<&str, u64> = TableDefinition::new("declared");
 
 /// Version 2 added `access` and `members_by_digest`, version 3 the running
-/// byte total, version 4 what each upstream is charged; an index written
-/// by an older larder gets them built once, when it is opened.
-const SCHEMA_VERSION: u64 = 4;
+/// byte total, version 4 what each upstream is charged, version 5 the
+/// declared sizes; an index written by an older larder gets them built
+/// once, when it is opened.
+const SCHEMA_VERSION: u64 = 5;
 
 /// The two kinds of content the store keeps and evicts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -347,6 +365,7 @@ impl<'txn> Content<'txn> {
         self.access.remove((accessed_ms, kind.code(), hex.as_str()))?;
         if kind == Kind::Manifest {
             self.manifests.remove(hex.as_str())?;
+            remove_warnings_of(self.txn, hex.as_str())?;
         }
         let owner = self.charged.remove((kind.code(), hex.as_str()))?.map(|v| v.value().to_owned());
         if let Some(owner) = owner {
@@ -369,16 +388,51 @@ impl<'txn> Content<'txn> {
     }
 }
 
-fn put_members(txn: &WriteTransaction, members: &[String], now_ms: u64) -> Result<(), redb::Error> {
-    let mut table = txn.open_table(MEMBERS)?;
-    let mut by_digest = txn.open_table(MEMBERS_BY_DIGEST)?;
-    for key in members {
-        table.insert(key.as_str(), now_ms)?;
-        if let Some(k) = by_digest_key(key) {
-            by_digest.insert(k.as_str(), ())?;
-        }
+/// Sets (or, when empty, removes) the warnings row of a manifest's
+/// membership row `member` ("upstream\0repo\0hex").
+fn put_warnings(txn: &WriteTransaction, member: &str, warnings: &[u8]) -> Result<(), redb::Error> {
+    let Some(key) = by_digest_key(member) else { return Ok(()) };
+    let mut table = txn.open_table(MANIFEST_WARNINGS)?;
+    if warnings.is_empty() {
+        table.remove(key.as_str())?;
+    } else {
+        table.insert(key.as_str(), warnings)?;
     }
     Ok(())
+}
+
+/// Removes every repository's warnings of the manifest `hex` (and a row
+/// keyed by the digest alone, as a build between this table's start and
+/// its keying by repository wrote them).
+fn remove_warnings_of(txn: &WriteTransaction, hex: &str) -> Result<(), redb::Error> {
+    let mut table = txn.open_table(MANIFEST_WARNINGS)?;
+    table.remove(hex)?;
+    let prefix = format!("{hex}\0");
+    let keys: Vec<String> = table
+        .range(prefix.as_str()..)?
+        .map(|row| row.map(|(k, _)| k.value().to_owned()))
+        .take_while(|k| k.as_ref().map_or(true, |k| k.starts_with(&prefix)))
+        .collect::<Result<_, _>>()?;
+    for key in keys {
+        table.remove(key.as_str())?;
+    }
+    Ok(())
+}
+
+/// Records membership rows, and for those that are manifests the blob
+/// sizes they declare for the repository (`declared`).
+fn put_members(txn: &WriteTransaction, members: &[String], now_ms: u64) -> Result<(), redb::Error> {
+    {
+        let mut table = txn.open_table(MEMBERS)?;
+        let mut by_digest = txn.open_table(MEMBERS_BY_DIGEST)?;
+        for key in members {
+            table.insert(key.as_str(), now_ms)?;
+            if let Some(k) = by_digest_key(key) {
+                by_digest.insert(k.as_str(), ())?;
+            }
+        }
+    }
+    declared::record(txn, members)
 }
 
 /// Keys of `table` that start with `prefix`, in order.
@@ -425,6 +479,7 @@ impl Index {
         txn.open_table(BLOBS)?;
         txn.open_table(MANIFESTS)?;
         txn.open_table(MANIFEST_META)?;
+        txn.open_table(MANIFEST_WARNINGS)?;
         txn.open_table(ACCESS)?;
         txn.open_table(TAGS)?;
         txn.open_table(MEMBERS)?;
@@ -432,6 +487,7 @@ impl Index {
         txn.open_table(CHARGED)?;
         txn.open_table(UPSTREAM_ACCESS)?;
         txn.open_table(WARM)?;
+        txn.open_table(DECLARED)?;
         let version = txn.open_table(META)?.get(SCHEMA_KEY)?.map_or(1, |v| v.value());
         if version < SCHEMA_VERSION {
             migrate::migrate(&txn, version)?;
@@ -473,13 +529,33 @@ impl Index {
     /// new blob is charged to that repository's upstream). Returns whether
     /// the blob is new to the index.
     pub fn insert_blob(&self, digest: &Digest, size: u64, member: &str, now_ms: u64) -> Result<bool, redb::Error> {
+        Ok(self.insert_fetched_blob(digest, size, member, || true, now_ms)?.0)
+    }
+
+    /// [`Index::insert_blob`], with the membership row only if `keep`
+    /// says so when asked inside the write transaction: after any write
+    /// transaction that began before this one (a purge's) and before any
+    /// that begins after it. The blob is charged to the member's upstream
+    /// either way. Returns whether the blob is new, and whether the row
+    /// was kept.
+    pub fn insert_fetched_blob(
+        &self,
+        digest: &Digest,
+        size: u64,
+        member: &str,
+        keep: impl FnOnce() -> bool,
+        now_ms: u64,
+    ) -> Result<(bool, bool), redb::Error> {
         let txn = begin_write(&self.db)?;
+        let kept = keep();
         let mut content = Content::open(&txn)?;
         let new = content.put(Kind::Blob, digest.hex().as_str(), size, now_ms, upstream_of(member))?;
         let changes = content.close()?;
-        put_members(&txn, &[member.to_owned()], now_ms)?;
+        if kept {
+            put_members(&txn, &[member.to_owned()], now_ms)?;
+        }
         self.commit(txn, changes)?;
-        Ok(new)
+        Ok((new, kept))
     }
 
     /// Removes the tag and membership rows whose key starts with `prefix`
@@ -500,18 +576,23 @@ impl Index {
 
             let mut members = txn.open_table(MEMBERS)?;
             let mut by_digest = txn.open_table(MEMBERS_BY_DIGEST)?;
+            let mut warnings = txn.open_table(MANIFEST_WARNINGS)?;
             let member_keys = keys_under(&members, prefix)?;
             let mut candidates = std::collections::BTreeSet::new();
             for key in &member_keys {
                 members.remove(key.as_str())?;
                 if let Some(k) = by_digest_key(key) {
                     by_digest.remove(k.as_str())?;
+                    warnings.remove(k.as_str())?;
                 }
                 if let Some((_, hex)) = key.rsplit_once('\0') {
                     candidates.insert(hex.to_owned());
                 }
             }
             purged.members = member_keys.len();
+            declared::purge(&txn, prefix)?;
+            // Taking a manifest below removes its other warnings rows.
+            drop(warnings);
             let mut content = Content::open(&txn)?;
             for hex in candidates {
                 let Some(digest) = parse_hex(&hex) else { continue };
@@ -674,6 +755,29 @@ impl Index {
         Ok(MediaType::parse(media).map(|m| (m, bytes.to_vec())))
     }
 
+    /// The registry warnings kept with a manifest for one repository, by
+    /// its membership row's key `member` ("upstream\0repo\0hex"; encoded
+    /// `oci::Warnings`; empty: none).
+    pub fn manifest_warnings(&self, member: &str) -> Result<Vec<u8>, redb::Error> {
+        let Some(key) = by_digest_key(member) else { return Ok(Vec::new()) };
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(MANIFEST_WARNINGS)?;
+        Ok(table.get(key.as_str())?.map(|v| v.value().to_vec()).unwrap_or_default())
+    }
+
+    /// Replaces the registry warnings kept with a stored manifest for the
+    /// repository of `member` (upstream answered about it again); nothing
+    /// for a manifest not stored.
+    pub fn set_manifest_warnings(&self, member: &str, warnings: &[u8]) -> Result<(), redb::Error> {
+        let Some((_, hex)) = member.rsplit_once('\0') else { return Ok(()) };
+        let txn = begin_write(&self.db)?;
+        if txn.open_table(MANIFESTS)?.get(hex)?.is_some() {
+            put_warnings(&txn, member, warnings)?;
+        }
+        txn.commit()?;
+        Ok(())
+    }
+
     /// Stores a manifest and, for a tag, its mapping, in one transaction
     /// (a new manifest is charged to the upstream of its first membership
     /// row). Returns whether the manifest is new to the index.
@@ -686,6 +790,21 @@ impl Index {
         members: &[String],
         now_ms: u64,
     ) -> Result<bool, redb::Error> {
+        self.insert_manifest_warned(digest, (media_type, bytes, None), tag, members, now_ms)
+    }
+
+    /// [`Index::insert_manifest`], with the registry warnings upstream sent
+    /// for the repositories of `members` (`Some`: they replace the kept
+    /// ones, in the same transaction; `None`: a source that knows of none,
+    /// such as an import, leaves them).
+    pub fn insert_manifest_warned(
+        &self,
+        digest: &Digest,
+        (media_type, bytes, warnings): (MediaType, &[u8], Option<&[u8]>),
+        tag: Option<&str>,
+        members: &[String],
+        now_ms: u64,
+    ) -> Result<bool, redb::Error> {
         let txn = begin_write(&self.db)?;
         let hex = digest.hex();
         let mut content = Content::open(&txn)?;
@@ -693,6 +812,11 @@ impl Index {
         let upstream = members.first().and_then(|m| upstream_of(m));
         let new = content.put(Kind::Manifest, hex.as_str(), bytes.len() as u64, now_ms, upstream)?;
         let changes = content.close()?;
+        if let Some(warnings) = warnings {
+            for member in members {
+                put_warnings(&txn, member, warnings)?;
+            }
+        }
         if let Some(key) = tag {
             txn.open_table(TAGS)?.insert(key, (digest.to_string().as_str(), now_ms))?;
         }

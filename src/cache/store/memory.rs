@@ -11,7 +11,7 @@ use std::time::{Duration, Instant, SystemTime};
 use bytes::Bytes;
 use http::HeaderValue;
 
-use crate::oci::{Digest, MediaType};
+use crate::oci::{Digest, MediaType, Warnings};
 use crate::upstream::Page;
 
 /// A manifest ready to serve.
@@ -24,6 +24,11 @@ pub struct StoredManifest {
     pub digest_header: HeaderValue,
     pub etag: HeaderValue,
     pub content_length: HeaderValue,
+    /// Upstream's registry warnings about it for the repository it is
+    /// served for, sent with the response. Empty as the memory tier keeps
+    /// a manifest: they are kept per repository ([`Memory::warnings`]) and
+    /// attached for each request.
+    pub warnings: Warnings,
 }
 
 impl StoredManifest {
@@ -36,7 +41,19 @@ impl StoredManifest {
             bytes,
             media_type,
             digest,
+            warnings: Warnings::default(),
         }
+    }
+
+    /// The same manifest with these warnings.
+    pub fn with_warnings(mut self, warnings: Warnings) -> StoredManifest {
+        self.warnings = warnings;
+        self
+    }
+
+    /// A copy with other warnings (the bytes are shared, not copied).
+    pub fn rewarned(&self, warnings: Warnings) -> StoredManifest {
+        StoredManifest::new(self.bytes.clone(), self.media_type, self.digest).with_warnings(warnings)
     }
 }
 
@@ -70,6 +87,10 @@ pub struct Memory {
     /// client request for one is still its miss (the pull caused the
     /// download), not a hit.
     fetched_ahead: moka::sync::Cache<Digest, ()>,
+    /// A manifest's registry warnings for one repository, by its membership
+    /// key ("upstream\0repo\0digest hex"), none included (empty), as the
+    /// index keeps them.
+    warnings: moka::sync::Cache<String, Warnings>,
 }
 
 /// Memory for cached listing pages, apart from the budget above: pages are
@@ -78,13 +99,15 @@ const LISTINGS_BYTES: u64 = 16 << 20;
 /// Blob files kept open between requests: a small share of the process's
 /// file descriptors (larder raises its soft limit at start).
 const OPEN_BLOB_HANDLES: u64 = 256;
-/// Declared blob sizes remembered; a blob whose manifest was forgotten is
-/// bounded by `max_blob_size` instead.
+/// Declared blob sizes remembered in memory; the index has them all.
 const DECLARED_SIZES: u64 = 100_000;
 /// Blobs fetched ahead and not yet asked for, remembered (a client that
 /// never asks leaves them to age out).
 const FETCHED_AHEAD: u64 = 10_000;
 const FETCHED_AHEAD_TTL: Duration = Duration::from_secs(3600);
+/// Memory for manifests' warnings per repository (mostly "none"), apart
+/// from the budget above: a forgotten entry is read from the index again.
+const WARNINGS_BYTES: u64 = 16 << 20;
 /// An open handle unused this long is closed; eviction and purge close
 /// theirs at once, so a deleted blob's disk space is not held.
 const OPEN_BLOB_IDLE: Duration = Duration::from_secs(60);
@@ -96,7 +119,9 @@ impl Memory {
         Memory {
             manifests: moka::sync::Cache::builder()
                 .weigher(|_, m: &Arc<StoredManifest>| {
-                    u32::try_from(m.bytes.len()).unwrap_or(u32::MAX).saturating_add(ENTRY_OVERHEAD)
+                    u32::try_from(m.bytes.len() + m.warnings.byte_len())
+                        .unwrap_or(u32::MAX)
+                        .saturating_add(ENTRY_OVERHEAD)
                 })
                 .max_capacity(manifest_budget)
                 .build(),
@@ -125,6 +150,12 @@ impl Memory {
                 .max_capacity(FETCHED_AHEAD)
                 .time_to_live(FETCHED_AHEAD_TTL)
                 .build(),
+            warnings: moka::sync::Cache::builder()
+                .weigher(|k: &String, w: &Warnings| {
+                    u32::try_from(k.len() + w.byte_len()).unwrap_or(u32::MAX).saturating_add(ENTRY_OVERHEAD)
+                })
+                .max_capacity(WARNINGS_BYTES)
+                .build(),
         }
     }
 
@@ -146,16 +177,28 @@ impl Memory {
         self.manifests.insert(m.digest, m);
     }
 
-    /// Drops every cached tag mapping, membership row and listing page;
-    /// they are read again from the index (or upstream) on demand.
+    /// Drops every cached tag mapping, membership row, declared size and
+    /// listing page; they are read again from the index (or upstream) on
+    /// demand.
     pub fn forget_tags_and_members(&self) {
         self.tags.invalidate_all();
         self.members.invalidate_all();
+        self.declared_sizes.invalidate_all();
         self.listings.invalidate_all();
+        self.warnings.invalidate_all();
     }
 
     pub fn remove_manifest(&self, digest: &Digest) {
         self.manifests.invalidate(digest);
+    }
+
+    /// A manifest's warnings for the repository of `member`, if known here.
+    pub fn warnings(&self, member: &str) -> Option<Warnings> {
+        self.warnings.get(member)
+    }
+
+    pub fn insert_warnings(&self, member: String, warnings: Warnings) {
+        self.warnings.insert(member, warnings);
     }
 
     pub fn tag(&self, key: &str) -> Option<TagEntry> {

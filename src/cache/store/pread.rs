@@ -71,6 +71,7 @@ impl Buffers {
 /// page cache may be shorter (never empty); the caller asks again for the
 /// rest.
 pub async fn read_at(file: &Arc<File>, offset: u64, len: usize, buffers: &mut Buffers) -> Result<Bytes, Error> {
+    crate::faults::check(crate::faults::Point::BlobRead)?;
     let mut buf = buffers.take(len);
     let cached = rustix::io::preadv2(&**file, &mut [IoSliceMut::new(&mut buf)], offset, ReadWriteFlags::NOWAIT);
     let chunk = match cached {

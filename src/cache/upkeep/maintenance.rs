@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use super::purges::lock_purges;
 use crate::cache::*;
 
 /// What a purge removed here and, with peers, on each other replica.
@@ -37,11 +38,6 @@ pub struct Purged {
 /// blobs 3.45 s on one thread, 2.36 s on 8 (benches/scale.rs); more
 /// threads gained little (cold, 648 µs per unlink on 1, 375 on 4, 285 on 64).
 const UNLINK_TASKS: usize = 8;
-
-/// Purges remembered as barriers against older tag mappings from peers.
-/// Past this, the oldest is forgotten: a replica down through that many
-/// purges may hand out a mapping the oldest one removed, until its TTL.
-const MAX_PURGE_BARRIERS: usize = 1024;
 
 /// How often access times collected on the request path are written to the index.
 const ACCESS_FLUSH_INTERVAL: Duration = Duration::from_secs(10);
@@ -265,16 +261,15 @@ impl Cache {
             Some(repo) => format!("{upstream}\0{repo}\0"),
             None => format!("{upstream}\0"),
         };
-        {
-            let mut purges = self.purges.lock().unwrap_or_else(|p| p.into_inner());
-            if purges.len() >= MAX_PURGE_BARRIERS {
-                purges.pop_front();
-            }
-            purges.push_back((prefix.clone(), SystemTime::now()));
-        }
+        lock_purges(&self.purges).begin(prefix.clone());
         let index = Arc::clone(&self.index);
         let rows = blocking(move || Ok(index.purge(&prefix)?)).await?;
-        self.memory.forget_tags_and_members();
+        {
+            // Under the lock a committing fill records its membership row
+            // in memory under: it cannot land after this.
+            let _purges = lock_purges(&self.purges);
+            self.memory.forget_tags_and_members();
+        }
         self.forget_removed(&rows.content).await;
         let bytes = rows.content.iter().map(|e| e.size).sum();
         let blobs = rows.content.iter().filter(|e| e.kind == Kind::Blob).count();
@@ -307,9 +302,7 @@ impl Cache {
     /// tag mapping a peer confirmed then is from before the purge (the
     /// peer was not purged yet, or was down), and is not taken.
     pub(in crate::cache) fn purged_after(&self, upstream: &str, repo: &RepoName, confirmed: SystemTime) -> bool {
-        let key = format!("{upstream}\0{repo}\0");
-        let purges = self.purges.lock().unwrap_or_else(|p| p.into_inner());
-        purges.iter().any(|(prefix, at)| key.starts_with(prefix.as_str()) && confirmed < *at)
+        lock_purges(&self.purges).purged_after(&format!("{upstream}\0{repo}\0"), confirmed)
     }
 }
 

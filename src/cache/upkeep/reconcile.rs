@@ -67,6 +67,19 @@ impl Report {
     }
 }
 
+/// What `larder verify` is told as it works (all no-ops by default; `()`
+/// watches nothing), so that it can show progress.
+pub trait Watch {
+    /// The index was read: `blobs` blob rows of `bytes` in all to hash.
+    fn counted(&mut self, _blobs: u64, _bytes: u64) {}
+    /// Hashing the file of `digest` starts.
+    fn hashing(&mut self, _digest: &Digest) {}
+    /// `n` more bytes were hashed.
+    fn hashed(&mut self, _n: u64) {}
+}
+
+impl Watch for () {}
+
 /// How one shard folder and the index rows of its prefix disagree.
 #[derive(Debug, Default)]
 pub struct ShardDiff {
@@ -87,7 +100,13 @@ pub struct ShardDiff {
 /// `rehash` re-reads every indexed file and checks size and digest (slow:
 /// `larder verify`); without it a row only needs its file to exist (a file
 /// of the wrong size is caught when it is first opened, which drops its row).
-pub fn compare_shard(store: &Store, index: &Index, shard: &str, rehash: bool) -> Result<ShardDiff, Error> {
+pub fn compare_shard(
+    store: &Store,
+    index: &Index,
+    shard: &str,
+    rehash: bool,
+    watch: &mut dyn Watch,
+) -> Result<ShardDiff, Error> {
     let mut diff = ShardDiff::default();
     let mut files: HashSet<Digest> = HashSet::new();
     for path in store.shard_files(shard)? {
@@ -103,7 +122,8 @@ pub fn compare_shard(store: &Store, index: &Index, shard: &str, rehash: bool) ->
         let problem = if !files.remove(&digest) {
             Some("file is missing".to_owned())
         } else if rehash {
-            check_file(&store.blob_path(&digest), &digest, size)
+            watch.hashing(&digest);
+            check_file(&store.blob_path(&digest), &digest, size, watch)
         } else {
             None
         };
@@ -121,11 +141,11 @@ pub fn compare_shard(store: &Store, index: &Index, shard: &str, rehash: bool) ->
 }
 
 /// Why the file at `path` is not the blob `digest` of `size` bytes, if it is not.
-fn check_file(path: &Path, digest: &Digest, size: u64) -> Option<String> {
+fn check_file(path: &Path, digest: &Digest, size: u64, watch: &mut dyn Watch) -> Option<String> {
     match std::fs::metadata(path) {
         Err(e) => Some(format!("cannot stat: {e}")),
         Ok(m) if m.len() != size => Some(format!("file has {} bytes, index says {size}", m.len())),
-        Ok(_) => match hash_file(path) {
+        Ok(_) => match hash_file(path, watch) {
             Ok(d) if d == *digest => None,
             Ok(d) => Some(format!("content hashes to {d}")),
             Err(e) => Some(format!("cannot read: {e}")),
@@ -144,6 +164,7 @@ pub fn settle_orphans(
     repair: bool,
     now_ms: u64,
     report: &mut Report,
+    watch: &mut dyn Watch,
 ) -> Result<u64, Error> {
     let mut adopted = Vec::new();
     for d in orphans {
@@ -151,7 +172,8 @@ pub fn settle_orphans(
             continue;
         }
         let path = store.blob_path(d);
-        match hash_file(&path) {
+        watch.hashing(d);
+        match hash_file(&path, watch) {
             Ok(actual) if actual == *d => {
                 let size = std::fs::metadata(&path)?.len();
                 report.adopted += 1;
@@ -189,11 +211,30 @@ pub fn settle_junk(paths: &[PathBuf], problem: &str, repair: bool, report: &mut 
 /// The offline pass over the whole store, shard by shard: `repair` removes
 /// bad rows and files and indexes adopted ones; without it, nothing is
 /// changed. Needs the cache folder to itself.
-pub fn reconcile(store: &Store, index: &Index, rehash: bool, repair: bool, now_ms: u64) -> Result<Report, Error> {
+/// `watch` is told what it counts and hashes (when it rehashes, the
+/// index's rows are counted first: one read per shard).
+pub fn reconcile(
+    store: &Store,
+    index: &Index,
+    rehash: bool,
+    repair: bool,
+    now_ms: u64,
+    watch: &mut dyn Watch,
+) -> Result<Report, Error> {
+    if rehash {
+        let (mut blobs, mut bytes) = (0u64, 0u64);
+        for shard in Store::shards() {
+            for (_, size) in index.blobs_under(&shard)? {
+                blobs += 1;
+                bytes += size;
+            }
+        }
+        watch.counted(blobs, bytes);
+    }
     let mut report = Report::default();
     settle_junk(&store.stray_files()?, "not in a shard folder", repair, &mut report)?;
     for shard in Store::shards() {
-        let diff = compare_shard(store, index, &shard, rehash)?;
+        let diff = compare_shard(store, index, &shard, rehash, watch)?;
         report.ok += diff.ok;
         report.blob_bytes += diff.ok_bytes;
         settle_junk(&diff.junk, "not a blob file name", repair, &mut report)?;
@@ -207,12 +248,12 @@ pub fn reconcile(store: &Store, index: &Index, rehash: bool, repair: bool, now_m
                 store.remove_blob(d)?;
             }
         }
-        settle_orphans(store, index, &diff.orphans, repair, now_ms, &mut report)?;
+        settle_orphans(store, index, &diff.orphans, repair, now_ms, &mut report, watch)?;
     }
     Ok(report)
 }
 
-fn hash_file(path: &Path) -> std::io::Result<Digest> {
+fn hash_file(path: &Path, watch: &mut dyn Watch) -> std::io::Result<Digest> {
     let mut file = File::open(path)?;
     let mut hasher = Hasher::default();
     let mut buf = vec![0u8; HASH_CHUNK];
@@ -222,6 +263,7 @@ fn hash_file(path: &Path) -> std::io::Result<Digest> {
             return Ok(hasher.finish());
         }
         hasher.update(&buf[..n]);
+        watch.hashed(n as u64);
     }
 }
 
@@ -265,13 +307,13 @@ mod tests {
         let corrupt = Digest::of(b"expected");
         plant(&f, &corrupt, b"something else");
 
-        let found = reconcile(&f.store, &f.index, false, true, 5).unwrap();
+        let found = reconcile(&f.store, &f.index, false, true, 5, &mut ()).unwrap();
         assert_eq!((found.ok, found.adopted, found.bad_rows, found.bad_files), (1, 1, 1, 1), "{found:?}");
         assert_eq!(f.index.blob_size(&orphan).unwrap(), Some(6), "the orphan is adopted");
         assert_eq!(f.index.blob_size(&vanished).unwrap(), None);
         assert!(!f.store.blob_path(&corrupt).exists());
 
-        let again = reconcile(&f.store, &f.index, true, false, 6).unwrap();
+        let again = reconcile(&f.store, &f.index, true, false, 6, &mut ()).unwrap();
         assert_eq!((again.ok, again.bad()), (2, 0), "{again:?}");
         assert_eq!(again.blob_bytes, 4 + 6, "good + adopted");
     }
@@ -283,14 +325,14 @@ mod tests {
         plant(&f, &d, b"12X45");
         f.index.insert_blob(&d, 5, "u\0r\0x", 1).unwrap();
         assert_eq!(
-            reconcile(&f.store, &f.index, false, false, 1).unwrap().bad(),
+            reconcile(&f.store, &f.index, false, false, 1, &mut ()).unwrap().bad(),
             0,
             "a present file passes the start-up check"
         );
-        let report = reconcile(&f.store, &f.index, true, false, 1).unwrap();
+        let report = reconcile(&f.store, &f.index, true, false, 1, &mut ()).unwrap();
         assert_eq!(report.bad_rows, 1, "{report:?}");
         assert!(f.store.blob_path(&d).exists(), "nothing removed without repair");
-        reconcile(&f.store, &f.index, true, true, 1).unwrap();
+        reconcile(&f.store, &f.index, true, true, 1, &mut ()).unwrap();
         assert!(!f.store.blob_path(&d).exists());
         assert_eq!(f.index.blob_size(&d).unwrap(), None);
     }

@@ -77,7 +77,7 @@ impl Cache {
     async fn reconcile_shard(&self, shard: String, mut report: Report) -> Result<Report, Error> {
         let (store, index) = (self.store.clone(), self.index.clone());
         let (diff, missing, mut report) = blocking(move || {
-            let diff = reconcile::compare_shard(&store, &index, &shard, false)?;
+            let diff = reconcile::compare_shard(&store, &index, &shard, false, &mut ())?;
             report.ok += diff.ok;
             report.blob_bytes += diff.ok_bytes;
             reconcile::settle_junk(&diff.junk, "not a blob file name", true, &mut report)?;
@@ -99,7 +99,7 @@ impl Cache {
         let (store, index, digests) = (self.store.clone(), self.index.clone(), marked.clone());
         let settled = blocking(move || {
             let now = unix_ms(SystemTime::now());
-            let added = reconcile::settle_orphans(&store, &index, &digests, true, now, &mut report)?;
+            let added = reconcile::settle_orphans(&store, &index, &digests, true, now, &mut report, &mut ())?;
             Ok((added, report))
         })
         .await;

@@ -102,6 +102,23 @@ impl AdminAuth {
         }
     }
 
+    /// Which token this listener takes, for a 401's message: the
+    /// configured file, or the one larder generated and where (only a
+    /// loopback listener generates one, so only local clients read it).
+    fn expected_token(&self) -> String {
+        match &self.rule {
+            Rule::Token { file, generated: false } => {
+                format!("the token in [admin] token_file ({})", shown(file.path()).display())
+            }
+            Rule::Token { file, generated: true } => format!(
+                "the token larder generated at start in {} (there is no [admin] token_file; `larder <command> \
+                 --config <larder's config>` reads it, or pass --token-file)",
+                shown(file.path()).display()
+            ),
+            Rule::Disabled => "no token: admin operations are disabled here".to_owned(),
+        }
+    }
+
     /// Whether a request with `headers` (and `uri`) may run a mutating operation.
     pub fn check(&self, headers: &HeaderMap, uri: &http::Uri) -> Result<(), Refusal> {
         self.hosts.check(headers, uri).map_err(|suspect| match suspect {
@@ -137,7 +154,13 @@ impl AdminAuth {
                 _ => tracing::warn!(endpoint, reason = refusal.as_str(), "admin request refused"),
             }
             match refusal {
-                Refusal::Missing | Refusal::Wrong => Error::AdminUnauthorized,
+                Refusal::Missing => Error::AdminUnauthorized(format!(
+                    "this admin operation needs `Authorization: Bearer <token>` with {}; no token was sent",
+                    self.expected_token()
+                )),
+                Refusal::Wrong => {
+                    Error::AdminUnauthorized(format!("the bearer token sent is not {}", self.expected_token()))
+                }
                 Refusal::Disabled => Error::AdminDisabled,
                 Refusal::Revoked => Error::AdminForbidden(
                     "no admin token is accepted: the admin token file is missing, empty or invalid (see larder's \
@@ -156,6 +179,11 @@ impl AdminAuth {
             }
         })
     }
+}
+
+/// A path as a client in another folder can use it: absolute.
+fn shown(path: &Path) -> std::path::PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_owned())
 }
 
 #[cfg(test)]

@@ -159,6 +159,19 @@ fn text(status: StatusCode, content_type: &'static str, bytes: impl Into<Bytes>)
     resp
 }
 
+/// The endpoints that change something, taken with `POST` only.
+const MUTATING: [&str; 4] = ["/prefetch", "/purge", "/export", "/import"];
+/// The read-only endpoints, taken with `GET` and `HEAD` only.
+const READ_ONLY: [&str; 5] = ["/metrics", "/healthz", "/readyz", "/", "/status"];
+
+/// `405` for an endpoint that exists, with the methods it takes: `GET
+/// /prefetch` is a mistake of method, not of path.
+fn method_not_allowed(allow: &'static str) -> Response<Body> {
+    let mut resp = text(StatusCode::METHOD_NOT_ALLOWED, "text/plain", format!("method not allowed: use {allow}\n"));
+    resp.headers_mut().insert(http::header::ALLOW, HeaderValue::from_static(allow));
+    resp
+}
+
 /// The label of a mutating endpoint in `larder_admin_auth_failures_total`.
 fn endpoint_label(path: &str) -> &'static str {
     match path {
@@ -183,7 +196,8 @@ impl Admin {
             let result = match self.auth.authorize(&parts.headers, &parts.uri, endpoint_label(path)) {
                 Err(e) => Err(e),
                 Ok(()) if parts.method != Method::POST => {
-                    return text(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "method not allowed\n");
+                    let allow = if MUTATING.contains(&path) { "POST" } else { "GET, HEAD" };
+                    return method_not_allowed(allow);
                 }
                 Ok(()) => {
                     let params = operations::Params::of(&parts.uri);
@@ -199,6 +213,7 @@ impl Admin {
                         "/purge" => operations::purge(&self.app, &params).await,
                         "/export" => seed::export(&self.app, &params).await,
                         "/import" => seed::import(&self.app, &params, body).await,
+                        path if READ_ONLY.contains(&path) => return method_not_allowed("GET, HEAD"),
                         _ => Err(Error::NotFound),
                     }
                 }
@@ -236,6 +251,7 @@ impl Admin {
                 Ok(s) => text(StatusCode::OK, "application/json", serde_json::json!(s).to_string()),
                 Err(e) => e.into_response(false),
             },
+            path if MUTATING.contains(&path) => method_not_allowed("POST"),
             _ => text(StatusCode::NOT_FOUND, "text/plain", "not found\n"),
         }
     }

@@ -82,6 +82,26 @@ pub fn route_image(upstreams: &Upstreams, image: &str) -> Result<(Route, Referen
     }
 }
 
+/// A manifest upstream lacks, named for the operator who asked: which
+/// upstream and repository the image was routed to, and as what it was
+/// asked when that differs (`postgres:16` is `library/postgres:16` of the
+/// default upstream).
+pub fn named_unknown(e: Error, asked: &str, route: &Route, reference: &Reference) -> Error {
+    if !matches!(e, Error::ManifestUnknown | Error::NameUnknown) {
+        return e;
+    }
+    let routed = match reference {
+        Reference::Tag(tag) => format!("{}:{tag}", route.repo),
+        Reference::Digest(digest) => format!("{}@{digest}", route.repo),
+    };
+    let name = route.upstream.name();
+    let mut message = format!("manifest unknown: upstream {name:?} has no {routed}");
+    if asked != routed && asked != format!("{name}/{routed}") {
+        message.push_str(&format!(" ({asked} is routed there)"));
+    }
+    Error::ImageUnknown(message)
+}
+
 /// Aborts the prefetch task when the response (or the handler) is dropped.
 struct AbortOnDrop(tokio::task::JoinHandle<Result<Prefetched, Error>>);
 
@@ -104,7 +124,9 @@ pub async fn prefetch(app: &Arc<App>, params: &Params, stream: bool) -> Result<R
             use crate::cache::prefetch::{fetch, plan, prefetch_referrers};
             let cache = &app.cache;
             let (upstream, repo) = (&route.upstream, &route.repo);
-            let plan = plan(cache, upstream, repo, &reference, platform.as_deref()).await?;
+            let plan = plan(cache, upstream, repo, &reference, platform.as_deref())
+                .await
+                .map_err(|e| named_unknown(e, &image, &route, &reference))?;
             let mut report = fetch(cache, upstream, repo, &plan, &image, &tx).await?;
             if referrers {
                 prefetch_referrers(cache, upstream, repo, &plan, &mut report).await?;
@@ -225,6 +247,15 @@ pub async fn purge(app: &App, params: &Params) -> Result<Response<Body>, Error> 
     let repo = params.get("repo").map(|r| r.parse::<RepoName>().map_err(Error::NameInvalid)).transpose()?;
     // Here, then on every other replica of a cluster (listed in `replicas`).
     let purged = app.cache.purge_everywhere(upstream.name(), repo.as_ref()).await?;
-    tracing::info!(upstream = upstream.name(), repo = ?repo, ?purged, "purged");
+    tracing::info!(
+        upstream = upstream.name(),
+        repo = repo.as_ref().map_or("every repository", |r| r.as_str()),
+        tags = purged.here.tags,
+        members = purged.here.members,
+        blobs = purged.here.blobs,
+        manifests = purged.here.manifests,
+        bytes = purged.here.bytes,
+        "purged"
+    );
     Ok(json(StatusCode::OK, &serde_json::json!(purged)))
 }

@@ -16,7 +16,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tokio::sync::watch;
 
-use super::operations::{Params, route_image};
+use super::operations::{Params, named_unknown, route_image};
 use crate::body::{self, Body};
 use crate::cache::import::{ImportTarget, Imported, LayoutSource};
 use crate::cache::prefetch::{self, PrefetchProgress};
@@ -41,7 +41,9 @@ pub async fn export(app: &Arc<App>, params: &Params) -> Result<Response<Body>, E
     let platform = params.get("platform").map(str::to_owned);
     let (route, reference) = route_image(&app.upstreams, &image)?;
     let (cache, upstream, repo) = (&app.cache, &route.upstream, &route.repo);
-    let plan = prefetch::plan(cache, upstream, repo, &reference, platform.as_deref()).await?;
+    let plan = prefetch::plan(cache, upstream, repo, &reference, platform.as_deref())
+        .await
+        .map_err(|e| named_unknown(e, &image, &route, &reference))?;
     let (progress, _) = watch::channel(PrefetchProgress::default());
     let fetched = prefetch::fetch(cache, upstream, repo, &plan, &image, &progress).await?;
     let name = format!("{}/{}", upstream.name(), repo);

@@ -85,6 +85,10 @@ pub struct UpstreamStatus {
     /// Its `max_bandwidth` (bytes per second for all its fills), if it has one.
     #[serde(default)]
     pub max_bandwidth_bytes_per_second: Option<u64>,
+    /// `client_credentials = "verify"`: every client's own credentials are
+    /// checked with this upstream before anything of it is served.
+    #[serde(default)]
+    pub verifies_clients: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -234,6 +238,7 @@ pub async fn gather(app: &App, holdings: &HoldingsCache, started: Instant) -> Re
                 cache_bytes: app.cache.upstream_usage(&c.name),
                 max_size_bytes: app.cache.upstream_max_size(&c.name),
                 max_bandwidth_bytes_per_second: c.max_bandwidth,
+                verifies_clients: c.client_credentials.verifies(),
             }
         })
         .collect();

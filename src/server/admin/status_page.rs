@@ -129,7 +129,7 @@ fn warm_section(out: &mut String, w: &WarmReport, now_ms: u64) {
                 WarmState::Ready => "ok",
                 WarmState::Fetching => "muted",
                 WarmState::MissingUpstream => "warn-text",
-                WarmState::Failed => "err",
+                WarmState::NotFound | WarmState::Failed => "err",
             };
             let message = match &i.message {
                 Some(m) => format!("<br><span class={class}>{}</span>", escape(m)),
@@ -254,9 +254,10 @@ pub fn render(s: &Status) -> String {
         };
         let _ = write!(
             out,
-            "<tr><td><b>{}</b>{}</td><td><code>{}</code></td><td class=n>{cached}</td><td class=n>{bandwidth}</td><td class=n>{}</td><td class=n>{}</td><td>{last_error}</td><td>{rate}</td></tr>",
+            "<tr><td><b>{}</b>{}{}</td><td><code>{}</code></td><td class=n>{cached}</td><td class=n>{bandwidth}</td><td class=n>{}</td><td class=n>{}</td><td>{last_error}</td><td>{rate}</td></tr>",
             escape(&u.name),
             if u.default { " <span class=muted>(default)</span>" } else { "" },
+            if u.verifies_clients { " <span class=muted>(verifies clients)</span>" } else { "" },
             escape(&u.url),
             u.requests,
             u.errors,
@@ -265,7 +266,9 @@ pub fn render(s: &Status) -> String {
     out.push_str(
         "</table><p class=muted>Cached: bytes each upstream is charged for (shared content counts once, for \
                   the upstream that used it most recently or pins it), of its own max_size where it has one. \
-                  Bandwidth: its max_bandwidth, shared by all its downloads, clients' first.</p></section>",
+                  Bandwidth: its max_bandwidth, shared by all its downloads, clients' first. Verifies clients: \
+                  each client's own credentials are checked with that upstream before anything of it is served \
+                  (client_credentials = \"verify\").</p></section>",
     );
 
     if !s.warm.images.is_empty() || s.warm.file.is_some() {

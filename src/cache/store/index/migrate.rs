@@ -25,6 +25,9 @@ pub(super) fn migrate(txn: &WriteTransaction, from: u64) -> Result<(), redb::Err
     if from < 4 {
         migrate_to_4(txn)?;
     }
+    if from < 5 {
+        super::declared::migrate(txn)?;
+    }
     Ok(())
 }
 

@@ -364,3 +364,112 @@ fn warm_rows_are_kept_until_their_image_is_no_longer_listed() {
     assert_eq!(index.retain_warm_rows(&["hub\0r\0v2".to_owned()]).unwrap(), 1);
     assert_eq!(index.warm_rows().unwrap().len(), 1);
 }
+
+#[test]
+fn a_manifests_warnings_are_kept_per_repository_replaced_and_removed_with_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("index.redb");
+    let (m, other) = (Digest::of(b"{\"a\":1}"), Digest::of(b"{\"b\":2}"));
+    let (hub, quay) = (member("hub", "r", &m), member("quay", "q", &m));
+    let w = b"299 - \"deprecated\"\n299 - \"moved\"".as_slice();
+    {
+        // As schema 4 left it, before warnings: no manifest_warnings table.
+        let index = Index::open(&path).unwrap();
+        index.insert_manifest(&m, MediaType::OciManifest, b"{\"a\":1}", None, std::slice::from_ref(&hub), 1).unwrap();
+        let txn = index.db.begin_write().unwrap();
+        txn.delete_table(MANIFEST_WARNINGS).unwrap();
+        txn.commit().unwrap();
+    }
+    let index = Index::open(&path).unwrap();
+    assert_eq!(index.manifest(&m).unwrap().map(|(t, _)| t), Some(MediaType::OciManifest), "an older index opens");
+    assert!(index.manifest_warnings(&hub).unwrap().is_empty(), "and its manifests have no warnings");
+
+    let row = |warnings| (MediaType::OciManifest, b"{\"a\":1}".as_slice(), warnings);
+    index.insert_manifest_warned(&m, row(Some(w)), None, std::slice::from_ref(&hub), 2).unwrap();
+    drop(index);
+    let index = Index::open(&path).unwrap();
+    assert_eq!(index.manifest_warnings(&hub).unwrap(), w, "kept across reopening");
+    // Another repository of another upstream has the same bytes, not hub's warnings.
+    index.insert_manifest_warned(&m, row(Some(b"")), None, std::slice::from_ref(&quay), 3).unwrap();
+    assert!(index.manifest_warnings(&quay).unwrap().is_empty());
+    assert_eq!(index.manifest_warnings(&hub).unwrap(), w, "another repository's fill leaves them");
+    // A source without warnings (an import) leaves them; upstream's answer replaces them.
+    index.insert_manifest_warned(&m, row(None), None, std::slice::from_ref(&hub), 3).unwrap();
+    assert_eq!(index.manifest_warnings(&hub).unwrap(), w);
+    index.set_manifest_warnings(&hub, b"299 - \"new\"").unwrap();
+    assert_eq!(index.manifest_warnings(&hub).unwrap(), b"299 - \"new\"");
+    assert!(index.manifest_warnings(&quay).unwrap().is_empty(), "one repository's answer is not another's");
+    let not_stored = member("hub", "r", &other);
+    index.set_manifest_warnings(&not_stored, w).unwrap();
+    assert!(index.manifest_warnings(&not_stored).unwrap().is_empty(), "no row for a manifest not stored");
+    index.set_manifest_warnings(&hub, b"").unwrap();
+    assert!(index.manifest_warnings(&hub).unwrap().is_empty(), "none now");
+
+    // A purge of one repository takes its warnings, not another's.
+    index.set_manifest_warnings(&hub, w).unwrap();
+    index.set_manifest_warnings(&quay, w).unwrap();
+    assert!(index.purge("hub\0").unwrap().content.is_empty(), "quay still has the manifest");
+    assert!(index.manifest_warnings(&hub).unwrap().is_empty(), "purged with its repository");
+    assert_eq!(index.manifest_warnings(&quay).unwrap(), w);
+    // Eviction takes every repository's.
+    index.add_members(std::slice::from_ref(&hub), 4).unwrap();
+    index.set_manifest_warnings(&hub, w).unwrap();
+    index.remove_content(&[(Kind::Manifest, m)]).unwrap();
+    assert!(index.manifest_warnings(&hub).unwrap().is_empty(), "evicted with the manifest");
+    assert!(index.manifest_warnings(&quay).unwrap().is_empty(), "evicted with the manifest");
+    let txn = index.db.begin_read().unwrap();
+    assert_eq!(txn.open_table(MANIFEST_WARNINGS).unwrap().iter().unwrap().count(), 0, "no row left behind");
+}
+
+/// An image manifest naming `layer` with `size`.
+fn manifest_declaring(layer: &Digest, size: u64) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": Digest::of(b"{}").to_string(), "size": 2},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": layer.to_string(), "size": size}],
+    }))
+    .unwrap()
+}
+
+#[test]
+fn declared_sizes_are_kept_per_repository_with_the_manifest_and_purged_with_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("index.redb");
+    let layer = Digest::of(b"layer");
+    let bytes = manifest_declaring(&layer, 1234);
+    let m = Digest::of(&bytes);
+    {
+        let index = Index::open(&path).unwrap();
+        index.insert_manifest(&m, MediaType::OciManifest, &bytes, None, &[member("hub", "a", &m)], 1).unwrap();
+        // Confirmed in another repository later (a HEAD upstream).
+        index.add_members(&[member("hub", "b", &m)], 2).unwrap();
+    }
+    let index = Index::open(&path).unwrap();
+    assert_eq!(index.declared_size(&member("hub", "a", &layer)).unwrap(), Some(1234), "after a reopen");
+    assert_eq!(index.declared_size(&member("hub", "b", &layer)).unwrap(), Some(1234));
+    assert_eq!(index.declared_size(&member("hub", "c", &layer)).unwrap(), None, "not another repository's");
+    index.purge("hub\0a\0").unwrap();
+    assert_eq!(index.declared_size(&member("hub", "a", &layer)).unwrap(), None, "purged with the repository");
+    assert_eq!(index.declared_size(&member("hub", "b", &layer)).unwrap(), Some(1234));
+}
+
+#[test]
+fn an_index_from_before_declared_sizes_gets_them_from_its_manifests() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("index.redb");
+    let layer = Digest::of(b"layer");
+    let bytes = manifest_declaring(&layer, 99);
+    let m = Digest::of(&bytes);
+    {
+        let index = Index::open(&path).unwrap();
+        index.insert_manifest(&m, MediaType::OciManifest, &bytes, None, &[member("hub", "r", &m)], 1).unwrap();
+        // As a version-4 larder left it: no declared sizes, schema 4.
+        let txn = index.db.begin_write().unwrap();
+        txn.delete_table(DECLARED).unwrap();
+        txn.open_table(META).unwrap().insert(SCHEMA_KEY, 4).unwrap();
+        txn.commit().unwrap();
+    }
+    let index = Index::open(&path).unwrap();
+    assert_eq!(index.declared_size(&member("hub", "r", &layer)).unwrap(), Some(99));
+}
