@@ -5,7 +5,8 @@
 use std::sync::{LazyLock, OnceLock};
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    CounterVec, Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
 };
 
 pub struct Metrics {
@@ -30,8 +31,9 @@ pub struct Metrics {
     pub sendfile_bytes: IntCounter,
     pub fills_in_flight: IntGauge,
     /// `fills_total{reason}`: blob fills started; reason `client` (a
-    /// client's request), `peer` (another replica's) or `ahead` (the blobs
-    /// of an image manifest just served, before the client asks).
+    /// client's request), `peer` (another replica's) or `ahead` (the other
+    /// layers of an image whose first layer a client that resolved it
+    /// asked for, before it asks for them).
     pub fills: IntCounterVec,
     /// `fills_ahead_joined_total`: fills started ahead that a client then
     /// asked for (the rest of `fills_total{reason="ahead"}` went unused).
@@ -138,11 +140,18 @@ pub struct Metrics {
     pub grant_denied: IntCounterVec,
     /// `upstream_cache_size_bytes{upstream}`: bytes of the cache charged to
     /// each upstream (content shared by upstreams counts once, for the one
-    /// that fetched it first); `cache_size_bytes` stays the whole.
+    /// that used it most recently, or pins it); `cache_size_bytes` stays the whole.
     pub upstream_cache_size: IntGaugeVec,
     /// `upstream_cache_max_size_bytes{upstream}`: an upstream's own
     /// `max_size`, for those that have one.
     pub upstream_cache_max_size: IntGaugeVec,
+    /// `upstream_max_bandwidth_bytes{upstream}`: an upstream's
+    /// `max_bandwidth` in bytes per second (0: unlimited).
+    pub upstream_max_bandwidth: IntGaugeVec,
+    /// `upstream_bandwidth_wait_seconds_total{upstream,class}`: time fills
+    /// spent waiting for their share of an upstream's bandwidth, by whom
+    /// they ran for (`client`, `ahead`, `warm`).
+    pub upstream_bandwidth_wait: CounterVec,
     /// `cache_pinned_bytes`: bytes of pinned content (warm images) cached.
     pub cache_pinned_bytes: IntGauge,
     /// `cache_pinned_over_limit`: 1 while pinned content alone is above the
@@ -356,8 +365,8 @@ fn build() -> Result<Metrics, prometheus::Error> {
         )?,
         upstream_cache_size: gauge_vec(
             "upstream_cache_size_bytes",
-            "Bytes of the cache charged to each upstream (shared content counts once, for the upstream that fetched \
-             it first)",
+            "Bytes of the cache charged to each upstream (shared content counts once, for the upstream that used \
+             it most recently or pins it)",
             &["upstream"],
         )?,
         upstream_cache_max_size: gauge_vec(
@@ -365,6 +374,23 @@ fn build() -> Result<Metrics, prometheus::Error> {
             "An upstream's own max_size: its content is evicted, least recently used first, to stay under it",
             &["upstream"],
         )?,
+        upstream_max_bandwidth: gauge_vec(
+            "upstream_max_bandwidth_bytes",
+            "An upstream's max_bandwidth in bytes per second for all its fills together (0: unlimited)",
+            &["upstream"],
+        )?,
+        upstream_bandwidth_wait: {
+            let c = CounterVec::new(
+                Opts::new(
+                    "upstream_bandwidth_wait_seconds_total",
+                    "Seconds fills waited for their share of an upstream's bandwidth, by whom they ran for (client, \
+                     ahead, warm)",
+                ),
+                &["upstream", "class"],
+            )?;
+            registry.register(Box::new(c.clone()))?;
+            c
+        },
         cache_pinned_bytes: gauge("cache_pinned_bytes", "Bytes of pinned content (warm images) in the cache")?,
         cache_pinned_over_limit: gauge(
             "cache_pinned_over_limit",

@@ -234,6 +234,7 @@ async fn handle_request(
     let deadline = tokio::time::Instant::now() + app.config.server.manifest_deadline;
     let (mut parts, _body) = req.into_parts();
     parts.extensions.insert(handlers::Deadline(deadline));
+    parts.extensions.insert(handlers::ClientAddr(peer));
     let head = parts.method == http::Method::HEAD;
     let user = match &app.auth {
         Some(auth) => auth.check(&parts.headers, peer).await.map(Some),
