@@ -434,6 +434,81 @@ pub fn metrics() -> &'static Metrics {
     &METRICS
 }
 
+/// The route labels of `requests_total`, `request_duration_seconds` and
+/// (`manifest`, `blob`) `cache_requests_total`.
+const ROUTES: [&str; 6] = ["manifest", "blob", "tags", "referrers", "base", "invalid"];
+/// The method labels of `requests_total`.
+const METHODS: [&str; 3] = ["GET", "HEAD", "other"];
+/// The result labels of `cache_requests_total`.
+const RESULTS: [&str; 4] = ["hit", "miss", "coalesced", "stale"];
+
+/// Handles of the series every request touches, each looked up once.
+///
+/// `with_label_values` hashes its label values and takes the vector's
+/// read lock on every call, a lock both workers share; a warm manifest
+/// GET made four such calls (issue 35, benches/README.md "Warm manifests
+/// at nginx's cost"). A handle is made the first time its series is used,
+/// so `/metrics` shows the same series as before: none that never
+/// happened. Statuses other than 200 (rare next to it) take the lookup.
+struct RequestSeries {
+    ok: [[OnceLock<IntCounter>; METHODS.len()]; ROUTES.len()],
+    duration: [OnceLock<prometheus::Histogram>; ROUTES.len()],
+    cache: [[OnceLock<IntCounter>; RESULTS.len()]; ROUTES.len()],
+    served_from_memory: OnceLock<IntCounter>,
+}
+
+static REQUEST_SERIES: RequestSeries = RequestSeries {
+    ok: [const { [const { OnceLock::new() }; METHODS.len()] }; ROUTES.len()],
+    duration: [const { OnceLock::new() }; ROUTES.len()],
+    cache: [const { [const { OnceLock::new() }; RESULTS.len()] }; ROUTES.len()],
+    served_from_memory: OnceLock::new(),
+};
+
+fn index_of(labels: &[&str], label: &str) -> Option<usize> {
+    labels.iter().position(|l| *l == label)
+}
+
+/// Counts one answered request: `requests_total`, its time to response
+/// headers, and (with a cache result) `cache_requests_total`.
+pub fn count_request(
+    route: &'static str,
+    method: &'static str,
+    status: http::StatusCode,
+    seconds: f64,
+    cache: Option<&'static str>,
+) {
+    let m = metrics();
+    let (r, meth) = (index_of(&ROUTES, route), index_of(&METHODS, method));
+    match (r, meth) {
+        (Some(r), Some(meth)) if status == http::StatusCode::OK => REQUEST_SERIES.ok[r][meth]
+            .get_or_init(|| m.requests.with_label_values(&[route, method, status.as_str()]))
+            .inc(),
+        _ => m.requests.with_label_values(&[route, method, status.as_str()]).inc(),
+    }
+    match r {
+        Some(r) => {
+            REQUEST_SERIES.duration[r].get_or_init(|| m.request_duration.with_label_values(&[route])).observe(seconds)
+        }
+        None => m.request_duration.with_label_values(&[route]).observe(seconds),
+    }
+    if let Some(result) = cache {
+        match (r, index_of(&RESULTS, result)) {
+            (Some(r), Some(c)) => {
+                REQUEST_SERIES.cache[r][c].get_or_init(|| m.cache_requests.with_label_values(&[route, result])).inc()
+            }
+            _ => m.cache_requests.with_label_values(&[route, result]).inc(),
+        }
+    }
+}
+
+/// Counts `bytes` of a manifest served from memory (`bytes_served_total{source="memory"}`).
+pub fn served_from_memory(bytes: u64) {
+    REQUEST_SERIES
+        .served_from_memory
+        .get_or_init(|| metrics().bytes_served.with_label_values(&["memory"]))
+        .inc_by(bytes);
+}
+
 /// Creates the series of the known label combinations at 0, so that
 /// Prometheus sees each counter start from zero: a series that first
 /// appears at 1 loses that increment in `rate()` and `increase()` (the

@@ -45,8 +45,12 @@ impl Cache {
         // A fill in flight for this very repository settles it: its
         // upstream (or owner) request is the check, and its failure is this
         // request's too.
-        let repo_owner = format!("{}\0{repo}", upstream.name());
-        if matches!(content, Content::Blob) && self.fills.get(digest).is_some_and(|f| f.owner == repo_owner) {
+        // Compared in place: a warm manifest GET (no fill to look at) used
+        // to format this `upstream\0repo` string for nothing.
+        let started_here = |owner: &str| {
+            owner.strip_prefix(upstream.name()).and_then(|rest| rest.strip_prefix('\0')) == Some(repo.as_str())
+        };
+        if matches!(content, Content::Blob) && self.fills.get(digest).is_some_and(|f| started_here(&f.owner)) {
             return Ok(());
         }
         self.confirm_member(upstream, repo, digest, content, via).await.map(drop)

@@ -98,7 +98,7 @@ pub fn manifest_response(
     let body = if head {
         body::empty()
     } else {
-        crate::metrics::metrics().bytes_served.with_label_values(&["memory"]).inc_by(m.bytes.len() as u64);
+        crate::metrics::served_from_memory(m.bytes.len() as u64);
         body::full(m.bytes.clone())
     };
     let mut resp = response(StatusCode::OK)

@@ -53,7 +53,8 @@ pub struct Evictor {
     charged: Arc<Charged>,
     bytes: AtomicU64,
     /// Uses not yet written to the index (the last one of an item wins).
-    pending: Mutex<HashMap<(Kind, Digest), LastUse>>,
+    /// Hashed with foldhash: every warm request inserts here (issue 35).
+    pending: Mutex<HashMap<(Kind, Digest), LastUse, foldhash::fast::RandomState>>,
     disk_full: AtomicBool,
     wake: Notify,
     /// Bytes of fills in flight, in all and per upstream.
@@ -98,7 +99,7 @@ impl Evictor {
             quotas,
             charged,
             bytes: AtomicU64::new(bytes),
-            pending: Mutex::new(HashMap::new()),
+            pending: Mutex::new(HashMap::default()),
             disk_full: AtomicBool::new(false),
             wake: Notify::new(),
             in_flight: Mutex::default(),
