@@ -24,6 +24,12 @@ a fresh larder with an empty cache each time):
   herd    (once, through larder only) 30 concurrent skopeo pulls of a
           4 x 40 MiB image over the 25 MB/s link: fills per blob, ranged
           parts and the origin-side requests the shaper saw
+  look    (through larder only, every repetition) what a look costs
+          upstream, in bytes the shaper carried from the origin: a manifest
+          GET and a config GET of an image with one 64 MiB layer (target:
+          their own bytes + 1 MiB), and 3 manifest GETs of the 8 x 8 MiB
+          image through a larder whose max_size (32 MiB) is smaller than
+          the image (target: at most the image once)
 
     python3 benches/cold.py                     # --reps 5
     python3 benches/cold.py --reps 7 --rows big,small
@@ -198,6 +204,44 @@ def ranges_pull(port: int, repo: str, blob: dict) -> float:
     return manifest_s + res["seconds"]
 
 
+def run_looks(procs: Procs, scratch: Path, origin_port: int, binary: Path, reps: int, small: tuple) -> dict:
+    """What manifest-only clients cost upstream: bytes the shaper carried
+    from the origin to a fresh larder (headers included) per case."""
+    digest, blobs = push_image(scratch, origin_port, "bench/look", 1, 64, 4)
+    st, manifest, _ = load.http_get(f"http://{HOST}:{origin_port}/v2/bench/look/manifests/{herd.TAG}",
+                                    {"Accept": OCI_MANIFEST})
+    config = blobs[0]
+    look_own = len(manifest) + config["size"]
+    small_image = sum(b["size"] for b in small[1])
+    out: dict = {"look": [], "smallcache": [], "look_own_bytes": look_own, "small_image_bytes": small_image}
+    for rep in range(reps):
+        for case in ("look", "smallcache"):
+            link = start_shaper(procs, scratch, f"{case}-{rep}", origin_port, LINK)
+            d = scratch / f"larder-{case}-{rep}"
+            extra = 'max_size = "32MiB"\nmax_blob_size = "16MiB"\n' if case == "smallcache" else ""
+            server = load.start_larder(procs, binary, d, d / "cache", link[1], log=False, cache_extra=extra)
+            try:
+                repo = "bench/look" if case == "look" else "bench/small"
+                for _ in range(1 if case == "look" else 3):
+                    st, _, _ = load.http_get(f"http://{HOST}:{server.port}/v2/{repo}/manifests/{herd.TAG}",
+                                             {"Accept": OCI_MANIFEST})
+                    if st != 200:
+                        raise RuntimeError(f"{case}: manifest {st}")
+                if case == "look":
+                    st, body, _ = load.http_get(f"http://{HOST}:{server.port}/v2/{repo}/blobs/{config['digest']}")
+                    if st != 200 or "sha256:" + sha256_hex(body) != config["digest"]:
+                        raise RuntimeError(f"look: config {st}")
+                # Time for a download wrongly started by the look to show.
+                time.sleep(2.0)
+            finally:
+                procs.stop(server.proc)
+                shutil.rmtree(d, ignore_errors=True)
+            seen = stop_shaper(procs, link[0], link[2])
+            out[case].append(seen.get("bytes_down", -1))
+            load.log(f"rep {rep + 1}/{reps} {case}: {seen}")
+    return out
+
+
 def metrics(server) -> dict[str, float]:
     st, body, _ = load.http_get(f"http://{HOST}:{server.admin}/metrics", timeout=10)
     out: dict[str, float] = {}
@@ -216,6 +260,10 @@ def stop_shaper(procs: Procs, p, out: Path) -> dict:
     return {}
 
 
+def summary_int(xs: list[int]) -> str:
+    return f"{statistics.median(xs):.0f} ({min(xs)}–{max(xs)})"
+
+
 def summary(xs: list[float]) -> str:
     return f"{statistics.median(xs):.3f} ({min(xs):.3f}–{max(xs):.3f})"
 
@@ -223,7 +271,7 @@ def summary(xs: list[float]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--rows", default=",".join(ROWS) + ",herd", help="comma-separated rows to run")
+    ap.add_argument("--rows", default=",".join(ROWS) + ",herd,look", help="comma-separated rows to run")
     ap.add_argument("--larder-bin", type=Path, help="skip the build and use this binary (and the built shaper)")
     args = ap.parse_args()
     rows = [r for r in args.rows.split(",") if r]
@@ -238,13 +286,14 @@ def main() -> int:
     scratch = Path(tempfile.mkdtemp(prefix="larder-cold-"))
     times: dict[str, dict[str, list[float]]] = {r: {"direct": [], "larder": []} for r in ROWS if r in rows}
     herd_result = None
+    looks = None
     try:
         origin = load.start_distribution(procs, scratch / "origin", "origin", None)
         big = small = None
         if {"big", "ranges"} & set(rows):
             load.log("pushing the 512 MiB image")
             big = push_image(scratch, origin.port, "bench/big", 1, 512, 1)
-        if {"small", "loop", "agg"} & set(rows):
+        if {"small", "loop", "agg", "look"} & set(rows):
             small = push_image(scratch, origin.port, "bench/small", 8, 8, 2)
         link = start_shaper(procs, scratch, "link", origin.port, LINK)
         agg = start_shaper(procs, scratch, "agg", origin.port, AGG)
@@ -274,6 +323,8 @@ def main() -> int:
         stop_shaper(procs, agg[0], agg[2])
         if "herd" in rows:
             herd_result = run_herd(procs, scratch, origin.port, binary)
+        if "look" in rows:
+            looks = run_looks(procs, scratch, origin.port, binary, args.reps, small)
     finally:
         procs.stop_all()
         shutil.rmtree(scratch, ignore_errors=True)
@@ -287,6 +338,16 @@ def main() -> int:
               f"| ≤ {TARGETS[row]} |")
     if herd_result:
         print(f"\nherd: {json.dumps(herd_result, indent=1)}")
+    if looks:
+        own, image = looks["look_own_bytes"], looks["small_image_bytes"]
+        print("\nlooks: bytes the origin sent to larder, median (min–max)\n")
+        print("| case | bytes upstream | target |")
+        print("|---|---|---|")
+        look, small_cache = looks["look"], looks["smallcache"]
+        print(f"| manifest + config GET, image with a 64 MiB layer | {summary_int(look)} "
+              f"| ≤ {own} + 1 MiB = {own + (1 << 20)}: {'met' if max(look) <= own + (1 << 20) else '**missed**'} |")
+        print(f"| 3 manifest GETs, cache (32 MiB) smaller than the image | {summary_int(small_cache)} "
+              f"| ≤ {image} (the image once): {'met' if max(small_cache) <= image else '**missed**'} |")
     return 0
 
 

@@ -329,14 +329,17 @@ def start_distribution(procs: Procs, d: Path, what: str, remote_port: int | None
 
 
 def start_larder(procs: Procs, binary: Path, d: Path, cache_dir: Path, origin_port: int, log: bool = True,
-                 max_connections: int | None = None, name: str = "larder", sendfile: str | None = None) -> Server:
+                 max_connections: int | None = None, name: str = "larder", sendfile: str | None = None,
+                 cache_extra: str = "", upstream_extra: str = "") -> Server:
     """A larder over `cache_dir`, its stderr appended to `d/larder.log`.
 
     `log=True` is larder as shipped: the config has no `[log]` section, so
     the default filter (`warn,larder=info`: one line per request) applies.
     `log=False` sets `[log] level = "warn"` (no request lines). `RUST_LOG`
     is removed from larder's environment either way, so the caller's
-    environment cannot silently turn the request lines on or off."""
+    environment cannot silently turn the request lines on or off.
+    `cache_extra` and `upstream_extra` are TOML lines added to `[cache]`
+    and to the upstream's table."""
     d.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in CHILD_ENV.items() if k != "RUST_LOG"}
 
@@ -352,10 +355,12 @@ def start_larder(procs: Procs, binary: Path, d: Path, cache_dir: Path, origin_po
             + "[cache]\n"
             f'dir = "{cache_dir}"\n'
             'tag_ttl = "1h"\n'
-            "[[upstream]]\n"
+            + cache_extra
+            + "[[upstream]]\n"
             'name = "origin.test"\n'
             f'url = "http://{HOST}:{origin_port}"\n'
             "default = true\n"
+            + upstream_extra
         )
         logf = d / "larder.log"
         with open(logf, "ab") as fl:

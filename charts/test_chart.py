@@ -2148,7 +2148,7 @@ def check_warm() -> None:
     ]
     upstreams = [
         {"name": "docker.io", "url": "https://registry-1.docker.io", "default": True, "maxSize": "20Gi"},
-        {"name": "ghcr.io", "url": "https://ghcr.io"},
+        {"name": "ghcr.io", "url": "https://ghcr.io", "maxBandwidth": "50Mi"},
     ]
     r = render(L, {"warm": {"images": images, "interval": "1m"}, "upstreams": upstreams})
     if not r:
@@ -2165,6 +2165,8 @@ def check_warm() -> None:
     check(f"[{L}] cache.warm_interval", conf["cache"].get("warm_interval") == "1m", conf["cache"])
     # A Kubernetes quantity in values is written in larder's own units.
     check(f"[{L}] upstream max_size 20Gi as 20GiB", conf["upstream"][0].get("max_size") == "20GiB", conf["upstream"][0])
+    check(f"[{L}] upstream max_bandwidth 50Mi as 50MiB", conf["upstream"][1].get("max_bandwidth") == "50MiB", conf["upstream"][1])
+    check(f"[{L}] no max_bandwidth where none is set", "max_bandwidth" not in conf["upstream"][0], conf["upstream"][0])
     check_mirror_pod(r, node=False)
     if LARDER is None:
         check(f"[{L}] larder check-config", False, "no larder binary")

@@ -5,7 +5,8 @@
 use std::sync::{LazyLock, OnceLock};
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    CounterVec, Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
 };
 
 pub struct Metrics {
@@ -30,8 +31,9 @@ pub struct Metrics {
     pub sendfile_bytes: IntCounter,
     pub fills_in_flight: IntGauge,
     /// `fills_total{reason}`: blob fills started; reason `client` (a
-    /// client's request), `peer` (another replica's) or `ahead` (the blobs
-    /// of an image manifest just served, before the client asks).
+    /// client's request), `peer` (another replica's) or `ahead` (the other
+    /// layers of an image whose first layer a client that resolved it
+    /// asked for, before it asks for them).
     pub fills: IntCounterVec,
     /// `fills_ahead_joined_total`: fills started ahead that a client then
     /// asked for (the rest of `fills_total{reason="ahead"}` went unused).
@@ -138,11 +140,18 @@ pub struct Metrics {
     pub grant_denied: IntCounterVec,
     /// `upstream_cache_size_bytes{upstream}`: bytes of the cache charged to
     /// each upstream (content shared by upstreams counts once, for the one
-    /// that fetched it first); `cache_size_bytes` stays the whole.
+    /// that used it most recently, or pins it); `cache_size_bytes` stays the whole.
     pub upstream_cache_size: IntGaugeVec,
     /// `upstream_cache_max_size_bytes{upstream}`: an upstream's own
     /// `max_size`, for those that have one.
     pub upstream_cache_max_size: IntGaugeVec,
+    /// `upstream_max_bandwidth_bytes{upstream}`: an upstream's
+    /// `max_bandwidth` in bytes per second (0: unlimited).
+    pub upstream_max_bandwidth: IntGaugeVec,
+    /// `upstream_bandwidth_wait_seconds_total{upstream,class}`: time fills
+    /// spent waiting for their share of an upstream's bandwidth, by whom
+    /// they ran for (`client`, `ahead`, `warm`).
+    pub upstream_bandwidth_wait: CounterVec,
     /// `cache_pinned_bytes`: bytes of pinned content (warm images) cached.
     pub cache_pinned_bytes: IntGauge,
     /// `cache_pinned_over_limit`: 1 while pinned content alone is above the
@@ -356,8 +365,8 @@ fn build() -> Result<Metrics, prometheus::Error> {
         )?,
         upstream_cache_size: gauge_vec(
             "upstream_cache_size_bytes",
-            "Bytes of the cache charged to each upstream (shared content counts once, for the upstream that fetched \
-             it first)",
+            "Bytes of the cache charged to each upstream (shared content counts once, for the upstream that used \
+             it most recently or pins it)",
             &["upstream"],
         )?,
         upstream_cache_max_size: gauge_vec(
@@ -365,6 +374,23 @@ fn build() -> Result<Metrics, prometheus::Error> {
             "An upstream's own max_size: its content is evicted, least recently used first, to stay under it",
             &["upstream"],
         )?,
+        upstream_max_bandwidth: gauge_vec(
+            "upstream_max_bandwidth_bytes",
+            "An upstream's max_bandwidth in bytes per second for all its fills together (0: unlimited)",
+            &["upstream"],
+        )?,
+        upstream_bandwidth_wait: {
+            let c = CounterVec::new(
+                Opts::new(
+                    "upstream_bandwidth_wait_seconds_total",
+                    "Seconds fills waited for their share of an upstream's bandwidth, by whom they ran for (client, \
+                     ahead, warm)",
+                ),
+                &["upstream", "class"],
+            )?;
+            registry.register(Box::new(c.clone()))?;
+            c
+        },
         cache_pinned_bytes: gauge("cache_pinned_bytes", "Bytes of pinned content (warm images) in the cache")?,
         cache_pinned_over_limit: gauge(
             "cache_pinned_over_limit",
@@ -406,6 +432,81 @@ static METRICS: LazyLock<Metrics> =
 /// The process-wide metrics.
 pub fn metrics() -> &'static Metrics {
     &METRICS
+}
+
+/// The route labels of `requests_total`, `request_duration_seconds` and
+/// (`manifest`, `blob`) `cache_requests_total`.
+const ROUTES: [&str; 6] = ["manifest", "blob", "tags", "referrers", "base", "invalid"];
+/// The method labels of `requests_total`.
+const METHODS: [&str; 3] = ["GET", "HEAD", "other"];
+/// The result labels of `cache_requests_total`.
+const RESULTS: [&str; 4] = ["hit", "miss", "coalesced", "stale"];
+
+/// Handles of the series every request touches, each looked up once.
+///
+/// `with_label_values` hashes its label values and takes the vector's
+/// read lock on every call, a lock both workers share; a warm manifest
+/// GET made four such calls (issue 35, benches/README.md "Warm manifests
+/// at nginx's cost"). A handle is made the first time its series is used,
+/// so `/metrics` shows the same series as before: none that never
+/// happened. Statuses other than 200 (rare next to it) take the lookup.
+struct RequestSeries {
+    ok: [[OnceLock<IntCounter>; METHODS.len()]; ROUTES.len()],
+    duration: [OnceLock<prometheus::Histogram>; ROUTES.len()],
+    cache: [[OnceLock<IntCounter>; RESULTS.len()]; ROUTES.len()],
+    served_from_memory: OnceLock<IntCounter>,
+}
+
+static REQUEST_SERIES: RequestSeries = RequestSeries {
+    ok: [const { [const { OnceLock::new() }; METHODS.len()] }; ROUTES.len()],
+    duration: [const { OnceLock::new() }; ROUTES.len()],
+    cache: [const { [const { OnceLock::new() }; RESULTS.len()] }; ROUTES.len()],
+    served_from_memory: OnceLock::new(),
+};
+
+fn index_of(labels: &[&str], label: &str) -> Option<usize> {
+    labels.iter().position(|l| *l == label)
+}
+
+/// Counts one answered request: `requests_total`, its time to response
+/// headers, and (with a cache result) `cache_requests_total`.
+pub fn count_request(
+    route: &'static str,
+    method: &'static str,
+    status: http::StatusCode,
+    seconds: f64,
+    cache: Option<&'static str>,
+) {
+    let m = metrics();
+    let (r, meth) = (index_of(&ROUTES, route), index_of(&METHODS, method));
+    match (r, meth) {
+        (Some(r), Some(meth)) if status == http::StatusCode::OK => REQUEST_SERIES.ok[r][meth]
+            .get_or_init(|| m.requests.with_label_values(&[route, method, status.as_str()]))
+            .inc(),
+        _ => m.requests.with_label_values(&[route, method, status.as_str()]).inc(),
+    }
+    match r {
+        Some(r) => {
+            REQUEST_SERIES.duration[r].get_or_init(|| m.request_duration.with_label_values(&[route])).observe(seconds)
+        }
+        None => m.request_duration.with_label_values(&[route]).observe(seconds),
+    }
+    if let Some(result) = cache {
+        match (r, index_of(&RESULTS, result)) {
+            (Some(r), Some(c)) => {
+                REQUEST_SERIES.cache[r][c].get_or_init(|| m.cache_requests.with_label_values(&[route, result])).inc()
+            }
+            _ => m.cache_requests.with_label_values(&[route, result]).inc(),
+        }
+    }
+}
+
+/// Counts `bytes` of a manifest served from memory (`bytes_served_total{source="memory"}`).
+pub fn served_from_memory(bytes: u64) {
+    REQUEST_SERIES
+        .served_from_memory
+        .get_or_init(|| metrics().bytes_served.with_label_values(&["memory"]))
+        .inc_by(bytes);
 }
 
 /// Creates the series of the known label combinations at 0, so that

@@ -10,7 +10,9 @@
 //! - An upstream that ignores `Range` is read as one stream, nothing twice;
 //!   one that redirects to a CDN gets each part's range asked of the CDN.
 //! - Many clients pulling at once still make one fill per blob.
-//! - Serving an image manifest starts its blobs ahead of the client.
+//! - Fills ahead follow a pull, not a look: a manifest (and config) GET
+//!   fetches no layer; a client's first layer request starts the other
+//!   layers of the image that client resolved, if the image fits the cache.
 //! - containerd 2.1's parallel layer fetch (its transfer service with
 //!   `concurrent_layer_fetch_buffer`): open-ended 8 MiB ranges of one cold
 //!   blob, each read for its chunk and hung up on, get exactly their bytes.
@@ -246,7 +248,7 @@ async fn concurrent_cold_pulls_make_one_fill_per_blob_and_one_get_per_part() {
     let image =
         ImageBuilder::oci().layers(&[2 * PART + PART / 4, 96 * KIB, 160 * KIB]).push(&origin, "team/herd", "v1").await;
     let link = Shaper::start(&origin.host_port(), LINK);
-    // Fills ahead on, as shipped: the manifest starts every blob.
+    // Fills ahead on, as shipped: the first layer asked for starts the others.
     let larder = larder_over(&link.url(), &[]).await;
 
     let mark = origin.log_mark().await;
@@ -282,63 +284,134 @@ async fn concurrent_cold_pulls_make_one_fill_per_blob_and_one_get_per_part() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn serving_an_image_manifest_starts_its_blobs_before_the_client_asks() {
+async fn a_look_at_an_image_costs_only_what_was_looked_at() {
+    // skopeo inspect, Renovate, crane manifest: manifests (and the config),
+    // never the layers. Before issue 31 one manifest GET fetched the image.
     let origin = Origin::start().await;
-    let image = push::image(&origin, "team/ahead", "v1", vec![random(300 * KIB), random(200 * KIB)]).await;
+    let image = push::image(&origin, "team/look", "v1", vec![random(3 * MIB), random(2 * MIB)]).await;
     let larder = larder_over(&origin.url(), &[]).await;
     let mark = origin.log_mark().await;
 
-    get_manifest(&larder, "team/ahead", "v1").await;
-    let blobs = std::iter::once(&image.config).chain(&image.layers).collect::<Vec<_>>();
-    let total: usize = blobs.iter().map(|b| b.bytes.len()).sum();
-    wait_for_fills_ahead(&larder, 3.0).await;
+    skopeo::inspect(&larder.image_ref("team/look:v1")).await.expect("skopeo inspect");
+    for _ in 0..3 {
+        get_manifest(&larder, "team/look", "v1").await;
+    }
+    get_manifest(&larder, "team/look", &image.digest).await;
+    let (status, body) = get_blob(&larder, "team/look", &image.config.digest, None).await;
+    assert_eq!((status, body == image.config.bytes), (200, true));
+    // Nothing to wait for: give a wrongly started fill time to show.
+    tokio::time::sleep(Duration::from_millis(500)).await;
     wait_for_commits(&larder).await;
-    assert_eq!(blob_gets_since(&origin, &mark).await.len(), 3, "config and both layers, once each");
-    assert_eq!(
-        metric(&larder, &per_upstream("upstream_bytes_total")).await,
-        total as f64,
-        "a client that stops here cost the image's bytes, once"
-    );
 
-    for blob in &blobs {
-        let (status, body) = get_blob(&larder, "team/ahead", &blob.digest, None).await;
-        assert_eq!(status, 200);
-        assert!(body == blob.bytes, "{}: byte for byte", blob.digest);
-    }
-    assert_eq!(blob_gets_since(&origin, &mark).await.len(), 3, "the client found them all cached");
-    // Still this pull's misses: its manifest caused the downloads, and the
-    // hit ratio says what came without a new upstream download.
-    let count = |result: &'static str| {
-        let larder = &larder;
-        async move { metric(larder, &format!("larder_cache_requests_total{{kind=\"blob\",result=\"{result}\"}}")).await }
-    };
-    assert_eq!((count("miss").await, count("hit").await), (3.0, 0.0), "each blob's first ask is a miss");
-    for blob in &blobs {
-        get_blob(&larder, "team/ahead", &blob.digest, None).await;
-    }
-    assert_eq!((count("miss").await, count("hit").await), (3.0, 3.0), "asked again: hits");
+    let config = image.config.bytes.len() as u64;
+    assert_eq!(blob_gets_since(&origin, &mark).await, vec![(200, config)], "the config, once: no layer");
+    assert_eq!(metric(&larder, &per_upstream("upstream_bytes_total")).await, config as f64);
+    assert_eq!(metric(&larder, r#"larder_fills_total{reason="ahead"}"#).await, 0.0);
+}
+
+/// An HTTP client whose connections come from `address` (a loopback
+/// address: larder tells clients apart by theirs).
+fn client_from(address: &str) -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(0)
+        .local_address(address.parse::<std::net::IpAddr>().unwrap())
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap()
+}
+
+async fn get_from(client: &reqwest::Client, url: &str, manifest: bool) -> Vec<u8> {
+    let request = if manifest { http::manifest_get(client, url) } else { client.get(url) };
+    let resp = request.send().await.unwrap_or_else(|e| panic!("GET {url}: {e}"));
+    assert_eq!(resp.status(), 200, "GET {url}");
+    resp.bytes().await.unwrap().to_vec()
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_client_asking_for_a_blob_being_filled_ahead_joins_that_fill() {
+async fn the_first_layer_a_client_asks_for_starts_the_other_layers_of_the_image_it_resolved() {
     let origin = Origin::start().await;
-    let image = push::image(&origin, "team/join", "v1", vec![random(3 * MIB)]).await;
-    let layer = &image.layers[0];
-    // 1 MB/s: the layer is still downloading when the client asks.
+    let image =
+        push::image(&origin, "team/ahead", "v1", vec![random(300 * KIB), random(200 * KIB), random(100 * KIB)]).await;
+    let larder = larder_over(&origin.url(), &[]).await;
+    let (a, b) = (client_from("127.0.0.1"), client_from("127.0.0.2"));
+    let blob_url = |d: &str| format!("{}/v2/team/ahead/blobs/{d}", larder.url());
+    let mark = origin.log_mark().await;
+
+    // Client A resolves the image; client B, which did not, asks for its
+    // first layer: that starts nothing beyond B's own layer.
+    get_from(&a, &format!("{}/v2/team/ahead/manifests/v1", larder.url()), true).await;
+    assert!(get_from(&b, &blob_url(&image.layers[0].digest), false).await == image.layers[0].bytes);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    wait_for_commits(&larder).await;
+    assert_eq!(metric(&larder, r#"larder_fills_total{reason="ahead"}"#).await, 0.0, "B resolved no image");
+    assert_eq!(blob_gets_since(&origin, &mark).await.len(), 1, "B's layer only");
+
+    // A asks for its second layer: the image's other layers start ahead
+    // (the first is cached already), and A finds them fetched.
+    assert!(get_from(&a, &blob_url(&image.layers[1].digest), false).await == image.layers[1].bytes);
+    wait_for_fills_ahead(&larder, 1.0).await;
+    wait_for_commits(&larder).await;
+    let mut sizes: Vec<u64> = blob_gets_since(&origin, &mark).await.iter().map(|(_, bytes)| *bytes).collect();
+    sizes.sort();
+    assert_eq!(sizes, vec![100 * KIB as u64, 200 * KIB as u64, 300 * KIB as u64], "each layer once, no config");
+    assert!(get_from(&a, &blob_url(&image.layers[2].digest), false).await == image.layers[2].bytes);
+    assert_eq!(blob_gets_since(&origin, &mark).await.len(), 3, "A found its last layer fetched");
+    // The pull caused that download: its first ask is a miss, not a hit.
+    let misses = metric(&larder, r#"larder_cache_requests_total{kind="blob",result="miss"}"#).await;
+    assert_eq!(misses, 3.0);
+
+    // A's further requests start nothing again (once per resolved image).
+    get_from(&a, &blob_url(&image.layers[0].digest), false).await;
+    assert_eq!(metric(&larder, r#"larder_fills_total{reason="ahead"}"#).await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_image_that_does_not_fit_under_the_low_watermark_gets_no_fills_ahead() {
+    let origin = Origin::start().await;
+    // 7.5 MiB of layers; the cache's low watermark is 0.85 × 8 MiB = 6.8 MiB.
+    let image = push::image(&origin, "team/huge", "v1", vec![random(4 * MIB), random(7 * MIB / 2)]).await;
+    let larder = Larder::builder()
+        .upstream(Upstream::new(ORIGIN_NAME, &origin.url()).default(true))
+        .max_size("8MiB")
+        .cache_line(r#"max_blob_size = "4MiB""#)
+        .server_line(ADMIN_LISTEN)
+        .start()
+        .await;
+    let mark = origin.log_mark().await;
+    for _ in 0..3 {
+        get_manifest(&larder, "team/huge", "v1").await;
+    }
+    let (status, body) = get_blob(&larder, "team/huge", &image.layers[0].digest, None).await;
+    assert_eq!((status, body == image.layers[0].bytes), (200, true));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    wait_for_commits(&larder).await;
+    assert_eq!(metric(&larder, r#"larder_fills_total{reason="ahead"}"#).await, 0.0);
+    assert_eq!(blob_gets_since(&origin, &mark).await, vec![(200, 4 * MIB as u64)], "the layer asked for, once");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_asking_for_a_layer_being_filled_ahead_joins_that_fill() {
+    let origin = Origin::start().await;
+    let image = push::image(&origin, "team/join", "v1", vec![random(64 * KIB), random(3 * MIB)]).await;
+    let layer = &image.layers[1];
+    // 1 MB/s: the second layer is still downloading when the client asks.
     let link = Shaper::start(&origin.host_port(), LinkModel { per_connection: Some(1_000_000), ..LINK });
     let larder = larder_over(&link.url(), &[]).await;
     let mark = origin.log_mark().await;
 
     get_manifest(&larder, "team/join", "v1").await;
-    // As skopeo does, the client asks for the layer after the manifest
-    // (and the config): by then its fill ahead has started.
-    wait_for_fills_ahead(&larder, 2.0).await;
+    // As skopeo does, the client asks for the layers one at a time: the
+    // first starts the second's fill ahead.
+    let (status, _) = get_blob(&larder, "team/join", &image.layers[0].digest, None).await;
+    assert_eq!(status, 200);
+    wait_for_fills_ahead(&larder, 1.0).await;
     let (status, body) = get_blob(&larder, "team/join", &layer.digest, None).await;
     assert_eq!(status, 200);
     assert!(body == layer.bytes);
     wait_for_commits(&larder).await;
     assert_eq!(metric(&larder, "larder_fills_ahead_joined_total").await, 1.0, "the client joined the fill ahead");
-    assert_eq!(metric(&larder, r#"larder_fills_total{reason="client"}"#).await, 0.0, "and started none of its own");
+    assert_eq!(metric(&larder, r#"larder_fills_total{reason="client"}"#).await, 1.0, "its first layer only");
     let layer_gets = origin
         .requests_since(&mark)
         .await
@@ -352,13 +425,14 @@ async fn a_client_asking_for_a_blob_being_filled_ahead_joins_that_fill() {
 #[tokio::test(flavor = "multi_thread")]
 async fn with_fill_ahead_off_only_what_clients_ask_for_is_fetched() {
     let origin = Origin::start().await;
-    push::image(&origin, "team/quiet", "v1", vec![random(100 * KIB)]).await;
+    let image = push::image(&origin, "team/quiet", "v1", vec![random(100 * KIB), random(100 * KIB)]).await;
     let larder = larder_over(&origin.url(), &["fill_ahead = false"]).await;
     let mark = origin.log_mark().await;
     get_manifest(&larder, "team/quiet", "v1").await;
+    get_blob(&larder, "team/quiet", &image.layers[0].digest, None).await;
     // Nothing to wait for: give a wrongly started fill time to show.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(blob_gets_since(&origin, &mark).await, vec![], "no blob was fetched");
+    assert_eq!(blob_gets_since(&origin, &mark).await.len(), 1, "only the layer asked for");
     assert_eq!(metric(&larder, r#"larder_fills_total{reason="ahead"}"#).await, 0.0);
 }
 

@@ -2,9 +2,11 @@
 //! pull past the high watermark (0.95) evicts the least recently used
 //! content down to the low watermark (0.85). The blob files on disk stay
 //! within `max_size`, evictions are counted, the newest image stays whole,
-//! and an evicted image is fetched again on its next pull.
+//! and an evicted image is fetched again on its next pull. A download in
+//! flight counts too: room is made before its blob is committed.
 
 mod common;
+mod fake;
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -187,4 +189,50 @@ async fn wait_for_eviction(larder: &Larder) {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+#[tokio::test]
+async fn a_download_in_flight_makes_room_before_its_blob_is_committed() {
+    const MIB: usize = 1 << 20;
+    let cached: Vec<bytes::Bytes> = (1..=3).map(|seed| fake::random_bytes(2 * MIB, seed)).collect();
+    let big = fake::random_bytes(3 * MIB, 9);
+    let mut builder = fake::FakeUpstream::builder();
+    for blob in &cached {
+        builder = builder.blob(blob.clone());
+    }
+    let upstream = builder.blob(big.clone()).stall_after(64 * KIB).start().await;
+    let larder = Larder::builder()
+        .upstream(common::Upstream::new("fake.test", &upstream.url()).default(true))
+        .max_size("8MiB")
+        .cache_line(r#"max_blob_size = "4MiB""#)
+        .server_line(ADMIN_LISTEN)
+        .start()
+        .await;
+    let get = |blob: &bytes::Bytes| format!("{}{}", larder.url(), fake::blob_path(&fake::digest(blob)));
+    let client = common::http::client();
+    for blob in &cached {
+        let body = client.get(get(blob)).send().await.unwrap().bytes().await.unwrap();
+        assert!(body == *blob);
+    }
+    wait_for_commits(&larder).await;
+    assert_eq!(metric(&larder, "larder_cache_size_bytes").await, (6 * MIB) as f64, "under the high watermark");
+
+    // 3 MiB more on their way: 9 MiB with the 6 cached, over the high
+    // watermark (7.6 MiB). Room is made while the download is in flight
+    // (down to the low watermark, 6.8 MiB, counting it), not after.
+    let download = tokio::spawn({
+        let (client, url) = (client.clone(), get(&big));
+        async move { client.get(url).send().await.unwrap().bytes().await }
+    });
+    let started = Instant::now();
+    while metric(&larder, "larder_cache_size_bytes").await > (6.8 * MIB as f64) - (3 * MIB) as f64 {
+        assert!(started.elapsed() < EVICTION_PATIENCE, "nothing was evicted while the 3 MiB were in flight");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(metric(&larder, "larder_fills_in_flight").await, 1.0, "the download still waits on upstream");
+    upstream.release(&fake::digest(&big));
+    assert!(download.await.unwrap().unwrap() == big);
+    wait_for_commits(&larder).await;
+    let usage = metric(&larder, "larder_cache_size_bytes").await;
+    assert!(usage <= (8 * MIB) as f64 * 0.95, "the committed blob fits: {usage}");
 }

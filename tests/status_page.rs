@@ -131,7 +131,7 @@ async fn the_status_page_shows_the_cache_upstreams_and_repositories_in_a_browser
     let (builder, admin) = Admin::open(
         Larder::builder()
             .upstream(&origin)
-            .upstream(Upstream::new("hub.test", &hub))
+            .upstream(Upstream::new("hub.test", &hub).line(r#"max_bandwidth = "50MiB""#))
             .upstream(Upstream::new("down.test", "http://127.0.0.1:9"))
             .upstream(Upstream::new("stall.test", &stalling.url()))
             // A warm image the registry does not have: listed as missing upstream.
@@ -185,6 +185,8 @@ async fn the_status_page_shows_the_cache_upstreams_and_repositories_in_a_browser
     assert!(text.contains("30.8% blobs (13 requests)"), "4 warm hits of 13 blob requests: {text}");
     assert!(text.contains("origin.test (default)"), "{text}");
     assert!(text.contains("hub.test") && text.contains("76 of 100 left"), "rate-limit headroom: {text}");
+    assert!(text.contains("50.0 MiB/s"), "hub.test's max_bandwidth: {text}");
+    assert!(text.contains("unlimited"), "the others have none: {text}");
     assert!(text.contains("down.test") && text.contains("cannot connect to upstream"), "last error: {text}");
     let largest = text.split("Largest repositories (3 in all)").nth(1).expect("largest section");
     let order: Vec<usize> =
@@ -210,6 +212,9 @@ async fn the_status_page_shows_the_cache_upstreams_and_repositories_in_a_browser
         line.unwrap_or_else(|| panic!("no line for {name}:\n{status}")).to_owned()
     };
     assert!(upstream("hub.test").ends_with("; rate limit 76 of 100 left"), "{status}");
+    assert!(upstream("hub.test").contains(", at most 50.0 MiB/s,"), "{status}");
+    let max_bandwidth = r#"larder_upstream_max_bandwidth_bytes{upstream="hub.test"}"#;
+    assert_eq!(common::metrics::metric(&larder, max_bandwidth).await, (50 << 20) as f64);
     let down = upstream("down.test");
     assert!(down.contains("1 errors, last error ") && down.contains("(cannot connect to upstream"), "{down}");
     assert!(upstream("origin.test").contains("0 errors, no errors; rate limit not announced"), "{status}");

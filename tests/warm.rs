@@ -376,6 +376,119 @@ async fn an_upstream_over_its_own_max_size_evicts_only_its_own_content() {
     assert!(row.contains(" of 2.0 MiB<"), "the status page shows origin.test's usage of its max_size: {row}");
 }
 
+#[tokio::test]
+async fn a_shared_layer_is_charged_to_the_upstream_that_uses_it_and_pinned_content_to_the_one_pinning_it() {
+    // Two upstreams (two teams' names for one registry) whose images share
+    // a 512 KiB base layer.
+    let origin = Origin::start().await;
+    let base = common::push::random(512 * KIB);
+    common::push::image(&origin, "team/a", "1", vec![base.clone(), common::push::random(16 * KIB)]).await;
+    common::push::image(&origin, "team/b", "1", vec![base.clone(), common::push::random(16 * KIB)]).await;
+    let (builder, admin) = Admin::with_token(
+        Larder::builder().upstream(&origin).upstream(Upstream::new("mirror.test", &origin.url())),
+        TOKEN,
+    );
+    let mut larder = builder.start().await;
+    let charged = |report: &Value, name: &str| {
+        let upstreams = report["upstreams"].as_array().unwrap();
+        upstreams.iter().find(|u| u["name"] == name).unwrap()["cache_bytes"].as_u64().unwrap()
+    };
+    let shared = 512 * KIB as u64;
+
+    skopeo::pull(&larder.image_ref("team/a:1"), false).await.expect("pull through origin.test");
+    wait_for_commits(&larder).await;
+    // mirror.test pulls an image on the same base: its use is the most recent.
+    skopeo::pull(&larder.prefixed_ref("mirror.test", "team/b:1"), false).await.expect("pull through mirror.test");
+    wait_for_commits(&larder).await;
+    larder.restart().await; // uses are written at shutdown (and every 10 s)
+    let report = status(&admin).await;
+    let (hub, mirror) = (charged(&report, "origin.test"), charged(&report, "mirror.test"));
+    assert!(mirror > shared && hub < shared, "the base layer moved to mirror.test: {hub} / {mirror}");
+    assert_eq!(hub + mirror, report["cache"]["size_bytes"].as_u64().unwrap(), "the charges add up to the usage");
+
+    // mirror.test keeps team/b warm: pinned, charged to and reported by
+    // mirror.test, however much origin.test uses the base layer.
+    larder.edit_config(|toml| format!("{toml}\n[[warm]]\nimage = \"mirror.test/team/b:1\"\n"));
+    larder.restart().await;
+    wait_until("team/b is ready", || async { metric(&larder, READY).await == 1.0 }).await;
+    skopeo::pull(&larder.image_ref("team/a:1"), false).await.expect("pull through origin.test again");
+    larder.restart().await;
+    wait_until("team/b is ready again", || async { metric(&larder, READY).await == 1.0 }).await;
+    let report = status(&admin).await;
+    let pinned = &report["cache"]["pinned"];
+    let by_upstream = pinned["by_upstream"].as_array().unwrap();
+    assert_eq!(by_upstream.len(), 1, "{pinned}");
+    assert_eq!(by_upstream[0][0], "mirror.test", "{pinned}");
+    assert!(by_upstream[0][1].as_u64().unwrap() > shared, "{pinned}");
+    assert!(charged(&report, "mirror.test") > shared, "still mirror.test's: {report}");
+}
+
+#[tokio::test]
+async fn a_warm_file_line_without_its_newline_is_not_an_image_until_it_ends() {
+    let origin = Origin::start().await;
+    let base = ImageBuilder::oci().layers(&[64 * KIB]).push(&origin, "team/base", "1").await;
+    ImageBuilder::oci().layers(&[64 * KIB]).push(&origin, "team/base", "10").await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("warm.txt");
+    // Read while `team/base:10` is being written: `team/base:1` is no image.
+    std::fs::write(&file, "origin.test/team/base:1\norigin.test/team/base:1").unwrap();
+    let (builder, admin) = Admin::with_token(Larder::builder().upstream(&origin), TOKEN);
+    let larder = builder
+        .cache_line(WARM_INTERVAL)
+        .cache_line(&format!("warm_file = {:?}", file.display().to_string()))
+        .start()
+        .await;
+    wait_until("team/base:1 is ready", || async { all_cached(&larder, &base) && metric(&larder, READY).await == 1.0 })
+        .await;
+    let report = status(&admin).await;
+    assert_eq!(report["warm"]["images"].as_array().unwrap().len(), 1, "{report}");
+    assert_eq!(report["warm"]["file"]["unterminated_line"], 2, "{report}");
+    assert_eq!(report["warm"]["file"]["bad_lines"], serde_json::json!([]), "not a bad line either: {report}");
+
+    std::fs::write(&file, "origin.test/team/base:1\norigin.test/team/base:10\n").unwrap();
+    wait_until("both are ready", || async { metric(&larder, READY).await == 2.0 }).await;
+    let report = status(&admin).await;
+    let references: Vec<&str> =
+        report["warm"]["images"].as_array().unwrap().iter().map(|i| i["reference"].as_str().unwrap()).collect();
+    assert_eq!(references, ["1", "10"], "{report}");
+}
+
+#[tokio::test]
+async fn a_warm_image_whose_layers_came_through_another_repository_pulls_with_the_origin_gone() {
+    // The same image in two repositories: a team's app built on a base
+    // image (the common case of shared base layers).
+    let origin = Origin::start().await;
+    let app = ImageBuilder::oci().layers(&[128 * KIB, 64 * KIB]).push(&origin, "acme/app", "1").await;
+    let copy = [
+        "copy",
+        "--src-tls-verify=false",
+        "--dest-tls-verify=false",
+        &origin.image_ref("acme/app:1"),
+        &origin.image_ref("library/alpine:3.20"),
+    ];
+    skopeo::run(&copy.map(str::to_owned)).await.expect("copy acme/app:1 to library/alpine:3.20 at the origin");
+    let (builder, admin) = Admin::with_token(Larder::builder().upstream(&origin), TOKEN);
+    let mut larder = builder.cache_line(WARM_INTERVAL).start().await;
+    skopeo::pull(&larder.image_ref("acme/app:1"), false).await.expect("pull of acme/app:1");
+    wait_for_commits(&larder).await;
+
+    // Then the base image is kept warm: every byte of it is cached already.
+    larder.edit_config(|toml| format!("{toml}\n[[warm]]\nimage = \"origin.test/library/alpine:3.20\"\n"));
+    larder.restart().await;
+    wait_until("library/alpine:3.20 is ready", || async { metric(&larder, READY).await == 1.0 }).await;
+    let warm = status(&admin).await["warm"]["images"][0].clone();
+    assert_eq!((warm["state"].as_str(), warm["pin"].as_bool()), (Some("ready"), Some(true)), "{warm}");
+
+    // Ready means it pulls with the origin gone.
+    drop(origin);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let pulled = skopeo::pull(&larder.image_ref("library/alpine:3.20"), false)
+        .await
+        .unwrap_or_else(|e| panic!("pull of the warm image with the origin gone: {e}\n{}", larder.log()));
+    assert_eq!(pulled.manifest_digest, app.digest);
+    assert_eq!(pulled.blob_digests(), app.blob_digests());
+}
+
 // ---- helpers ----------------------------------------------------------------
 
 fn all_cached(larder: &Larder, image: &PushedImage) -> bool {

@@ -151,12 +151,19 @@ impl Cache {
                 None => {
                     if let Some((file, size)) = self.committed_blob(&digest).await? {
                         self.ensure_member(upstream, repo, &digest, Content::Blob, via).await?;
-                        self.evictor.record_access(Kind::Blob, digest, unix_ms(SystemTime::now()));
+                        self.evictor.record_access(
+                            Kind::Blob,
+                            digest,
+                            upstream.shared_name(),
+                            unix_ms(SystemTime::now()),
+                        );
                         let result =
                             if self.memory.claim_fetched_ahead(&digest) { CacheResult::Miss } else { CacheResult::Hit };
                         return Ok((BlobSource::Committed { file, size }, result));
                     }
-                    let priority = Priority::client();
+                    // The warm loop's downloads yield bandwidth until a client joins.
+                    let priority =
+                        if crate::background::active() { Priority::background() } else { Priority::client() };
                     let attach = self.fills.join_or_start(
                         digest,
                         (&owner, &priority),
@@ -221,23 +228,37 @@ impl Cache {
         metrics().fills.with_label_values(&[reason]).inc();
         metrics().fills_in_flight.inc();
         let trace = crate::otel::fill(&digest, reason, upstream.name());
+        // Counted among its upstream's fills (whom those ahead yield to)
+        // until its task ends, however it ends.
+        let registered = upstream.bandwidth().register(&priority);
+        // Its bytes count toward eviction from now on: the size its
+        // manifest declared, then the size its source declared.
+        let declared = self.memory.declared_size(&member_key(upstream.name(), &repo, &digest));
+        let mut in_flight = self.evictor.in_flight(upstream.name(), declared.unwrap_or(0));
+        let progress = tx.subscribe();
         let guard = FlightGuard { cache: Arc::clone(self), digest, tx, ended: false };
         let purges_seen = upkeep::purges::lock_purges(&self.purges).count();
         // A fill the warm loop starts stays background work (clients first).
         tokio::spawn(crate::background::inherit(async move {
             let mut guard = guard;
             let tx = &guard.tx;
-            let timer = fill::deadline(tx.subscribe(), cache.config.max_blob_size);
+            // Time the upstream's bandwidth held the fill's reads back is
+            // larder's, not the source's: it does not count toward the
+            // deadline (see fill::deadline).
+            let held = || upstream.bandwidth().held(&priority);
+            let timer = fill::deadline(tx.subscribe(), cache.config.max_blob_size, held);
             let filling =
                 cache.fill(&upstream, &repo, digest, (via, &priority), purges_seen, tx).instrument(trace.clone());
             let result = tokio::select! {
                 filled = filling => filled,
                 late = timer => Err(late),
+                never = count_in_flight(progress, &mut in_flight) => match never {},
             };
             match &result {
                 Ok((_, size)) => crate::otel::filled(&trace, Ok(*size)),
                 Err(e) => crate::otel::filled(&trace, Err(e)),
             }
+            drop(in_flight);
             match result {
                 Ok((file, size)) => {
                     if priority.is_ahead() {
@@ -256,6 +277,7 @@ impl Cache {
                     guard.end(Progress::Failed(e));
                 }
             }
+            drop(registered);
         }));
     }
 
@@ -310,5 +332,28 @@ impl Drop for FlightGuard {
             self.end(Progress::Failed(Error::Internal("the fill's task ended without a result".into())));
         }
         metrics().fills_in_flight.dec();
+    }
+}
+
+/// Keeps a fill's bytes in flight at the size its source declared, until
+/// the blob is verified (its commit then counts it as usage) or the fill
+/// fails. Never returns: it runs beside the fill.
+async fn count_in_flight(
+    mut progress: watch::Receiver<Progress>,
+    in_flight: &mut upkeep::evict::InFlight,
+) -> std::convert::Infallible {
+    loop {
+        match &*progress.borrow_and_update() {
+            Progress::Connecting => {}
+            Progress::Streaming { size, .. } => {
+                if let Some(size) = size {
+                    in_flight.set(*size);
+                }
+            }
+            Progress::Verified { .. } | Progress::Complete { .. } | Progress::Failed(_) => in_flight.set(0),
+        }
+        if progress.changed().await.is_err() {
+            return std::future::pending().await;
+        }
     }
 }

@@ -107,7 +107,7 @@ impl Cache {
         match self.stored_manifest(digest).await? {
             Some(m) => {
                 self.ensure_member(upstream, repo, digest, Content::Manifest, via).await?;
-                self.evictor.record_access(Kind::Manifest, *digest, unix_ms(SystemTime::now()));
+                self.evictor.record_access(Kind::Manifest, *digest, upstream.shared_name(), unix_ms(SystemTime::now()));
                 Ok((m, CacheResult::Hit))
             }
             None => self.fetch_manifest(upstream, repo, &Reference::Digest(*digest), via).await,
@@ -239,7 +239,7 @@ impl Cache {
         };
         let age = SystemTime::now().duration_since(entry.confirmed).unwrap_or_default();
         let ttl = upstream.config.tag_ttl(&self.config);
-        self.evictor.record_access(Kind::Manifest, cached.digest, unix_ms(SystemTime::now()));
+        self.evictor.record_access(Kind::Manifest, cached.digest, upstream.shared_name(), unix_ms(SystemTime::now()));
         if age < ttl || upstream.config.tag_is_immutable(tag.as_str()) {
             return Ok((cached, CacheResult::Hit));
         }

@@ -8,6 +8,9 @@ use std::time::SystemTime;
 
 use super::*;
 
+/// Membership `HEAD`s one [`Cache::confirm_image`] has open at once.
+pub const CONFIRMATIONS_AT_ONCE: usize = 4;
+
 pub(super) fn member_key(upstream: &str, repo: &RepoName, digest: &Digest) -> String {
     // Built to its exact length: it is made on every warm blob and manifest
     // request, where `format!` cost 3 % of samples (benches/README.md).
@@ -42,8 +45,12 @@ impl Cache {
         // A fill in flight for this very repository settles it: its
         // upstream (or owner) request is the check, and its failure is this
         // request's too.
-        let repo_owner = format!("{}\0{repo}", upstream.name());
-        if matches!(content, Content::Blob) && self.fills.get(digest).is_some_and(|f| f.owner == repo_owner) {
+        // Compared in place: a warm manifest GET (no fill to look at) used
+        // to format this `upstream\0repo` string for nothing.
+        let started_here = |owner: &str| {
+            owner.strip_prefix(upstream.name()).and_then(|rest| rest.strip_prefix('\0')) == Some(repo.as_str())
+        };
+        if matches!(content, Content::Blob) && self.fills.get(digest).is_some_and(|f| started_here(&f.owner)) {
             return Ok(());
         }
         self.confirm_member(upstream, repo, digest, content, via).await.map(drop)
@@ -94,6 +101,34 @@ impl Cache {
             self.rewarn(upstream.name(), repo, digest, warnings).await?;
         }
         Ok(size)
+    }
+
+    /// Makes every manifest and blob of an image a member of `repo`, the
+    /// way the membership rule allows: each is a member already (fetched
+    /// for `repo`, or confirmed before) or is confirmed now by one upstream
+    /// `HEAD` (or the owner's word, in a cluster), which is remembered.
+    /// What the warm loop and a prefetch check before they call an image
+    /// ready: then every request of a pull of it in `repo` is answered from
+    /// the cache, with upstream gone too. Content cached through another
+    /// repository (a shared base layer) is the common case.
+    pub async fn confirm_image(
+        &self,
+        upstream: &Upstream,
+        repo: &RepoName,
+        manifests: &[Digest],
+        blobs: &[Digest],
+    ) -> Result<(), Error> {
+        use futures_util::{StreamExt, TryStreamExt};
+        let mut items: Vec<(Digest, Content)> = Vec::with_capacity(manifests.len() + blobs.len());
+        items.extend(manifests.iter().map(|d| (*d, Content::Manifest)));
+        items.extend(blobs.iter().map(|d| (*d, Content::Blob)));
+        futures_util::stream::iter(items)
+            .map(|(digest, content)| async move {
+                self.confirm_member(upstream, repo, &digest, content, Via::Client).await.map(drop)
+            })
+            .buffer_unordered(CONFIRMATIONS_AT_ONCE)
+            .try_collect::<()>()
+            .await
     }
 
     /// Records that upstream confirmed `repo` has `digest`.

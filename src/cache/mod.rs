@@ -30,8 +30,8 @@
 //!   their readers (`fill/mod.rs`), what a fill publishes to them
 //!   (`progress`), a source's body into the temp file (`copy`), a large
 //!   blob as parallel ranged GETs ([`fill::parts`]), the sources a fill
-//!   walks (`chain`, [`fill::source`]) and fills started when an image
-//!   manifest is served (`ahead`).
+//!   walks (`chain`, [`fill::source`]) and fills started when a client
+//!   asks for a layer of an image it resolved (`ahead`).
 //! - `store`: what this replica holds: `memory` ([`StoredManifest`],
 //!   moka), `disk` (the content-addressed files), [`index`] (redb), and
 //!   how blob files are read (`pread`, `residency`).
@@ -140,7 +140,10 @@ pub struct Cache {
     index: Arc<Index>,
     memory: Memory,
     fills: Fills,
-    evictor: Evictor,
+    /// The image manifests clients resolved, for the fills ahead a layer
+    /// request starts.
+    resolved: fill::Resolved,
+    evictor: Arc<Evictor>,
     /// One upstream manifest GET per (upstream, repo, reference).
     manifest_fetches: SingleFlight<String, Arc<StoredManifest>>,
     /// One upstream HEAD per tag being revalidated: where the tag points,
@@ -271,12 +274,13 @@ impl Cache {
         Ok(Arc::new(Cache {
             shared,
             peers: tiers.peers,
-            evictor: Evictor::new(limits, usage, quotas, Arc::clone(index.charged())),
+            evictor: Arc::new(Evictor::new(limits, usage, quotas, Arc::clone(index.charged()))),
             memory: Memory::new(config.memory),
             config,
             store,
             index: Arc::new(index),
             fills: Fills::default(),
+            resolved: fill::Resolved::default(),
             manifest_fetches: SingleFlight::default(),
             revalidations: SingleFlight::default(),
             listing_fetches: SingleFlight::default(),

@@ -65,8 +65,8 @@ impl Cache {
         (self.config.max_size as f64 * self.config.high_watermark) as u64
     }
 
-    /// Bytes charged to `upstream` (content it fetched first; see
-    /// [`super::index::Charged`]).
+    /// Bytes charged to `upstream` (content it used most recently, or pins;
+    /// see [`super::index::Charged`]).
     pub fn upstream_usage(&self, upstream: &str) -> u64 {
         self.evictor.charged(upstream)
     }

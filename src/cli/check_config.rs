@@ -44,6 +44,12 @@ pub fn run(path: Option<&Path>, without_secrets: bool) -> u8 {
         if let Some(error) = &report.error {
             eprintln!("larder: {}: warning: {error}", report.path);
         }
+        if let Some(line) = report.unterminated_line {
+            eprintln!(
+                "larder: {}: warning: line {line} does not end with a newline: not read until it does",
+                report.path
+            );
+        }
     }
     let n = config.upstreams.len();
     let upstreams = if n == 1 { "upstream" } else { "upstreams" };

@@ -100,10 +100,13 @@ pub fn render(s: &Status, admin: &str) -> String {
             Some(e) => format!("last error {} ({})", ago(s.now_ms, e.at_ms), e.message),
             None => "no errors".to_owned(),
         };
-        let cached = match u.max_size_bytes {
+        let mut cached = match u.max_size_bytes {
             Some(max) => format!("{} of {max_size} cached", bytes(u.cache_bytes), max_size = bytes(max)),
             None => format!("{} cached", bytes(u.cache_bytes)),
         };
+        if let Some(max) = u.max_bandwidth_bytes_per_second {
+            cached.push_str(&format!(", at most {}/s", bytes(max)));
+        }
         let _ = writeln!(
             out,
             "  {}{}{} {}: {cached}, {} requests, {} errors, {last_error}; {rate}",

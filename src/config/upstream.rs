@@ -37,6 +37,10 @@ pub const MAX_UPSTREAM_URLS: usize = 8;
 /// Names that mean Docker Hub, where one-component repositories live under
 /// `library/`.
 const DOCKER_HUB_NAMES: [&str; 3] = ["docker.io", "index.docker.io", "registry-1.docker.io"];
+/// Smallest `max_bandwidth` accepted, in bytes per second: below it a
+/// fill's chunk waits longer than a client or a registry waits on a quiet
+/// connection.
+pub const MIN_MAX_BANDWIDTH: u64 = 64 << 10;
 /// Longest upstream timeout accepted (connect, response headers, body
 /// idle). A client connection sees no byte while larder waits on upstream,
 /// and the connection watchdog closes connections idle for longer than its
@@ -101,6 +105,9 @@ pub struct UpstreamConfig {
     /// This upstream's share of the cache (`max_size`): its content is
     /// evicted, least recently used first, to stay under it.
     pub max_size: Option<u64>,
+    /// Bytes per second all this upstream's fills may read together
+    /// (`max_bandwidth`), client fills first; `None`: unlimited.
+    pub max_bandwidth: Option<u64>,
     pub tag_ttl: Option<Duration>,
     pub immutable_tags: Vec<Regex>,
     /// Open upstream requests allowed at once; further requests wait in order.
@@ -108,8 +115,9 @@ pub struct UpstreamConfig {
     /// Ranged GETs one fill of a blob of at least `cache.parallel_fill_min`
     /// keeps open at once (1: one stream, as for smaller blobs).
     pub fill_connections: NonZeroUsize,
-    /// Whether serving an image manifest starts the fills of its blobs
-    /// that are not cached, ahead of the client asking for them.
+    /// Whether a client's first request for a layer of an image starts
+    /// the fills of its other layers that are not cached, ahead of the
+    /// client asking for them.
     pub fill_ahead: bool,
     pub ca_file: Option<PathBuf>,
     pub connect_timeout: Duration,
@@ -156,6 +164,7 @@ pub(super) struct RawUpstream {
     #[serde(default)]
     deny: Vec<String>,
     max_size: Option<String>,
+    max_bandwidth: Option<String>,
     tag_ttl: Option<String>,
     #[serde(default)]
     immutable_tags: Vec<String>,
@@ -415,6 +424,14 @@ impl Validator<'_> {
             let (m, min) = (super::units::Size(m), super::units::Size(super::MIN_MAX_SIZE));
             return Err(self.err(key("max_size"), format!("{m} is less than the minimum, {min}")));
         }
+        let max_bandwidth = match u.max_bandwidth.as_deref() {
+            None => None,
+            // "50MiB" or "50MiB/s": bytes per second either way.
+            Some(v) => Some(self.size(&key("max_bandwidth"), Some(v.strip_suffix("/s").unwrap_or(v)), 0)?),
+        };
+        if max_bandwidth.is_some_and(|b| b < MIN_MAX_BANDWIDTH) {
+            return Err(self.err(key("max_bandwidth"), "must be at least 64KiB (bytes per second)"));
+        }
         let fill_connections = NonZeroUsize::new(u.fill_connections.unwrap_or(DEFAULT_FILL_CONNECTIONS))
             .filter(|n| n.get() <= MAX_FILL_CONNECTIONS)
             .ok_or_else(|| {
@@ -445,6 +462,7 @@ impl Validator<'_> {
             trusted_networks,
             policy,
             max_size,
+            max_bandwidth,
             tag_ttl: u
                 .tag_ttl
                 .as_deref()
@@ -595,6 +613,19 @@ mod tests {
         }
         let c = parse(MINIMAL).unwrap();
         assert_eq!(c.cache.max_blob_size, c.cache.max_size / 4, "a quarter of max_size by default");
+    }
+
+    #[test]
+    fn max_bandwidth_is_bytes_per_second_with_or_without_a_per_second_suffix() {
+        assert_eq!(parse(MINIMAL).unwrap().upstreams[0].max_bandwidth, None, "unlimited by default");
+        for value in ["50MiB", "50MiB/s", "52428800B", "52428800B/s"] {
+            let c = parse(&format!("{MINIMAL}max_bandwidth = \"{value}\"\n")).unwrap();
+            assert_eq!(c.upstreams[0].max_bandwidth, Some(50 << 20), "{value}");
+        }
+        for value in ["fast", "1KiB", "0", "52428800"] {
+            let e = parse(&format!("{MINIMAL}max_bandwidth = \"{value}\"\n")).unwrap_err().to_string();
+            assert!(e.contains("`upstream[0].max_bandwidth`"), "{value}: {e}");
+        }
     }
 
     #[test]

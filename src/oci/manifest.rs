@@ -15,6 +15,8 @@ pub struct ManifestRefs {
     pub blobs: Vec<Digest>,
     /// The `size` each of `blobs` was declared with, where given.
     pub blob_sizes: Vec<Option<u64>>,
+    /// Whether `blobs` starts with a config (the rest are layers).
+    pub has_config: bool,
     /// Child manifests of an index / manifest list.
     pub manifests: Vec<Digest>,
     /// `os/architecture[/variant]` of each child manifest, where given.
@@ -77,7 +79,17 @@ pub fn inspect(bytes: &[u8], declared: Option<MediaType>) -> Result<(MediaType, 
     let blob_sizes = raw.config.iter().chain(&raw.layers).map(|d| d.size).collect();
     let manifests = raw.manifests.iter().map(digest).collect::<Result<_, _>>()?;
     let platforms = raw.manifests.iter().map(|d| d.platform.as_ref().map(Platform::name)).collect();
-    Ok((media_type, ManifestRefs { blobs, blob_sizes, manifests, platforms }))
+    let has_config = raw.config.is_some();
+    Ok((media_type, ManifestRefs { blobs, blob_sizes, has_config, manifests, platforms }))
+}
+
+impl ManifestRefs {
+    /// The layers of an image manifest (its blobs after the config), each
+    /// with its declared size where given.
+    pub fn layers(&self) -> impl Iterator<Item = (Digest, Option<u64>)> + '_ {
+        let skip = usize::from(self.has_config);
+        self.blobs.iter().copied().zip(self.blob_sizes.iter().copied()).skip(skip)
+    }
 }
 
 #[cfg(test)]
@@ -97,6 +109,11 @@ mod tests {
         assert_eq!(m, MediaType::OciManifest);
         assert_eq!(refs.blobs, vec![D1.parse().unwrap(), D2.parse().unwrap()]);
         assert_eq!(refs.blob_sizes, vec![Some(1), Some(2)]);
+        assert_eq!(
+            refs.layers().collect::<Vec<_>>(),
+            vec![(D2.parse().unwrap(), Some(2))],
+            "the config is not a layer"
+        );
         assert!(refs.manifests.is_empty());
     }
 

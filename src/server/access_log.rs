@@ -91,13 +91,8 @@ impl Line<'_> {
 
     /// `<time>  INFO request{id=…}: larder::server: request method=GET path="…" …`
     fn text(&self, out: &mut Vec<u8>, now: SystemTime) {
-        let _ = write!(
-            out,
-            "{}  INFO request{{id={}}}: larder::server: request method={} path=",
-            humantime::format_rfc3339_micros(now),
-            self.id,
-            self.method
-        );
+        timestamp(out, now);
+        let _ = write!(out, "  INFO request{{id={}}}: larder::server: request method={} path=", self.id, self.method);
         debug_str(out, self.path);
         out.extend_from_slice(b" route=");
         debug_str(out, self.route);
@@ -118,11 +113,9 @@ impl Line<'_> {
 
     /// tracing-subscriber's JSON: fields, target, the request span and the span list.
     fn json(&self, out: &mut Vec<u8>, now: SystemTime) {
-        let _ = write!(
-            out,
-            r#"{{"timestamp":"{}","level":"INFO","fields":{{"message":"request","method":"#,
-            humantime::format_rfc3339_micros(now)
-        );
+        out.extend_from_slice(br#"{"timestamp":""#);
+        timestamp(out, now);
+        out.extend_from_slice(br#"","level":"INFO","fields":{"message":"request","method":"#);
         json_string(out, self.method);
         out.extend_from_slice(br#","path":"#);
         json_string(out, self.path);
@@ -144,6 +137,47 @@ impl Line<'_> {
             id = self.id
         );
     }
+}
+
+thread_local! {
+    /// The second a thread last stamped a line in, and its text up to the
+    /// fraction (`2026-12-05T04:36:11.`).
+    static SECOND: std::cell::Cell<(u64, [u8; 20])> = const { std::cell::Cell::new((u64::MAX, [0; 20])) };
+}
+
+/// `now` as `humantime::format_rfc3339_micros` writes it
+/// (`2026-12-05T04:36:11.123456Z`), the date and time of day formatted
+/// once per second per thread: through `Display` they were most of a
+/// line's formatting (issue 35, benches/README.md).
+fn timestamp(out: &mut Vec<u8>, now: SystemTime) {
+    let Ok(since) = now.duration_since(std::time::UNIX_EPOCH) else {
+        let _ = write!(out, "{}", humantime::format_rfc3339_micros(now));
+        return;
+    };
+    let secs = since.as_secs();
+    let (cached, mut prefix) = SECOND.get();
+    if cached != secs {
+        let whole = std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs);
+        let mut text = Vec::with_capacity(20);
+        let _ = write!(text, "{}", humantime::format_rfc3339_seconds(whole));
+        // `YYYY-MM-DDTHH:MM:SSZ`; a year past 9999 takes the slow way.
+        if text.len() != 20 {
+            let _ = write!(out, "{}", humantime::format_rfc3339_micros(now));
+            return;
+        }
+        prefix[..19].copy_from_slice(&text[..19]);
+        prefix[19] = b'.';
+        SECOND.set((secs, prefix));
+    }
+    out.extend_from_slice(&prefix);
+    let mut micros = since.subsec_micros();
+    let mut digits = [b'0'; 6];
+    for d in digits.iter_mut().rev() {
+        *d = b'0' + (micros % 10) as u8;
+        micros /= 10;
+    }
+    out.extend_from_slice(&digits);
+    out.push(b'Z');
 }
 
 /// `s` as Rust's `Debug` writes a string (what tracing-subscriber's text
@@ -237,6 +271,20 @@ mod tests {
             assert!(humantime::parse_rfc3339(stamp).is_ok(), "{stamp}");
             rest.to_string()
         }
+    }
+
+    #[test]
+    fn timestamps_read_as_humantime_writes_them() {
+        let base = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_796_000_000);
+        for micros in [0, 1, 999_999, 123_456, 1_000_000, 59_000_007, 86_400_000_001] {
+            let at = base + std::time::Duration::from_micros(micros);
+            let mut out = Vec::new();
+            timestamp(&mut out, at);
+            assert_eq!(String::from_utf8(out).unwrap(), humantime::format_rfc3339_micros(at).to_string());
+        }
+        let mut out = Vec::new();
+        timestamp(&mut out, std::time::UNIX_EPOCH);
+        assert_eq!(out, b"1970-01-01T00:00:00.000000Z");
     }
 
     #[test]

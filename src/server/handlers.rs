@@ -43,7 +43,13 @@ pub fn base(method: &Method) -> Result<Response<Body>, Error> {
 #[derive(Clone, Copy, Debug)]
 pub struct Deadline(pub tokio::time::Instant);
 
-/// `GET/HEAD /v2/<name>/manifests/<reference>`
+/// The address a client's request came from (put in the request's
+/// extensions by the listener's request handler).
+#[derive(Clone, Copy, Debug)]
+pub struct ClientAddr(pub std::net::IpAddr);
+
+/// `GET/HEAD /v2/<name>/manifests/<reference>`; where a client's request
+/// came from is its [`ClientAddr`] extension.
 pub async fn manifest(
     app: &App,
     route: &Route,
@@ -52,6 +58,7 @@ pub async fn manifest(
     request: &http::request::Parts,
 ) -> Result<(Response<Body>, CacheResult), Error> {
     let headers = &request.headers;
+    let client = request.extensions.get::<ClientAddr>().map(|c| c.0);
     // Headers within `server.manifest_deadline` of the request, whatever
     // upstream does (containerd 2.3 gives up on a response at 30 s).
     let deadline = match request.extensions.get::<Deadline>() {
@@ -65,11 +72,10 @@ pub async fn manifest(
     if matches!(reference, Reference::Tag(_)) && !Accept::from_headers(headers).allows(m.media_type) {
         return Err(Error::NotAcceptable);
     }
-    // A client about to pull an image it fetched from upstream just now:
-    // its blobs start downloading before it asks for them. A manifest
-    // served from the cache was pulled before, blobs most likely with it.
-    if method == Method::GET && route.via == Via::Client && result == CacheResult::Miss {
-        app.cache.fill_ahead(&route.upstream, &route.repo, &m);
+    // Remembered, not downloaded: the image's layers start ahead of this
+    // client only once it asks for one of them (many clients only look).
+    if let (true, Via::Client, Some(client)) = (method == Method::GET, route.via, client) {
+        app.cache.resolved(&route.upstream, &route.repo, client, &m);
     }
     // A peer keeps the tag as long as this owner would: from when upstream
     // last confirmed it, not from now.
@@ -92,7 +98,7 @@ pub fn manifest_response(
     let body = if head {
         body::empty()
     } else {
-        crate::metrics::metrics().bytes_served.with_label_values(&["memory"]).inc_by(m.bytes.len() as u64);
+        crate::metrics::served_from_memory(m.bytes.len() as u64);
         body::full(m.bytes.clone())
     };
     let mut resp = response(StatusCode::OK)
@@ -111,20 +117,25 @@ pub fn manifest_response(
 }
 
 /// `GET/HEAD /v2/<name>/blobs/<digest>`, with `Range`; with a `sink`, the
-/// connection can send the blob's cached bytes with sendfile.
+/// connection can send the blob's cached bytes with sendfile; `client`:
+/// where a client's request came from.
 pub async fn blob(
-    app: &App,
+    app: &Arc<App>,
     route: &Route,
     digest: Digest,
-    method: &Method,
-    headers: &HeaderMap,
-    sink: Option<&FileSink>,
+    (method, headers): (&Method, &HeaderMap),
+    (sink, client): (Option<&FileSink>, Option<std::net::IpAddr>),
 ) -> Result<(Response<Body>, CacheResult), Error> {
     let range = headers.get(RANGE).and_then(ByteRange::requested);
     if method == Method::HEAD {
         return blob_head(app, route, digest).await;
     }
     let (source, result) = app.cache.blob_via(&route.upstream, &route.repo, digest, route.via).await?;
+    // A pull, not a look: the first layer this client asks for of an image
+    // it resolved starts the fills of the image's other layers.
+    if let (Via::Client, Some(client)) = (route.via, client) {
+        app.cache.layer_requested(&route.upstream, &route.repo, client, digest);
+    }
     let (file, size, progress) = match source {
         BlobSource::Committed { file, size } => (file, Some(size), None),
         BlobSource::Filling(mut rx) => {
@@ -253,6 +264,7 @@ async fn answer(
 ) -> Result<(Response<Body>, Option<CacheResult>), Error> {
     use super::routes::Endpoint;
     let (method, headers, uri) = (&request.method, &request.headers, &request.uri);
+    let client = request.extensions.get::<ClientAddr>().map(|c| c.0);
     match &route.endpoint {
         Endpoint::Manifest(reference) => {
             let (r, c) = manifest(app, route, reference, method, request).await?;
@@ -260,7 +272,7 @@ async fn answer(
         }
         Endpoint::Blob(digest) => {
             let sink = request.extensions.get::<FileSink>();
-            let (r, c) = blob(app, route, *digest, method, headers, sink).await?;
+            let (r, c) = blob(app, route, *digest, (method, headers), (sink, client)).await?;
             Ok((r, Some(c)))
         }
         Endpoint::TagsList(query) => {

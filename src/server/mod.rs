@@ -93,7 +93,13 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, peer: std::net::IpAdd
     let hex = id.hex();
     let namespace = routes::namespace_echo(req.uri());
     let trace = crate::otel::server(req.method(), req.uri(), req.headers(), "registry", Some(&hex));
-    let mut resp = handle_request(app, req, &hex, peer, &trace).instrument(trace.clone()).instrument(span).await;
+    // Boxed where it is made: the request's state machine (every handler
+    // and cache path inline, about 10 KiB) was otherwise copied whole each
+    // time it moved (into `instrument`, into this future, into hyper's
+    // slot): `memmove` was 5.3 % of larder's samples on a warm manifest
+    // GET, the largest user-space entry (issue 35, benches/README.md).
+    let mut resp =
+        Box::pin(handle_request(app, req, &hex, peer, &trace)).instrument(trace.clone()).instrument(span).await;
     if let Ok(value) = http::HeaderValue::from_bytes(&hex) {
         resp.headers_mut().insert("x-request-id", value);
     }
@@ -228,6 +234,7 @@ async fn handle_request(
     let deadline = tokio::time::Instant::now() + app.config.server.manifest_deadline;
     let (mut parts, _body) = req.into_parts();
     parts.extensions.insert(handlers::Deadline(deadline));
+    parts.extensions.insert(handlers::ClientAddr(peer));
     let head = parts.method == http::Method::HEAD;
     let user = match &app.auth {
         Some(auth) => auth.check(&parts.headers, peer).await.map(Some),
@@ -259,16 +266,12 @@ async fn handle_request(
     };
     let elapsed = started.elapsed();
     crate::otel::response(trace, resp.status(), cache.map(|c| c.as_str()), error.as_deref());
-    let m = metrics();
-    let method = match parts.method.as_str() {
-        m @ ("GET" | "HEAD") => m,
+    let method = match parts.method {
+        http::Method::GET => "GET",
+        http::Method::HEAD => "HEAD",
         _ => "other",
     };
-    m.requests.with_label_values(&[route, method, resp.status().as_str()]).inc();
-    m.request_duration.with_label_values(&[route]).observe(elapsed.as_secs_f64());
-    if let Some(c) = cache {
-        m.cache_requests.with_label_values(&[route, c.as_str()]).inc();
-    }
+    crate::metrics::count_request(route, method, resp.status(), elapsed.as_secs_f64(), cache.map(|c| c.as_str()));
     // The body is still to be sent: its length is what will be sent, unless
     // the connection is aborted (a failed fill) or the client goes away.
     let bytes = resp.headers().get(http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());

@@ -10,6 +10,7 @@
 
 mod auth;
 mod backoff;
+pub mod bandwidth;
 mod challenge;
 mod client;
 mod credentials;
@@ -62,6 +63,9 @@ pub const FAILOVER_PAUSE: Duration = Duration::from_secs(30);
 
 pub struct Upstream {
     pub config: UpstreamConfig,
+    /// `config.name`, shared without copying (recorded with each use of
+    /// cached content: the charge of an item follows its users).
+    name: Arc<str>,
     http: HttpClient,
     auth: Auth,
     /// `max_concurrency` permits; one is held while an upstream request is
@@ -71,6 +75,8 @@ pub struct Upstream {
     /// The permits of background work (the warm loop), apart from
     /// clients' (see [`crate::background`]).
     background_permits: priority::Permits,
+    /// The bandwidth its fills share (`max_bandwidth`; clients first).
+    bandwidth: Arc<bandwidth::Bandwidth>,
     /// Last error, last success and rate-limit headroom, for operators.
     pub health: health::Health,
     /// `url` and the fallbacks of `urls`, in order: the upstream's own origins.
@@ -224,7 +230,9 @@ impl Upstream {
                 tracing::warn!(upstream = config.name, program, "credential helper not found on PATH");
             }
         }
+        let bandwidth = Arc::new(bandwidth::Bandwidth::new(&config.name, config.max_bandwidth));
         Ok(Upstream {
+            name: Arc::from(config.name.as_str()),
             demoted: Mutex::new(vec![None; origins.len()]),
             origins,
             rate_limit: RateLimit::new(&config.name),
@@ -238,12 +246,23 @@ impl Upstream {
             auth,
             permits,
             background_permits: priority::Permits::new(crate::background::CONCURRENCY),
+            bandwidth,
             health: health::Health::default(),
         })
     }
 
     pub fn name(&self) -> &str {
         &self.config.name
+    }
+
+    /// The name, shared.
+    pub fn shared_name(&self) -> &Arc<str> {
+        &self.name
+    }
+
+    /// The bandwidth this upstream's fills share.
+    pub fn bandwidth(&self) -> &Arc<bandwidth::Bandwidth> {
+        &self.bandwidth
     }
 
     pub fn body_idle_timeout(&self) -> std::time::Duration {

@@ -1,6 +1,6 @@
 //! Who waits for whom among an upstream's requests: a blob fetched ahead
-//! of the client that will ask for it (its image's manifest was just
-//! served) must never hold back a request a client is waiting on.
+//! of the client that will ask for it (a client asked for one of its
+//! image's layers) must never hold back a request a client is waiting on.
 //!
 //! A request sent for a fill that runs ahead first takes one of the
 //! upstream's *ahead* permits, half of its `max_concurrency` (at least
@@ -12,6 +12,11 @@
 //! such a fill it is promoted: its requests from then on take ordinary
 //! permits in order like any other, and one waiting stops waiting for an
 //! ahead permit.
+//!
+//! The same [`Priority`] says how a fill shares its upstream's bandwidth
+//! ([`super::bandwidth`]): fills ahead and the warm loop's downloads
+//! ([`Class::Background`]) yield to fills a client waits on, until a
+//! client joins them.
 
 use std::sync::Arc;
 
@@ -21,35 +26,94 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, TryAcquireError, watc
 /// in this many (rounded down, at least one).
 pub const AHEAD_SHARE: usize = 2;
 
+/// Whom a fill runs for now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Class {
+    /// A client (or a peer) waits on it.
+    Client,
+    /// Started ahead of the client that will ask for it.
+    Ahead,
+    /// Background work (the warm loop): its upstream permits are its own
+    /// ([`crate::background`]); it yields bandwidth to clients' fills.
+    Background,
+}
+
+impl Class {
+    /// A label for metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Class::Client => "client",
+            Class::Ahead => "ahead",
+            Class::Background => "warm",
+        }
+    }
+}
+
 /// How urgent a fill's requests are; shared by the fill and whoever
-/// promotes it. `true` inside: ahead of any client.
+/// promotes it.
 #[derive(Clone, Debug)]
-pub struct Priority(Arc<watch::Sender<bool>>);
+pub struct Priority(Arc<watch::Sender<Class>>);
 
 impl Priority {
     /// A fill a client (or a peer) is waiting on.
     pub fn client() -> Priority {
-        Priority(Arc::new(watch::Sender::new(false)))
+        Priority::of(Class::Client)
     }
 
     /// A fill started ahead of the client that will ask for it.
     pub fn ahead() -> Priority {
-        Priority(Arc::new(watch::Sender::new(true)))
+        Priority::of(Class::Ahead)
     }
 
-    pub fn is_ahead(&self) -> bool {
+    /// A fill the warm loop started.
+    pub fn background() -> Priority {
+        Priority::of(Class::Background)
+    }
+
+    fn of(class: Class) -> Priority {
+        Priority(Arc::new(watch::Sender::new(class)))
+    }
+
+    pub fn class(&self) -> Class {
         *self.0.borrow()
     }
 
-    /// A client now waits on the fill; whether it ran ahead until now.
-    pub fn promote(&self) -> bool {
-        self.0.send_if_modified(|ahead| std::mem::replace(ahead, false))
+    pub fn is_ahead(&self) -> bool {
+        self.class() == Class::Ahead
     }
 
-    /// Resolves once the fill is (or already was) promoted.
+    /// Whether it gives way to clients' fills (ahead, or background work).
+    pub fn yields(&self) -> bool {
+        self.class() != Class::Client
+    }
+
+    /// A client now waits on the fill; whether it ran ahead until now (a
+    /// background fill is promoted too, but did not run ahead).
+    pub fn promote(&self) -> bool {
+        let mut was_ahead = false;
+        self.0.send_if_modified(|class| {
+            let before = std::mem::replace(class, Class::Client);
+            was_ahead = before == Class::Ahead;
+            before != Class::Client
+        });
+        was_ahead
+    }
+
+    /// Resolves once the fill is (or already was) promoted from ahead.
     async fn promoted(&self) {
         let mut rx = self.0.subscribe();
-        let _ = rx.wait_for(|ahead| !ahead).await;
+        let _ = rx.wait_for(|class| *class != Class::Ahead).await;
+    }
+
+    /// A receiver that sees its class change (its promotion).
+    pub(super) fn watch(&self) -> watch::Receiver<Class> {
+        self.0.subscribe()
+    }
+
+    /// Identifies the fill (every clone of one fill's priority is the
+    /// same), for as long as the fill holds one.
+    pub(super) fn id(&self) -> usize {
+        Arc::as_ptr(&self.0) as usize
     }
 }
 

@@ -3,6 +3,11 @@
 //! ConfigMap that a pipeline or a controller writes is swapped in place
 //! through a symlink, so the stamp follows the path). A bad line is
 //! reported with its number and skipped; the other lines apply.
+//!
+//! A file may be read while it is being written: a last line without its
+//! newline (`team/app:v1` of `team/app:v10`) is not taken as an image
+//! until it ends, and the loop applies a changed file only once two reads
+//! in a row agree (see `crate::warm`).
 
 use std::path::Path;
 use std::time::SystemTime;
@@ -33,6 +38,35 @@ pub struct FileReport {
     /// Why it could not be read, when it could not (its images from the
     /// last good read are kept, or none if it is missing).
     pub error: Option<String>,
+    /// The number of a last line that does not end with a newline yet:
+    /// not read until it does (it may be half written).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unterminated_line: Option<usize>,
+}
+
+/// What reading the warm file found, before it is parsed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Raw {
+    Missing,
+    TooLarge,
+    Unreadable(String),
+    Bytes(Vec<u8>),
+}
+
+/// Reads the warm file's bytes (blocking: call on the blocking pool).
+pub fn read_raw(path: &Path) -> Raw {
+    match std::fs::metadata(path) {
+        Ok(meta) if meta.len() > MAX_WARM_FILE => return Raw::TooLarge,
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Raw::Missing,
+        Err(_) => {}
+    }
+    match std::fs::read(path) {
+        Ok(bytes) if bytes.len() as u64 > MAX_WARM_FILE => Raw::TooLarge,
+        Ok(bytes) => Raw::Bytes(bytes),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Raw::Missing,
+        Err(e) => Raw::Unreadable(e.to_string()),
+    }
 }
 
 /// What identifies a version of a file on disk: length, modification time
@@ -54,27 +88,42 @@ pub fn read_file(
     upstreams: &[UpstreamConfig],
     known: &[WarmImage],
 ) -> (Option<Vec<WarmImage>>, FileReport) {
+    parse(path, &read_raw(path), upstreams, known)
+}
+
+/// The images of a warm file read as `raw` (see [`read_file`]). A last
+/// line without a newline is left out and reported.
+pub fn parse(
+    path: &Path,
+    raw: &Raw,
+    upstreams: &[UpstreamConfig],
+    known: &[WarmImage],
+) -> (Option<Vec<WarmImage>>, FileReport) {
     let mut report = FileReport { path: path.display().to_string(), ..FileReport::default() };
-    let text = match std::fs::metadata(path) {
-        Ok(meta) if meta.len() > MAX_WARM_FILE => {
+    let bytes = match raw {
+        Raw::TooLarge => {
             report.error = Some(format!("larger than {MAX_WARM_FILE} bytes; not read"));
             return (None, report);
         }
-        Ok(_) => std::fs::read(path),
-        Err(e) => Err(e),
-    };
-    let text = match text {
-        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+        Raw::Missing => {
             report.error = Some("missing: only the config's [[warm]] images are warm until it appears".to_owned());
             return (Some(Vec::new()), report);
         }
-        Err(e) => {
+        Raw::Unreadable(e) => {
             report.error = Some(format!("cannot read it: {e}"));
             return (None, report);
         }
+        Raw::Bytes(bytes) => bytes,
     };
-    let file = parse_warm_file(&text, upstreams, known);
+    let text = String::from_utf8_lossy(bytes);
+    let complete = match text.rfind('\n') {
+        Some(end) => &text[..=end],
+        None => "",
+    };
+    if complete.len() < text.len() && !text[complete.len()..].trim().is_empty() {
+        report.unterminated_line = Some(complete.lines().count() + 1);
+    }
+    let file = parse_warm_file(complete, upstreams, known);
     report.images = file.images.len();
     report.bad_lines = file.bad_lines.into_iter().map(|(line, message)| BadLine { line, message }).collect();
     (Some(file.images), report)
@@ -109,6 +158,16 @@ mod tests {
         assert_eq!(report.images, 2);
         assert_eq!(report.bad_lines.iter().map(|b| b.line).collect::<Vec<_>>(), [2]);
         assert_eq!(report.error, None);
+
+        // Written in place, read half-way: the last line is not an image yet.
+        std::fs::write(&path, "alpine:3.20\nredis:7\n# more\ndocker.io/library/postgres:1").unwrap();
+        let (images, report) = read_file(&path, &config.upstreams, &[]);
+        let repos: Vec<String> = images.unwrap().iter().map(|i| i.repo.to_string()).collect();
+        assert_eq!(repos, ["library/alpine", "library/redis"], "not postgres:1 of postgres:16");
+        assert_eq!((report.unterminated_line, report.bad_lines.len()), (Some(4), 0));
+        std::fs::write(&path, "alpine:3.20").unwrap();
+        let (images, report) = read_file(&path, &config.upstreams, &[]);
+        assert_eq!((images.unwrap().len(), report.unterminated_line), (0, Some(1)));
 
         std::fs::remove_file(&path).unwrap();
         std::fs::create_dir(&path).unwrap();

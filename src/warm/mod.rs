@@ -23,6 +23,14 @@
 //! from the cache as far as `stale_if_error` allows, and is reported
 //! ([`status`]): `larder_warm_images{state}`, `/status`, the status page
 //! and `larder status`.
+//!
+//! The warm file may be read while it is written: a changed file is applied
+//! only once two reads at least [`FILE_CHECK_INTERVAL`] apart ([`SETTLE_PAUSE`]
+//! at start) find the same bytes, its last line only
+//! once it ends with a newline ([`list`]), and an image that leaves the
+//! list keeps its digests (the previous one too) and its pins for
+//! [`REMOVED_GRACE`]: a list briefly missing it, or larder restarted on
+//! such a list, loses nothing.
 
 pub mod list;
 pub mod status;
@@ -50,6 +58,14 @@ use status::{WarmReport, WarmState, WarmStatus};
 
 /// How often the warm file is checked for changes.
 pub const FILE_CHECK_INTERVAL: Duration = Duration::from_secs(2);
+/// At start, the pause between two reads of the warm file that must agree.
+pub const SETTLE_PAUSE: Duration = Duration::from_millis(200);
+/// At start, reads of the warm file until two agree; past them the file's
+/// images wait for the loop (what they pinned stays pinned meanwhile).
+pub const SETTLE_READS: usize = 10;
+/// How long an image no longer listed keeps its digests (the previous one
+/// too) and its pins: a warm file briefly missing it loses nothing.
+pub const REMOVED_GRACE: Duration = Duration::from_secs(15 * 60);
 
 /// One image of the list and where it is.
 struct Entry {
@@ -118,10 +134,25 @@ impl Entry {
 
 struct State {
     entries: Vec<Entry>,
+    /// Images no longer listed, each kept (its digests, its pins) until
+    /// the instant given ([`REMOVED_GRACE`]).
+    removed: Vec<(Entry, Instant)>,
     /// The warm file's images as last read well, its report and stamp.
     file_images: Vec<WarmImage>,
     file: Option<FileReport>,
     stamp: Stamp,
+    /// What a read of the warm file found, and when, while a change is not
+    /// applied yet: a read at least the settle time later must find the same.
+    unsettled: Option<(list::Raw, Instant)>,
+}
+
+/// What a read of the list did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Listed {
+    Changed,
+    Unchanged,
+    /// The warm file changed since the read before: read it again later.
+    Unsettled,
 }
 
 /// The keep-warm loop and what it knows.
@@ -157,7 +188,14 @@ impl Warm {
             cache_config: config.cache.clone(),
             config_images: config.warm.clone(),
             file: config.cache.warm_file.clone(),
-            state: Mutex::new(State { entries: Vec::new(), file_images: Vec::new(), file: None, stamp: None }),
+            state: Mutex::new(State {
+                entries: Vec::new(),
+                removed: Vec::new(),
+                file_images: Vec::new(),
+                file: None,
+                stamp: None,
+                unsettled: None,
+            }),
         })
     }
 
@@ -172,85 +210,165 @@ impl Warm {
 
     /// Reads the list and the digests recorded for it, and pins them: run
     /// before the cache's maintenance starts, so that nothing pinned is
-    /// evicted at start-up.
+    /// evicted at start-up. The warm file is read until two reads agree
+    /// (at most [`SETTLE_READS`]). Recorded digests of images not listed
+    /// now are kept, and pinned (every platform: the list that chose them
+    /// is gone), for [`REMOVED_GRACE`].
     pub async fn load(&self) -> Result<(), Error> {
         if !self.is_configured() {
             return Ok(());
         }
-        self.read_list().await;
+        for _ in 0..SETTLE_READS {
+            if self.read_list(SETTLE_PAUSE).await != Listed::Unsettled {
+                break;
+            }
+            tokio::time::sleep(SETTLE_PAUSE).await;
+        }
         let rows: HashMap<String, WarmRow> = self.cache.warm_rows().await?.into_iter().collect();
         {
             let mut state = self.lock();
             for entry in &mut state.entries {
                 entry.row = rows.get(&entry.image.key()).copied();
             }
+            let until = Instant::now() + REMOVED_GRACE;
+            let listed: std::collections::HashSet<String> = state.entries.iter().map(|e| e.image.key()).collect();
+            for (key, row) in rows.iter().filter(|(key, _)| !listed.contains(*key)) {
+                if let Some(image) = image_of_key(key) {
+                    state.removed.push((Entry::new(image, true, Some(*row)), until));
+                }
+            }
         }
         self.list_changed().await
     }
 
     /// Reads the warm file (if any) and rebuilds the list: entries still
-    /// listed keep what they know, new ones are due now. Returns whether
-    /// the list changed.
-    async fn read_list(&self) -> bool {
+    /// listed keep what they know, new ones are due now, ones no longer
+    /// listed are kept aside for [`REMOVED_GRACE`] (and come back as they
+    /// were if listed again meanwhile). A changed file is applied only
+    /// when this read finds what a read at least `apart` earlier found.
+    async fn read_list(&self, apart: Duration) -> Listed {
         let mut file_images = self.lock().file_images.clone();
         let mut report = None;
         let mut stamp = None;
         if let Some(path) = &self.file {
             let (path, upstreams, known) = (path.clone(), self.upstream_configs.clone(), self.config_images.clone());
-            let read = blocking(move || Ok((list::stamp(&path), list::read_file(&path, &upstreams, &known)))).await;
-            if let Ok((now, (images, file_report))) = read {
-                for bad in &file_report.bad_lines {
-                    tracing::warn!(
-                        file = file_report.path,
-                        line = bad.line,
-                        error = bad.message,
-                        "warm_file: line skipped"
-                    );
+            let read = blocking(move || {
+                let (stamp, raw) = (list::stamp(&path), list::read_raw(&path));
+                let agrees = raw.clone();
+                Ok((stamp, agrees, list::parse(&path, &raw, &upstreams, &known)))
+            })
+            .await;
+            let Ok((now, raw, (images, file_report))) = read else { return Listed::Unchanged };
+            {
+                let mut state = self.lock();
+                match &state.unsettled {
+                    Some((first, at)) if *first == raw => {
+                        if at.elapsed() < apart {
+                            return Listed::Unsettled;
+                        }
+                    }
+                    _ => {
+                        state.unsettled = Some((raw, Instant::now()));
+                        return Listed::Unsettled;
+                    }
                 }
-                if let Some(error) = &file_report.error {
-                    tracing::warn!(file = file_report.path, error, "warm_file");
-                }
-                if let Some(images) = images {
-                    file_images = images;
-                }
-                stamp = now;
-                report = Some(file_report);
+                state.unsettled = None;
             }
+            for bad in &file_report.bad_lines {
+                tracing::warn!(
+                    file = file_report.path,
+                    line = bad.line,
+                    error = bad.message,
+                    "warm_file: line skipped"
+                );
+            }
+            if let Some(error) = &file_report.error {
+                tracing::warn!(file = file_report.path, error, "warm_file");
+            }
+            if let Some(line) = file_report.unterminated_line {
+                tracing::info!(file = file_report.path, line, "warm_file: last line has no newline yet; not read");
+            }
+            if let Some(images) = images {
+                file_images = images;
+            }
+            stamp = now;
+            report = Some(file_report);
         }
+        let now = Instant::now();
         let mut state = self.lock();
         let mut old: HashMap<String, Entry> = state.entries.drain(..).map(|e| (e.image.key(), e)).collect();
+        let mut removed: HashMap<String, (Entry, Instant)> =
+            state.removed.drain(..).map(|(e, until)| (e.image.key(), (e, until))).collect();
         let listed = self.config_images.iter().map(|i| (i, false)).chain(file_images.iter().map(|i| (i, true)));
         let mut entries = Vec::new();
+        let mut changed = false;
         for (image, from_file) in listed {
-            let entry = match old.remove(&image.key()) {
+            let key = image.key();
+            let entry = match old.remove(&key) {
                 Some(mut e) => {
                     // Platforms or pin may have changed on the same line.
                     let changed = e.image != *image;
                     e.image = image.clone();
                     e.from_file = from_file;
                     if changed {
-                        e.next_due = Instant::now();
+                        e.next_due = now;
                     }
                     e
                 }
-                None => Entry::new(image.clone(), from_file, None),
+                None => {
+                    changed = true;
+                    match removed.remove(&key) {
+                        // Listed again within its grace: as it was, checked now.
+                        Some((mut e, _)) => {
+                            e.image = image.clone();
+                            e.from_file = from_file;
+                            e.next_due = now;
+                            e
+                        }
+                        None => Entry::new(image.clone(), from_file, None),
+                    }
+                }
             };
             entries.push(entry);
         }
-        let changed = !old.is_empty() || entries.len() != state.entries.len() || state.file != report;
+        changed |= !old.is_empty() || state.file != report;
+        for (key, e) in old {
+            tracing::info!(
+                image = e.image.image,
+                "warm image no longer listed: its digests and pins are kept for a while"
+            );
+            removed.insert(key, (e, now + REMOVED_GRACE));
+        }
         state.entries = entries;
+        state.removed = removed.into_values().collect();
         state.file_images = file_images;
         state.file = report;
         state.stamp = stamp;
-        changed
+        if changed { Listed::Changed } else { Listed::Unchanged }
+    }
+
+    /// Forgets the images whose grace ended by `now`; whether any did.
+    fn expire_removed(&self, now: Instant) -> bool {
+        let mut state = self.lock();
+        let before = state.removed.len();
+        state.removed.retain(|(e, until)| {
+            let keep = *until > now;
+            if !keep {
+                tracing::info!(image = e.image.image, "warm image no longer listed: its digests and pins are dropped");
+            }
+            keep
+        });
+        state.removed.len() != before
     }
 
     /// After the list changed: forgets the digests of images no longer
-    /// listed, tells the cache which tags are warm, pins again.
+    /// listed whose grace ended, tells the cache which tags are warm, pins
+    /// again.
     async fn list_changed(&self) -> Result<(), Error> {
         let (keys, tags) = {
             let state = self.lock();
-            let keys: Vec<String> = state.entries.iter().map(|e| e.image.key()).collect();
+            let kept = state.entries.iter().chain(state.removed.iter().map(|(e, _)| e));
+            let keys: Vec<String> = kept.map(|e| e.image.key()).collect();
             let tags: Vec<_> = state
                 .entries
                 .iter()
@@ -267,19 +385,23 @@ impl Warm {
         self.pin().await
     }
 
-    /// Pins every pinned image's current and previous digest.
+    /// Pins every pinned image's current and previous digest (those no
+    /// longer listed too, within their grace).
     async fn pin(&self) -> Result<(), Error> {
         let images: Vec<PinnedImage> = {
             let state = self.lock();
             state
                 .entries
                 .iter()
+                .chain(state.removed.iter().map(|(e, _)| e))
                 .filter(|e| e.image.pin)
-                .filter_map(|e| Some((e.row?, &e.image.platforms)))
-                .flat_map(|(row, platforms)| {
-                    std::iter::once(row.digest)
-                        .chain(row.previous)
-                        .map(|digest| PinnedImage { digest, platforms: platforms.clone() })
+                .filter_map(|e| Some((e.row?, &e.image)))
+                .flat_map(|(row, image)| {
+                    std::iter::once(row.digest).chain(row.previous).map(|digest| PinnedImage {
+                        upstream: image.upstream.clone(),
+                        digest,
+                        platforms: image.platforms.clone(),
+                    })
                 })
                 .collect()
         };
@@ -306,7 +428,11 @@ impl Warm {
         let warm = Arc::clone(self);
         tokio::spawn(crate::background::run(async move {
             loop {
-                if warm.file_changed().await && warm.read_list().await {
+                let mut changed = warm.expire_removed(Instant::now());
+                if warm.file_changed().await {
+                    changed |= warm.read_list(FILE_CHECK_INTERVAL).await == Listed::Changed;
+                }
+                if changed {
                     if let Err(e) = warm.list_changed().await {
                         tracing::warn!(error = %e, "applying the new warm list failed");
                     }
@@ -321,7 +447,11 @@ impl Warm {
                         () = warm.check(&key) => {}
                     }
                 }
-                let next = warm.lock().entries.iter().map(|e| e.next_due).min();
+                let next = {
+                    let state = warm.lock();
+                    let due = state.entries.iter().map(|e| e.next_due);
+                    due.chain(state.removed.iter().map(|(_, until)| *until)).min()
+                };
                 let mut wake = next.unwrap_or_else(|| Instant::now() + FILE_CHECK_INTERVAL);
                 if warm.file.is_some() {
                     wake = wake.min(Instant::now() + FILE_CHECK_INTERVAL);
@@ -334,10 +464,13 @@ impl Warm {
         }));
     }
 
+    /// Whether the warm file differs from what was applied (by its stamp),
+    /// or a change read last time still waits for a second read.
     async fn file_changed(&self) -> bool {
         let Some(path) = self.file.clone() else { return false };
         let now = blocking(move || Ok(list::stamp(&path))).await.ok().flatten();
-        now != self.lock().stamp
+        let state = self.lock();
+        now != state.stamp || state.unsettled.is_some()
     }
 
     fn interval(&self, image: &WarmImage) -> Duration {
@@ -471,7 +604,7 @@ impl Warm {
             Err(e) => return failed(Some(row), None, e),
         };
         if plan.blobs.is_empty() || cached >= total {
-            return Outcome { state: WarmState::Ready, row: Some(row), bytes: Some((total, total)), message: None };
+            return self.confirmed(upstream, image, &plan, row).await;
         }
         let (tx, rx) =
             watch::channel(PrefetchProgress { bytes_total: total, bytes_done: cached, ..Default::default() });
@@ -486,10 +619,38 @@ impl Warm {
         self.publish();
         tracing::info!(image = image.image, bytes = total - cached, "fetching a warm image's blobs");
         match prefetch::fetch_blobs(&self.cache, upstream, &image.repo, &plan, BACKGROUND_CONCURRENCY, &tx).await {
-            Ok(_) => Outcome { state: WarmState::Ready, row: Some(row), bytes: Some((total, total)), message: None },
+            Ok(_) => self.confirmed(upstream, image, &plan, row).await,
             Err(e) => {
                 let done = tx.borrow().bytes_done;
                 failed(Some(row), Some((done, total)), e)
+            }
+        }
+    }
+
+    /// Every manifest and blob of `plan` is cached: ready once each is a
+    /// member of the image's repository (see [`Cache::confirm_image`]), so
+    /// that it pulls with upstream gone; else failed, and checked again at
+    /// the next interval.
+    async fn confirmed(
+        &self,
+        upstream: &Arc<Upstream>,
+        image: &WarmImage,
+        plan: &prefetch::Plan,
+        row: WarmRow,
+    ) -> Outcome {
+        let total = plan.bytes();
+        let manifests: Vec<Digest> =
+            std::iter::once(plan.top.digest).chain(plan.children.iter().map(|m| m.digest)).collect();
+        match self.cache.confirm_image(upstream, &image.repo, &manifests, &plan.blobs).await {
+            Ok(()) => Outcome { state: WarmState::Ready, row: Some(row), bytes: Some((total, total)), message: None },
+            Err(e) => {
+                let message = format!("cached, but not yet confirmed as content of {}: {e}", image.repo);
+                Outcome {
+                    state: WarmState::Failed,
+                    row: Some(row),
+                    bytes: Some((total, total)),
+                    message: Some(message),
+                }
             }
         }
     }
@@ -566,4 +727,106 @@ fn shown_time(ms: u64) -> String {
 
 fn failed(row: Option<WarmRow>, bytes: Option<(u64, u64)>, e: Error) -> Outcome {
     Outcome { state: WarmState::Failed, row, bytes, message: Some(e.to_string()) }
+}
+
+/// The image a warm row's key (`upstream\0repo\0reference`) names, for a
+/// row whose image is no longer listed: every platform, pinned.
+fn image_of_key(key: &str) -> Option<WarmImage> {
+    let mut parts = key.splitn(3, '\0');
+    let (upstream, repo, reference) = (parts.next()?, parts.next()?, parts.next()?);
+    let (repo, reference): (crate::oci::RepoName, Reference) = (repo.parse().ok()?, reference.parse().ok()?);
+    let image = match &reference {
+        Reference::Digest(d) => format!("{upstream}/{repo}@{d}"),
+        Reference::Tag(t) => format!("{upstream}/{repo}:{t}"),
+    };
+    Some(WarmImage {
+        image,
+        upstream: upstream.to_owned(),
+        repo,
+        reference,
+        platforms: Vec::new(),
+        pin: true,
+        referrers: false,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::warm::WarmRow;
+
+    fn key(repo: &str) -> String {
+        format!("u.test\0{repo}\01")
+    }
+
+    fn row(seed: u8) -> WarmRow {
+        WarmRow { digest: Digest::of(&[seed]), previous: Some(Digest::of(&[seed, seed])), seen_ms: 1 }
+    }
+
+    fn listed(warm: &Warm) -> Vec<String> {
+        warm.lock().entries.iter().map(|e| e.image.repo.to_string()).collect()
+    }
+
+    async fn rows(cache: &Cache) -> HashMap<String, WarmRow> {
+        cache.warm_rows().await.unwrap().into_iter().collect()
+    }
+
+    #[tokio::test]
+    async fn a_warm_file_read_while_written_applies_whole_lines_two_reads_agree_on_and_keeps_removed_images() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("warm.txt");
+        let toml = format!(
+            "[cache]\ndir = {:?}\nwarm_file = {:?}\n[[upstream]]\nname = \"u.test\"\nurl = \"http://127.0.0.1:9\"\n\
+             default = true\n",
+            dir.path().join("cache").display().to_string(),
+            file.display().to_string()
+        );
+        let config = Config::parse(&toml, "test.toml", None).unwrap();
+        let cache = Cache::open(config.cache.clone()).await.unwrap();
+        let upstreams = Upstreams::new(&config).unwrap();
+        // Digests recorded by an earlier run, the previous ones too.
+        cache.set_warm_row(key("team/a"), row(1)).await.unwrap();
+        cache.set_warm_row(key("team/b"), row(2)).await.unwrap();
+
+        // Read while `team/b:10` is being written: `team/b:1` is no image yet.
+        std::fs::write(&file, "team/a:1\nteam/b:1").unwrap();
+        let warm = Warm::new(&config, Arc::clone(&cache), &upstreams);
+        warm.load().await.unwrap();
+        assert_eq!(listed(&warm), ["team/a"]);
+        assert_eq!(warm.report().file.unwrap().unterminated_line, Some(2));
+        assert_eq!(rows(&cache).await.get(&key("team/b")), Some(&row(2)), "not listed, but kept for a while");
+
+        // Rewritten: one read sees it, the next must agree before it applies.
+        std::fs::write(&file, "team/b:1\n").unwrap();
+        let hour = Duration::from_secs(3600);
+        assert_eq!(warm.read_list(hour).await, Listed::Unsettled);
+        assert_eq!(warm.read_list(hour).await, Listed::Unsettled, "the same bytes, but read too soon after");
+        assert_eq!(listed(&warm), ["team/a"], "not applied after one read");
+        assert_eq!(warm.read_list(Duration::ZERO).await, Listed::Changed);
+        warm.list_changed().await.unwrap();
+        assert_eq!(listed(&warm), ["team/b"]);
+        let b = warm.lock().entries[0].row;
+        assert_eq!(b, Some(row(2)), "listed again: its digests as they were, the previous one too");
+        assert_eq!(rows(&cache).await.get(&key("team/a")), Some(&row(1)), "gone from the list: kept for a while");
+
+        // A read in the middle of a rewrite, then the same bytes again.
+        std::fs::write(&file, "team/b:1\nteam/a:").unwrap();
+        assert_eq!(warm.read_list(Duration::ZERO).await, Listed::Unsettled);
+        std::fs::write(&file, "team/b:1\nteam/a:1\n").unwrap();
+        assert_eq!(warm.read_list(Duration::ZERO).await, Listed::Unsettled, "another read, other bytes: not applied");
+        assert_eq!(warm.read_list(Duration::ZERO).await, Listed::Changed);
+        assert_eq!(listed(&warm), ["team/b", "team/a"]);
+        assert_eq!(warm.lock().entries[1].row, Some(row(1)), "back within its grace: nothing lost");
+
+        // Gone for longer than the grace: forgotten.
+        std::fs::write(&file, "team/b:1\n").unwrap();
+        warm.read_list(Duration::ZERO).await;
+        assert_eq!(warm.read_list(Duration::ZERO).await, Listed::Changed);
+        warm.list_changed().await.unwrap();
+        assert!(!warm.expire_removed(Instant::now()), "within its grace");
+        assert!(warm.expire_removed(Instant::now() + REMOVED_GRACE + Duration::from_secs(1)));
+        warm.list_changed().await.unwrap();
+        let left: Vec<String> = rows(&cache).await.into_keys().collect();
+        assert_eq!(left, [key("team/b")]);
+    }
 }

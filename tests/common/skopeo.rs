@@ -160,6 +160,13 @@ pub async fn inspect_raw(source: &str) -> Result<Vec<u8>, SkopeoError> {
     run(&args).await
 }
 
+/// `skopeo inspect <source>`: what a look at an image fetches (its
+/// manifest and config); skopeo's JSON report.
+pub async fn inspect(source: &str) -> Result<Vec<u8>, SkopeoError> {
+    let args = ["inspect".to_owned(), "--tls-verify=false".to_owned(), "--no-creds".to_owned(), source.to_owned()];
+    run(&args).await
+}
+
 /// What a `dir:` pull wrote, with digests computed from the files' bytes.
 pub struct PulledImage {
     /// `sha256:` of `manifest.json` (the index, for `--all` of an index).

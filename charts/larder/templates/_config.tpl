@@ -96,6 +96,10 @@ library_namespace = {{ .libraryNamespace }}
 # This upstream's share of the cache: its least recently used content goes first.
 max_size = {{ include "larder.toml.string" (include "larder.size" (dict "value" . "key" (printf "upstreams[%s].maxSize" $u.name))) }}
 {{- end }}
+{{- with .maxBandwidth }}
+# Bytes per second for all this upstream's downloads; clients' first.
+max_bandwidth = {{ include "larder.toml.string" (include "larder.size" (dict "value" . "key" (printf "upstreams[%s].maxBandwidth" $u.name))) }}
+{{- end }}
 {{- with .tagTtl }}
 tag_ttl = {{ include "larder.toml.string" . }}
 {{- end }}

@@ -1,20 +1,34 @@
-//! Fills ahead of the client: serving an image manifest starts the fills
-//! of the blobs it names that are neither cached nor being filled, so
-//! that a client fetching them one at a time (skopeo does) finds each one
-//! already in flight, or done, when it asks.
+//! Fills ahead of the client follow a pull, not a look. When a client
+//! first asks for one of an image's **layers**, the fills of that image's
+//! other layers that are neither cached nor being filled start, so that a
+//! client fetching them one at a time (skopeo does) finds each one in
+//! flight, or done, when it asks.
 //!
-//! They are fills like any other (one per digest, the same sources,
-//! verified and committed the same way, joined by the client when it
-//! asks), counted `reason="ahead"`. A manifest's blobs go in its order
-//! (config, then layers), at most `fill_connections` of them at once, so
-//! that on a link whose total bandwidth is what limits the blob the
-//! client asks for next comes first. Their upstream requests take at most
-//! half the upstream's connections and never keep a request a client
-//! waits on from starting (`crate::upstream::priority`); a client joining
-//! one promotes it. A client that never asks for them costs at most the
-//! bytes of the image whose manifest it fetched, once.
+//! - A manifest alone starts nothing. Renovate, Flux image automation,
+//!   `skopeo inspect`, `crane manifest` and `docker manifest inspect` read
+//!   manifests (and sometimes the config) of images they never pull; a
+//!   download per look would cost every image they look at.
+//! - Which image: the one **this client** resolved ([`Resolved`]): a GET
+//!   of an image manifest of the same repository from the same address in
+//!   the last [`RESOLVED_TTL`]. Another client's look at another tag
+//!   sharing the layer starts nothing for this one.
+//! - Never when the image's declared layers do not fit under the cache's
+//!   low watermark (or the upstream's own `max_size`'s): its layers would
+//!   evict each other, and the client's own requests would fetch them again.
+//! - They are fills like any other (one per digest, the same sources,
+//!   verified and committed the same way, joined by the client when it
+//!   asks), counted `reason="ahead"`, in the manifest's order, at most
+//!   `fill_connections` at once. They yield to clients' fills: connections
+//!   (at most half of `max_concurrency`, never one a client request is
+//!   queued for: `crate::upstream::priority`) and bandwidth (what clients
+//!   leave of `max_bandwidth`, or without one, one fill ahead at a time
+//!   while any client fill of the upstream runs: `crate::upstream::bandwidth`).
+//!   A client joining one promotes it.
 
+use std::net::IpAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use futures_util::StreamExt;
 
@@ -22,25 +36,136 @@ use crate::cache::*;
 use crate::oci::{MediaType, inspect_manifest};
 use crate::upstream::Priority;
 
+/// How long a client's resolution of an image manifest is remembered: a
+/// pull asks for its layers within moments of its manifest.
+pub const RESOLVED_TTL: Duration = Duration::from_secs(600);
+/// Most layers remembered in all, over every client's resolutions (about
+/// 48 bytes each); past it the least recently used clients' resolutions
+/// are forgotten (a pull that old gets no fills ahead, only its own fills).
+pub const MAX_RESOLVED_LAYERS: u64 = 1 << 20;
+/// Image manifests remembered per (client, repository), most recent first:
+/// a client pulling several tags of one repository at once.
+pub const RESOLVED_PER_CLIENT: usize = 4;
+/// Layers of one image that fills ahead consider, the first ones (an image
+/// of more, rare, fills the rest when its client asks): bounds what one
+/// manifest can make larder remember.
+pub const MAX_AHEAD_LAYERS: usize = 256;
+
+/// An image manifest a client resolved: its layers, and whether a request
+/// for one of them started their fills ahead.
+struct Image {
+    manifest: Digest,
+    layers: Vec<(Digest, Option<u64>)>,
+    started: AtomicBool,
+}
+
+/// The image manifests one client resolved lately in one repository, most
+/// recent first.
+type Recent = Arc<[Arc<Image>]>;
+
+/// Which client resolved which image manifests, for the image a layer
+/// request belongs to. Looked up on every manifest and blob GET, so keyed
+/// without allocating: the client's address and a hash of upstream and
+/// repository (a collision costs at most fills ahead of an image the layer
+/// belongs to anyway, in another repository of the same client). Bounded
+/// by the layers it holds.
+pub struct Resolved {
+    clients: moka::sync::Cache<(IpAddr, u64), Recent>,
+}
+
+impl Default for Resolved {
+    fn default() -> Self {
+        let weigh = |_: &(IpAddr, u64), recent: &Recent| -> u32 {
+            let layers: usize = recent.iter().map(|i| i.layers.len()).sum();
+            u32::try_from(layers + 1).unwrap_or(u32::MAX)
+        };
+        Resolved {
+            clients: moka::sync::Cache::builder()
+                .max_capacity(MAX_RESOLVED_LAYERS)
+                .weigher(weigh)
+                .time_to_live(RESOLVED_TTL)
+                .build(),
+        }
+    }
+}
+
+/// The key of `client`'s resolutions in `repo` of `upstream`.
+fn client_key(client: IpAddr, upstream: &str, repo: &RepoName) -> (IpAddr, u64) {
+    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+    (client, BuildHasherDefault::<DefaultHasher>::default().hash_one((upstream, repo.as_str())))
+}
+
 impl Cache {
-    /// Starts the fills ahead for `manifest`, just served to a client of
-    /// `repo`, in the background. An index names no blobs: the platform
-    /// manifest the client picks from it starts them when it is served.
-    pub fn fill_ahead(self: &Arc<Self>, upstream: &Arc<Upstream>, repo: &RepoName, manifest: &StoredManifest) {
+    /// A client at `client` was served `manifest` of `repo` (a GET): if it
+    /// is an image manifest, its layers are remembered for the fills ahead
+    /// that a request for one of them starts. Starts nothing itself. A
+    /// manifest the client resolved last already costs one lookup.
+    pub fn resolved(&self, upstream: &Upstream, repo: &RepoName, client: IpAddr, manifest: &StoredManifest) {
         if !upstream.config.fill_ahead
             || !matches!(manifest.media_type, MediaType::OciManifest | MediaType::DockerManifest)
         {
             return;
         }
+        let key = client_key(client, upstream.name(), repo);
+        let recent = self.resolved.clients.get(&key);
+        if recent.as_ref().and_then(|r| r.first()).is_some_and(|i| i.manifest == manifest.digest) {
+            return;
+        }
         let Ok((_, refs)) = inspect_manifest(&manifest.bytes, Some(manifest.media_type)) else { return };
-        let (cache, upstream, repo) = (Arc::clone(self), Arc::clone(upstream), repo.clone());
-        // In a trace, the fills ahead are the manifest request's.
+        let image = Arc::new(Image {
+            manifest: manifest.digest,
+            layers: refs.layers().take(MAX_AHEAD_LAYERS).collect(),
+            started: AtomicBool::new(false),
+        });
+        let earlier = recent.iter().flat_map(|r| r.iter()).filter(|i| i.manifest != manifest.digest).cloned();
+        let list: Recent = std::iter::once(image).chain(earlier).take(RESOLVED_PER_CLIENT).collect();
+        self.resolved.clients.insert(key, list);
+    }
+
+    /// A client at `client` asked for blob `digest` of `repo`: if it is a
+    /// layer of an image manifest that client resolved (the most recent
+    /// one that has it), and the first of that image's layers it asked
+    /// for, the fills of the image's other layers start in the background
+    /// (see the module's rules).
+    pub fn layer_requested(
+        self: &Arc<Self>,
+        upstream: &Arc<Upstream>,
+        repo: &RepoName,
+        client: IpAddr,
+        digest: Digest,
+    ) {
+        let Some(recent) = self.resolved.clients.get(&client_key(client, upstream.name(), repo)) else { return };
+        let Some(image) = recent.iter().find(|i| i.layers.iter().any(|(layer, _)| *layer == digest)) else {
+            return;
+        };
+        if image.layers.len() < 2 || image.started.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let declared: u64 = image.layers.iter().filter_map(|(_, size)| *size).sum();
+        let room = match self.evictor.quota(upstream.name()) {
+            Some(quota) => quota.low.min(self.evictor.limits().low),
+            None => self.evictor.limits().low,
+        };
+        if declared > room {
+            tracing::info!(
+                upstream = upstream.name(),
+                %repo,
+                manifest = %image.manifest,
+                declared,
+                room,
+                "no fills ahead: the image's layers do not fit under the low watermark"
+            );
+            return;
+        }
+        let (cache, upstream, repo, image) = (Arc::clone(self), Arc::clone(upstream), repo.clone(), Arc::clone(image));
+        // In a trace, the fills ahead are the layer request's.
         tokio::spawn(crate::otel::follow(async move {
             let at_once = upstream.config.fill_connections.get();
-            futures_util::stream::iter(refs.blobs)
-                .for_each_concurrent(at_once, |digest| {
+            let layers = image.layers.iter().map(|(layer, _)| *layer).filter(|layer| *layer != digest);
+            futures_util::stream::iter(layers)
+                .for_each_concurrent(at_once, |layer| {
                     let (cache, upstream, repo) = (&cache, &upstream, &repo);
-                    async move { cache.fill_one_ahead(upstream, repo, digest).await }
+                    async move { cache.fill_one_ahead(upstream, repo, layer).await }
                 })
                 .await;
         }));
@@ -58,8 +183,15 @@ impl Cache {
             // disk cannot tell now: the client's request will.
             Ok(Some(_)) | Err(_) => return,
         }
-        let owner = format!("{}\0{repo}", upstream.name());
+        // While a client fill of the upstream runs, a fill ahead opens no
+        // connection before it may read (without `max_bandwidth`: one at a time).
         let priority = Priority::ahead();
+        let _waiting = upstream.bandwidth().register(&priority);
+        upstream.bandwidth().may_start(&priority).await;
+        if self.fills.get(&digest).is_some() {
+            return;
+        }
+        let owner = format!("{}\0{repo}", upstream.name());
         let attach = self.fills.join_or_start(
             digest,
             (&owner, &priority),

@@ -312,7 +312,8 @@ impl Cache {
                     job.run(writer, parts::OpenedPart { body, permit }, first_end).await
                 }
                 (_, permit, _) => {
-                    let bounds = fill::Bounds { declared, limit, idle };
+                    let pace = vouched.then(|| upstream.bandwidth().pace(priority));
+                    let bounds = fill::Bounds { declared, limit, idle, pace };
                     let copied = fill::copy_body(body, writer, skip, bounds, tx, received.as_slice()).await;
                     drop(permit);
                     copied

@@ -129,8 +129,8 @@ impl<W: Sink> Slot<W> {
     }
 }
 
-/// What a fill's body may be.
-#[derive(Clone, Copy, Debug)]
+/// What a fill's body may be, and how fast it may be read.
+#[derive(Clone)]
 pub struct Bounds {
     /// Where the body must end (the offset after its last byte), if its
     /// source said: the blob's whole size for a copy from its start (the
@@ -142,6 +142,10 @@ pub struct Bounds {
     pub limit: u64,
     /// Longest pause between two chunks.
     pub idle: Duration,
+    /// For bytes from upstream: its bandwidth, which each chunk read
+    /// waits for its share of (`max_bandwidth`; fills ahead and warm
+    /// downloads yield to clients'), outside the `idle` wait.
+    pub pace: Option<crate::upstream::bandwidth::Pace>,
 }
 
 /// A copy that stopped short.
@@ -209,7 +213,7 @@ pub async fn copy_body<W: Sink>(
     tx: &watch::Sender<Progress>,
     received: &[prometheus::IntCounter],
 ) -> Result<W, Interrupted<W>> {
-    let Bounds { declared, limit, idle } = bounds;
+    let Bounds { declared, limit, idle, pace } = bounds;
     let mut slot = Slot::Idle(sink);
     loop {
         // Read the next chunk; a write finishing meanwhile is published at
@@ -267,7 +271,13 @@ pub async fn copy_body<W: Sink>(
             for counter in received {
                 counter.inc_by(chunk.len() as u64);
             }
-            Slot::Busy(tokio::spawn(sink.write(chunk)))
+            let len = chunk.len() as u64;
+            let slot = Slot::Busy(tokio::spawn(sink.write(chunk)));
+            // Paid for while it is written, before the next one is read.
+            if let Some(pace) = &pace {
+                pace.take(len).await;
+            }
+            slot
         };
         if eof {
             break;

@@ -41,6 +41,7 @@ use crate::oci::Digest;
 use crate::sendfile::{self, FileSink};
 use crate::upstream::Priority;
 
+pub use ahead::Resolved;
 pub use copy::{Bounds, Cause, Interrupted, WRITE_CHUNK, Writer, copy_body};
 pub use deadline::{FILL_GRACE, FILL_MIN_RATE, deadline};
 pub use progress::{Extents, Progress, UNVOUCHED};

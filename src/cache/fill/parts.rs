@@ -80,10 +80,35 @@ pub const PART_ATTEMPTS: usize = 3;
 /// three idle timeouts instead of resuming once per trickle.
 pub const RESUME_MIN_PROGRESS: u64 = 256 << 10;
 
-/// The next attempt count after a GET that brought `brought` bytes and
-/// then broke off after `attempts` weak ones in a row.
-fn after_break(brought: u64, attempts: usize) -> usize {
-    if brought >= RESUME_MIN_PROGRESS { 0 } else { attempts + 1 }
+/// How one GET of a part went before it broke off.
+#[derive(Clone, Copy, Debug)]
+struct Attempt {
+    /// Bytes it brought.
+    brought: u64,
+    /// How long it ran, from its answer to its break.
+    took: Duration,
+    /// How much of that larder held its reads back, waiting on the
+    /// upstream's bandwidth ([`crate::upstream::bandwidth::Pace::held`]).
+    held: Duration,
+}
+
+/// The next attempt count after a GET that broke off after `attempts`
+/// weak ones in a row. One that brought [`RESUME_MIN_PROGRESS`] starts the
+/// count again. One that brought less counts only if the source had the
+/// time: a GET larder held back for at least half its time (a rate below
+/// the minimum, or a fill ahead yielding while clients use the whole
+/// rate) brought little because of larder's own cap, and a far end may cut
+/// a connection that is not read; it neither counts nor starts the count
+/// again. A source that trickles is waited on, not held back, so it still
+/// fails within [`PART_ATTEMPTS`] idle timeouts.
+fn after_break(attempt: Attempt, attempts: usize) -> usize {
+    if attempt.brought >= RESUME_MIN_PROGRESS {
+        0
+    } else if attempt.held.saturating_mul(2) >= attempt.took && !attempt.held.is_zero() {
+        attempts
+    } else {
+        attempts + 1
+    }
 }
 
 /// The end of the part that holds `offset`: the next multiple of
@@ -399,14 +424,18 @@ impl PartsJob<'_> {
                 }
                 Err(StreamOpen::Fail(error)) => return Err(Interrupted { error, cause: Cause::Broke(writer) }),
             };
-            let bounds = Bounds { declared: Some(self.size), limit: self.size, idle: self.idle };
+            let pace = self.upstream.bandwidth().pace(self.priority);
+            let bounds =
+                Bounds { declared: Some(self.size), limit: self.size, idle: self.idle, pace: Some(pace.clone()) };
             let received = [metrics().upstream_bytes.with_label_values(&[name])];
+            let began = tokio::time::Instant::now();
             let copied = copy_body(body, writer, at - from, bounds, self.tx, &received).await;
             drop(permit);
             match copied {
                 Ok(w) => return Ok(w),
                 Err(Interrupted { error, cause: Cause::Broke(w) }) => {
-                    attempts = after_break(w.written() - at, attempts);
+                    let attempt = Attempt { brought: w.written() - at, took: began.elapsed(), held: pace.held() };
+                    attempts = after_break(attempt, attempts);
                     writer = w;
                     if attempts >= PART_ATTEMPTS {
                         return Err(Interrupted { error, cause: Cause::Broke(writer) });
@@ -473,16 +502,19 @@ impl PartsJob<'_> {
             },
         };
         let sink = PartWriter { file: Arc::clone(&self.file), at: start, extents: Arc::clone(extents) };
-        let bounds = Bounds { declared: Some(end), limit: end, idle: self.idle };
+        let pace = self.upstream.bandwidth().pace(self.priority);
+        let bounds = Bounds { declared: Some(end), limit: end, idle: self.idle, pace: Some(pace.clone()) };
         let (upstream_bytes, part_bytes) =
             (metrics().upstream_bytes.with_label_values(&[name]), metrics().fill_part_bytes.with_label_values(&[name]));
+        let began = tokio::time::Instant::now();
         let copied = copy_body(body, sink, 0, bounds, self.tx, &[upstream_bytes, part_bytes]).await;
         drop(permit);
         match copied {
             Ok(_) => Outcome::Done,
             Err(Interrupted { cause: Cause::Broke(sink), .. }) if sink.at >= end => Outcome::Done,
             Err(Interrupted { error, cause: Cause::Broke(sink) }) => {
-                Outcome::Broke { rest: (sink.at, end), error, attempts: after_break(sink.at - start, attempts) }
+                let attempt = Attempt { brought: sink.at - start, took: began.elapsed(), held: pace.held() };
+                Outcome::Broke { rest: (sink.at, end), error, attempts: after_break(attempt, attempts) }
             }
             Err(Interrupted { error, cause: Cause::Lied }) => Outcome::Failed(error),
             Err(Interrupted { error, cause: Cause::Local }) => Outcome::Local(error),
@@ -543,6 +575,23 @@ mod tests {
     use super::*;
 
     const M: u64 = PART_SIZE;
+
+    #[test]
+    fn a_get_that_brings_little_counts_only_when_the_source_not_the_bandwidth_held_it() {
+        let s = Duration::from_secs;
+        let attempt = |brought, took, held| Attempt { brought, took: s(took), held: s(held) };
+        // A trickle: 64 KiB, then the idle timeout; never held back.
+        assert_eq!(after_break(attempt(64 << 10, 2, 0), 1), 2);
+        // Enough bytes start the count again, however it was held.
+        assert_eq!(after_break(attempt(RESUME_MIN_PROGRESS, 2, 0), 2), 0);
+        assert_eq!(after_break(attempt(RESUME_MIN_PROGRESS, 60, 59), 2), 0);
+        // Held back by max_bandwidth (or while clients use all of it) for
+        // most of its time: larder's cap, not the source; it does not count.
+        assert_eq!(after_break(attempt(64 << 10, 60, 59), 2), 2);
+        assert_eq!(after_break(attempt(0, 40, 20), 2), 2);
+        // Held a little, waited on the source the most: it counts.
+        assert_eq!(after_break(attempt(64 << 10, 40, 1), 2), 3);
+    }
 
     #[test]
     fn parts_end_on_multiples_of_the_part_size() {

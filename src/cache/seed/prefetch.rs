@@ -211,6 +211,9 @@ pub async fn fetch(
     progress: &watch::Sender<PrefetchProgress>,
 ) -> Result<Prefetched, Error> {
     let (bytes, fetched) = fetch_blobs(cache, upstream, repo, plan, PREFETCH_PARALLELISM, progress).await?;
+    // Every manifest and blob a member of `repo`: it pulls with upstream gone.
+    let digests: Vec<Digest> = std::iter::once(plan.top.digest).chain(plan.children.iter().map(|m| m.digest)).collect();
+    cache.confirm_image(upstream, repo, &digests, &plan.blobs).await?;
     let manifests = plan.children.len().max(1);
     Ok(Prefetched { image: image.to_owned(), manifests, blobs: plan.blobs.len(), fetched, bytes, referrers: None })
 }

@@ -121,6 +121,17 @@ impl Kind {
     }
 }
 
+/// A use of a stored item (a request served it): when, and for which
+/// upstream. The item's charge moves to that upstream (see `quota`);
+/// `by: None` moves only its access time (an item another upstream pins).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Use {
+    pub kind: Kind,
+    pub digest: Digest,
+    pub at_ms: u64,
+    pub by: Option<std::sync::Arc<str>>,
+}
+
 /// One stored item as the evictor sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Entry {
@@ -277,10 +288,10 @@ impl<'txn> Content<'txn> {
         Ok(self.rows(kind).get(hex)?.map(|v| v.value()))
     }
 
-    /// Inserts (or refreshes) a content row and its access-order twins.
-    /// A row keeps the upstream it is charged to; a row that has none is
-    /// charged to `upstream` (the one it was fetched for). Returns whether
-    /// the row is new.
+    /// Inserts (or refreshes) a content row and its access-order twins,
+    /// charged to `upstream` (the one it was fetched or stored for now:
+    /// its most recent use); without one, a row keeps the upstream it is
+    /// charged to. Returns whether the row is new.
     fn put(
         &mut self,
         kind: Kind,
@@ -300,12 +311,12 @@ impl<'txn> Content<'txn> {
         }
         self.access.insert((now_ms, kind.code(), hex), ())?;
         let owner = match (charged, upstream) {
-            (Some(owner), _) => Some(owner),
-            (None, Some(upstream)) => {
+            (Some(owner), Some(upstream)) if owner == upstream => Some(owner),
+            (_, Some(upstream)) => {
                 self.charged.insert((kind.code(), hex), upstream)?;
                 Some(upstream.to_owned())
             }
-            (None, None) => None,
+            (owner, None) => owner,
         };
         if let Some(owner) = &owner {
             self.upstream_access.insert((owner.as_str(), now_ms, kind.code(), hex), ())?;
@@ -314,6 +325,37 @@ impl<'txn> Content<'txn> {
         self.added += size;
         self.removed += previous.map_or(0, |(size, _)| size);
         Ok(previous.is_none())
+    }
+
+    /// A use of a row at `at_ms` (later than its last one, else nothing
+    /// changes) for upstream `by`: its access time moves, and its charge
+    /// moves to `by` (the upstream whose use is the most recent is the one
+    /// it is there for). A row charged to no upstream (adopted at start-up
+    /// or by `verify --repair`) is charged to the first that uses it.
+    fn used(&mut self, kind: Kind, hex: &str, at_ms: u64, by: Option<&str>) -> Result<(), redb::Error> {
+        let Some((size, before)) = self.get(kind, hex)? else { return Ok(()) };
+        if at_ms <= before {
+            return Ok(());
+        }
+        self.rows(kind).insert(hex, (size, at_ms))?;
+        self.access.remove((before, kind.code(), hex))?;
+        self.access.insert((at_ms, kind.code(), hex), ())?;
+        let owner = self.charged_to(kind, hex)?;
+        if let Some(owner) = &owner {
+            self.upstream_access.remove((owner.as_str(), before, kind.code(), hex))?;
+        }
+        let to = by.map(str::to_owned).or(owner.clone());
+        if let Some(to) = &to {
+            if owner.as_deref() != Some(to.as_str()) {
+                self.charged.insert((kind.code(), hex), to.as_str())?;
+                if let Some(owner) = &owner {
+                    self.charges.add(owner, -(size as i64));
+                }
+                self.charges.add(to, size as i64);
+            }
+            self.upstream_access.insert((to.as_str(), at_ms, kind.code(), hex), ())?;
+        }
+        Ok(())
     }
 
     /// Removes a content row (and a manifest's bytes) with its
@@ -582,8 +624,9 @@ impl Index {
 
     /// Indexes blob files found without their rows (see `reconcile`), in
     /// one transaction. No membership is recorded: a repository gets it
-    /// after an upstream check. Returns the bytes of the blobs that were
-    /// new to the index (a row committed meanwhile is only refreshed).
+    /// after an upstream check. Charged to no upstream until the first one
+    /// serves it (see `Content::used`). Returns the bytes of the blobs that
+    /// were new to the index (a row committed meanwhile is only refreshed).
     pub fn adopt_blobs(&self, blobs: &[(Digest, u64)], now_ms: u64) -> Result<u64, redb::Error> {
         let txn = begin_write(&self.db)?;
         let mut added = 0;
@@ -658,17 +701,14 @@ impl Index {
         Ok(victims.out)
     }
 
-    /// Records access times, batched; rows that are gone are skipped.
-    pub fn touch(&self, accesses: &[(Kind, Digest, u64)]) -> Result<(), redb::Error> {
+    /// Records uses, batched: access times, and charges that move to the
+    /// upstream of the most recent use (see `Content::used`); rows that
+    /// are gone are skipped.
+    pub fn touch(&self, uses: &[Use]) -> Result<(), redb::Error> {
         let txn = begin_write(&self.db)?;
         let mut content = Content::open(&txn)?;
-        for (kind, digest, at) in accesses {
-            let hex = digest.hex();
-            if let Some((size, before)) = content.get(*kind, hex.as_str())? {
-                if *at > before {
-                    content.put(*kind, hex.as_str(), size, *at, None)?;
-                }
-            }
+        for u in uses {
+            content.used(u.kind, u.digest.hex().as_str(), u.at_ms, u.by.as_deref())?;
         }
         let changes = content.close()?;
         self.commit(txn, changes)?;

@@ -64,33 +64,42 @@ pub struct TagEntry {
     pub confirmed: SystemTime,
 }
 
+/// The hasher of the memory tier's keys: foldhash, seeded at random per
+/// process (so keys a client picks cannot be aimed at one bucket), in
+/// place of std's SipHash-1-3. A warm manifest GET hashes three keys here
+/// (the digest, and its membership key twice, some 80 bytes each); SipHash
+/// was 0.5 % of larder's samples in session 21's profile (issue 35,
+/// benches/README.md "Warm manifests at nginx's cost").
+type Keys = foldhash::fast::RandomState;
+type Cache<K, V> = moka::sync::Cache<K, V, Keys>;
+
 /// Rough per-entry overhead counted against the memory budget.
 const ENTRY_OVERHEAD: u32 = 256;
 /// Tenths of the memory budget for manifests; the rest holds tags and blob sizes.
 const MANIFEST_TENTHS: u64 = 8;
 
 pub struct Memory {
-    manifests: moka::sync::Cache<Digest, Arc<StoredManifest>>,
-    tags: moka::sync::Cache<String, TagEntry>,
+    manifests: Cache<Digest, Arc<StoredManifest>>,
+    tags: Cache<String, TagEntry>,
     /// Sizes of committed blobs, so a hit needs no index read.
-    blob_sizes: moka::sync::Cache<Digest, u64>,
+    blob_sizes: Cache<Digest, u64>,
     /// Repository membership rows known to exist (see the index's MEMBERS).
-    members: moka::sync::Cache<String, ()>,
+    members: Cache<String, ()>,
     /// `tags/list` and `referrers` pages by (upstream, repo, listing, query),
     /// with when they were fetched; `None` when upstream answered 404.
-    listings: moka::sync::Cache<String, (Option<Page>, Instant)>,
-    open_blobs: moka::sync::Cache<Digest, (Arc<File>, u64)>,
+    listings: Cache<String, (Option<Page>, Instant)>,
+    open_blobs: Cache<Digest, (Arc<File>, u64)>,
     /// Blob sizes the manifests of a repository declared, by
     /// "upstream\0repo\0digest hex": the bound on a fill for that repository.
-    declared_sizes: moka::sync::Cache<String, u64>,
+    declared_sizes: Cache<String, u64>,
     /// Blobs a fill ahead committed before any client asked: the first
     /// client request for one is still its miss (the pull caused the
     /// download), not a hit.
-    fetched_ahead: moka::sync::Cache<Digest, ()>,
+    fetched_ahead: Cache<Digest, ()>,
     /// A manifest's registry warnings for one repository, by its membership
     /// key ("upstream\0repo\0digest hex"), none included (empty), as the
     /// index keeps them.
-    warnings: moka::sync::Cache<String, Warnings>,
+    warnings: Cache<String, Warnings>,
 }
 
 /// Memory for cached listing pages, apart from the budget above: pages are
@@ -124,38 +133,42 @@ impl Memory {
                         .saturating_add(ENTRY_OVERHEAD)
                 })
                 .max_capacity(manifest_budget)
-                .build(),
+                .build_with_hasher(Keys::default()),
             tags: moka::sync::Cache::builder()
                 .weigher(|k: &String, _| u32::try_from(k.len()).unwrap_or(u32::MAX).saturating_add(ENTRY_OVERHEAD))
                 .max_capacity(small_budget)
-                .build(),
-            blob_sizes: moka::sync::Cache::builder().max_capacity(small_budget / 2 / u64::from(ENTRY_OVERHEAD)).build(),
+                .build_with_hasher(Keys::default()),
+            blob_sizes: moka::sync::Cache::builder()
+                .max_capacity(small_budget / 2 / u64::from(ENTRY_OVERHEAD))
+                .build_with_hasher(Keys::default()),
             members: moka::sync::Cache::builder()
                 .weigher(|k: &String, _| u32::try_from(k.len()).unwrap_or(u32::MAX).saturating_add(ENTRY_OVERHEAD))
                 .max_capacity(small_budget / 2)
-                .build(),
+                .build_with_hasher(Keys::default()),
             listings: moka::sync::Cache::builder()
                 .weigher(|k: &String, (page, _): &(Option<Page>, Instant)| {
                     let body = page.as_ref().map_or(0, |p| p.body.len());
                     u32::try_from(k.len() + body).unwrap_or(u32::MAX).saturating_add(ENTRY_OVERHEAD)
                 })
                 .max_capacity(LISTINGS_BYTES)
-                .build(),
+                .build_with_hasher(Keys::default()),
             open_blobs: moka::sync::Cache::builder()
                 .max_capacity(OPEN_BLOB_HANDLES)
                 .time_to_idle(OPEN_BLOB_IDLE)
-                .build(),
-            declared_sizes: moka::sync::Cache::builder().max_capacity(DECLARED_SIZES).build(),
+                .build_with_hasher(Keys::default()),
+            declared_sizes: moka::sync::Cache::builder()
+                .max_capacity(DECLARED_SIZES)
+                .build_with_hasher(Keys::default()),
             fetched_ahead: moka::sync::Cache::builder()
                 .max_capacity(FETCHED_AHEAD)
                 .time_to_live(FETCHED_AHEAD_TTL)
-                .build(),
+                .build_with_hasher(Keys::default()),
             warnings: moka::sync::Cache::builder()
                 .weigher(|k: &String, w: &Warnings| {
                     u32::try_from(k.len() + w.byte_len()).unwrap_or(u32::MAX).saturating_add(ENTRY_OVERHEAD)
                 })
                 .max_capacity(WARNINGS_BYTES)
-                .build(),
+                .build_with_hasher(Keys::default()),
         }
     }
 

@@ -7,6 +7,11 @@
 //! watermarks of it, counting what it is charged for (see
 //! [`crate::cache::index::Charged`]); the maintenance task evicts within such an
 //! upstream first, then across the cache.
+//!
+//! Fills in flight count too ([`InFlight`]): their temp files take disk
+//! now and their blobs will be committed, so a cold pull of several large
+//! layers makes room before it writes them instead of taking the cache
+//! past `max_size` until they commit.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -14,7 +19,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 
-use crate::cache::index::{Charged, Kind};
+use crate::cache::index::{Charged, Kind, Use};
 use crate::oci::Digest;
 
 /// Disk budget and the watermarks derived from it.
@@ -37,6 +42,9 @@ impl Limits {
 /// larger than the disk).
 const DISK_FULL_RELIEF: f64 = 0.10;
 
+/// When an item was last used, and for which upstream.
+type LastUse = (u64, Arc<str>);
+
 pub struct Evictor {
     limits: Limits,
     /// Each upstream's own limits (`[[upstream]] max_size`).
@@ -44,10 +52,43 @@ pub struct Evictor {
     /// What each upstream is charged, as the index last committed it.
     charged: Arc<Charged>,
     bytes: AtomicU64,
-    /// Access times not yet written to the index: (kind, digest) → unix millis.
-    pending: Mutex<HashMap<(Kind, Digest), u64>>,
+    /// Uses not yet written to the index (the last one of an item wins).
+    /// Hashed with foldhash: every warm request inserts here (issue 35).
+    pending: Mutex<HashMap<(Kind, Digest), LastUse, foldhash::fast::RandomState>>,
     disk_full: AtomicBool,
     wake: Notify,
+    /// Bytes of fills in flight, in all and per upstream.
+    in_flight: Mutex<InFlightBytes>,
+}
+
+#[derive(Default)]
+struct InFlightBytes {
+    total: u64,
+    by_upstream: HashMap<String, u64>,
+}
+
+/// A fill in flight's bytes, counted toward eviction until it ends (the
+/// blob is committed and counted as usage, or it fails) or is dropped.
+pub struct InFlight {
+    evictor: Arc<Evictor>,
+    upstream: String,
+    bytes: u64,
+}
+
+impl InFlight {
+    /// The fill now knows its blob's size (or the size is gone: 0).
+    pub fn set(&mut self, bytes: u64) {
+        if bytes != self.bytes {
+            self.evictor.move_in_flight(&self.upstream, self.bytes, bytes);
+            self.bytes = bytes;
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.set(0);
+    }
 }
 
 impl Evictor {
@@ -58,9 +99,56 @@ impl Evictor {
             quotas,
             charged,
             bytes: AtomicU64::new(bytes),
-            pending: Mutex::new(HashMap::new()),
+            pending: Mutex::new(HashMap::default()),
             disk_full: AtomicBool::new(false),
             wake: Notify::new(),
+            in_flight: Mutex::default(),
+        }
+    }
+
+    /// Counts `bytes` of a fill for `upstream` in flight until the guard
+    /// drops (see [`InFlight`]).
+    pub fn in_flight(self: &Arc<Self>, upstream: &str, bytes: u64) -> InFlight {
+        let mut guard = InFlight { evictor: Arc::clone(self), upstream: upstream.to_owned(), bytes: 0 };
+        guard.set(bytes);
+        guard
+    }
+
+    fn move_in_flight(&self, upstream: &str, before: u64, after: u64) {
+        {
+            let mut in_flight = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+            in_flight.total = (in_flight.total + after).saturating_sub(before);
+            let mine = in_flight.by_upstream.entry(upstream.to_owned()).or_default();
+            *mine = (*mine + after).saturating_sub(before);
+            if *mine == 0 {
+                in_flight.by_upstream.remove(upstream);
+            }
+        }
+        if after > before {
+            self.wake_if_over();
+        }
+    }
+
+    /// Bytes of fills in flight: in all, or for `upstream`.
+    pub fn bytes_in_flight(&self, upstream: Option<&str>) -> u64 {
+        let in_flight = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+        match upstream {
+            None => in_flight.total,
+            Some(u) => in_flight.by_upstream.get(u).copied().unwrap_or(0),
+        }
+    }
+
+    /// What an upstream's share counts: what it is charged and its fills in flight.
+    fn share(&self, upstream: &str) -> u64 {
+        self.charged.get(upstream) + self.bytes_in_flight(Some(upstream))
+    }
+
+    /// Wakes the maintenance task if the cache, or an upstream's share,
+    /// with the fills in flight, is above its high watermark.
+    fn wake_if_over(&self) {
+        let total = self.usage() + self.bytes_in_flight(None);
+        if total > self.limits.high || self.quotas.iter().any(|(u, l)| self.share(u) > l.high) {
+            self.wake.notify_one();
         }
     }
 
@@ -73,19 +161,18 @@ impl Evictor {
     pub fn added(&self, bytes: u64) {
         let now = self.bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
         crate::metrics::metrics().cache_size.set(i64::try_from(now).unwrap_or(i64::MAX));
-        if now > self.limits.high || self.quotas.iter().any(|(u, l)| self.charged.get(u) > l.high) {
-            self.wake.notify_one();
-        }
+        self.wake_if_over();
     }
 
-    /// The upstreams above their own high watermark, each with how many of
-    /// its bytes to free (down to its low watermark).
+    /// The upstreams above their own high watermark (with their fills in
+    /// flight), each with how many of its bytes to free (down to its low
+    /// watermark).
     pub fn upstreams_to_free(&self) -> Vec<(String, u64)> {
         self.quotas
             .iter()
             .filter_map(|(upstream, limits)| {
-                let charged = self.charged.get(upstream);
-                (charged > limits.high).then(|| (upstream.clone(), charged - limits.low))
+                let share = self.share(upstream);
+                (share > limits.high).then(|| (upstream.clone(), share - limits.low))
             })
             .collect()
     }
@@ -122,14 +209,15 @@ impl Evictor {
         self.wake.notify_one();
     }
 
-    pub fn record_access(&self, kind: Kind, digest: Digest, now_ms: u64) {
-        self.pending.lock().unwrap_or_else(|p| p.into_inner()).insert((kind, digest), now_ms);
+    /// A request for upstream `by` served the item now (see [`Use`]).
+    pub fn record_access(&self, kind: Kind, digest: Digest, by: &Arc<str>, now_ms: u64) {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner()).insert((kind, digest), (now_ms, Arc::clone(by)));
     }
 
-    /// The access times collected since the last call.
-    pub fn take_accesses(&self) -> Vec<(Kind, Digest, u64)> {
+    /// The uses collected since the last call.
+    pub fn take_accesses(&self) -> Vec<Use> {
         let pending = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|p| p.into_inner()));
-        pending.into_iter().map(|((kind, digest), at)| (kind, digest, at)).collect()
+        pending.into_iter().map(|((kind, digest), (at_ms, by))| Use { kind, digest, at_ms, by: Some(by) }).collect()
     }
 
     /// Waits until usage crossed the high watermark or a disk-full report.
@@ -137,9 +225,10 @@ impl Evictor {
         self.wake.notified().await;
     }
 
-    /// How many bytes to free now, if any.
+    /// How many bytes to free now, if any: the fills in flight count as
+    /// if their blobs were committed.
     pub fn bytes_to_free(&self) -> u64 {
-        let usage = self.usage();
+        let usage = self.usage() + self.bytes_in_flight(None);
         let over = usage.saturating_sub(self.limits.low);
         if usage > self.limits.high {
             over.max(1)
@@ -167,6 +256,25 @@ mod tests {
         e.disk_full();
         assert_eq!(e.bytes_to_free(), 70, "ENOSPC frees a share even under the watermarks");
         assert_eq!(e.bytes_to_free(), 0, "once");
+    }
+
+    #[test]
+    fn fills_in_flight_count_toward_eviction_until_they_end() {
+        let quota = Limits::new(500, 0.9, 0.7);
+        let e = Arc::new(Evictor::new(Limits::new(1000, 0.9, 0.7), 0, vec![("hub".into(), quota)], Arc::default()));
+        e.added(600);
+        let mut fill = e.in_flight("hub", 0);
+        assert_eq!(e.bytes_to_free(), 0, "size not known yet");
+        fill.set(480);
+        assert_eq!(e.bytes_to_free(), 380, "600 cached + 480 being written: down to the low watermark");
+        assert_eq!(e.upstreams_to_free(), vec![("hub".to_owned(), 480 - 350)], "the upstream's share counts it too");
+        let other = e.in_flight("mirror", 100);
+        assert_eq!(e.bytes_in_flight(None), 580);
+        drop(fill);
+        assert_eq!((e.bytes_in_flight(None), e.bytes_in_flight(Some("hub"))), (100, 0), "an ended fill counts no more");
+        assert_eq!(e.bytes_to_free(), 0);
+        drop(other);
+        assert_eq!(e.bytes_in_flight(None), 0);
     }
 
     mod with_a_cache {

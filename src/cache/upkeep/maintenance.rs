@@ -86,10 +86,17 @@ impl Cache {
         })
     }
 
-    async fn flush_accesses(&self) -> Result<(), Error> {
-        let accesses = self.evictor.take_accesses();
+    pub(in crate::cache) async fn flush_accesses(&self) -> Result<(), Error> {
+        let mut accesses = self.evictor.take_accesses();
         if accesses.is_empty() {
             return Ok(());
+        }
+        // Pinned content keeps the charge of an upstream that pins it.
+        let pins = self.pins();
+        for a in &mut accesses {
+            if a.by.as_deref().is_some_and(|by| !pins.charge_follows(a.kind, &a.digest, by)) {
+                a.by = None;
+            }
         }
         let index = Arc::clone(&self.index);
         blocking(move || Ok(index.touch(&accesses)?)).await
@@ -357,6 +364,91 @@ mod tests {
         assert!(cache.store.blob_path(&hub[5]).is_file(), "its newest stays");
         assert_eq!(cache.usage(), cache.index.usage().unwrap());
         assert_eq!(cache.usage(), cache.evictor.charged("hub") + cache.evictor.charged("mirror"));
+    }
+
+    const KB: u64 = 1024;
+
+    /// A request for `upstream` served `d` at `at_ms`, and the uses were
+    /// written to the index, as the maintenance task does every 10 s.
+    async fn used_by(cache: &Cache, upstream: &str, d: Digest, at_ms: u64) {
+        cache.remember_member(upstream, &"team/app".parse().unwrap(), &d).await.unwrap();
+        cache.evictor.record_access(Kind::Blob, d, &std::sync::Arc::from(upstream), at_ms);
+        cache.flush_accesses().await.unwrap();
+    }
+
+    async fn evict_over_quotas(cache: &Cache) {
+        for (upstream, to_free) in cache.evictor.upstreams_to_free() {
+            cache.evict_upstream(&upstream, to_free).await.unwrap();
+        }
+    }
+
+    fn cached(cache: &Cache, d: &Digest) -> bool {
+        cache.store.blob_path(d).is_file() && cache.index.blob_size(d).unwrap().is_some()
+    }
+
+    #[tokio::test]
+    async fn shared_content_is_charged_to_the_upstream_whose_use_is_the_most_recent() {
+        let (_dir, cache) = crate::cache::test_cache::temporary_with(|c| {
+            c.upstream_max_size = vec![("a".to_owned(), 1 << 20), ("b".to_owned(), 1 << 20)];
+        })
+        .await;
+        // A fetched a base layer first; B pulls images on it all day.
+        let base = commit(&cache, "a", 1, 300 * KB as usize, 1);
+        let own: Vec<Digest> = (10..13).map(|n| commit(&cache, "a", n, 200 * KB as usize, u64::from(n))).collect();
+        used_by(&cache, "b", base, 100).await;
+        assert_eq!((cache.evictor.charged("a"), cache.evictor.charged("b")), (600 * KB, 300 * KB), "B uses it now");
+        // A's fourth image fits its share: B's base layer is not in it.
+        let fourth = commit(&cache, "a", 13, 200 * KB as usize, 13);
+        assert!(cache.evictor.upstreams_to_free().is_empty(), "A holds 800 KiB of its own, under 0.9 MiB");
+        for d in own.iter().chain([&fourth, &base]) {
+            assert!(cached(&cache, d));
+        }
+        // A uses it again: the charge follows.
+        used_by(&cache, "a", base, 200).await;
+        assert_eq!((cache.evictor.charged("a"), cache.evictor.charged("b")), (1100 * KB, 0));
+        assert_eq!(cache.usage(), cache.evictor.charged("a") + cache.evictor.charged("b"), "the charges add up");
+    }
+
+    #[tokio::test]
+    async fn a_shared_item_its_new_owner_has_no_room_for_goes_back_to_an_upstream_with_older_content() {
+        let (_dir, cache) = crate::cache::test_cache::temporary_with(|c| {
+            c.upstream_max_size = vec![("a".to_owned(), 1 << 20), ("b".to_owned(), 1 << 20)];
+        })
+        .await;
+        let base = commit(&cache, "a", 1, 300 * KB as usize, 1);
+        let a_old: Vec<Digest> = (10..12).map(|n| commit(&cache, "a", n, 200 * KB as usize, u64::from(n))).collect();
+        used_by(&cache, "b", base, 100).await;
+        let a_new: Vec<Digest> =
+            (12..14).map(|n| commit(&cache, "a", n, 200 * KB as usize, 100 + u64::from(n))).collect();
+        // B's share fills with newer content: the base layer is its least
+        // recently used. A (full too) still uses it and holds older content.
+        let b_own: Vec<Digest> =
+            (20..23).map(|n| commit(&cache, "b", n, 300 * KB as usize, 200 + u64::from(n))).collect();
+        evict_over_quotas(&cache).await;
+        evict_over_quotas(&cache).await;
+        assert!(cached(&cache, &base), "used by A, whose older content goes first: kept");
+        for d in &a_old {
+            assert!(!cached(&cache, d), "A's content older than the base layer goes");
+        }
+        for d in a_new.iter().chain(&b_own[1..]) {
+            assert!(cached(&cache, d), "newer content stays");
+        }
+        assert_eq!(cache.usage(), cache.evictor.charged("a") + cache.evictor.charged("b"), "the charges add up");
+        for upstream in ["a", "b"] {
+            assert!(cache.evictor.charged(upstream) <= cache.evictor.quota(upstream).unwrap().high, "{upstream}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_blob_adopted_without_a_row_is_charged_to_the_first_upstream_that_serves_it() {
+        let (_dir, cache) = crate::cache::test_cache::temporary().await;
+        let d = Digest::of(b"adopted");
+        let added = cache.index.adopt_blobs(&[(d, 7)], 1).unwrap();
+        cache.evictor.added(added);
+        assert_eq!(cache.evictor.charged("hub"), 0);
+        used_by(&cache, "hub", d, 50).await;
+        assert_eq!(cache.evictor.charged("hub"), 7);
+        assert_eq!(cache.usage(), cache.evictor.charged("hub"), "every byte is charged to someone");
     }
 
     #[tokio::test]

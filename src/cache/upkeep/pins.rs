@@ -4,27 +4,38 @@
 //! never evicted. Eviction reads the pinned set and passes over it;
 //! everything else is evicted as usual.
 //!
+//! Pinned content is charged to an upstream that pins it (the warm
+//! image's own upstream), and another upstream's use of it moves only its
+//! access time, not its charge: one upstream's pins never fill another's
+//! share, and pinned bytes are reported by the upstream that pins them.
+//!
 //! When pinned content alone is above the high watermark of `max_size`
 //! (or of an upstream's own `max_size`), eviction cannot make room: larder
 //! says so in its log (at start, and when it changes), on `/status` and in
 //! `larder_cache_pinned_over_limit`, and goes on evicting only what is not
 //! pinned.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::cache::*;
 use crate::oci::inspect_manifest;
 
-/// The content eviction passes over.
+/// The content eviction passes over, and the upstreams pinning each item.
 #[derive(Debug, Default)]
 pub struct Pins {
-    items: HashSet<(Kind, Digest)>,
+    items: HashMap<(Kind, Digest), Vec<String>>,
 }
 
 impl Pins {
     pub fn contains(&self, kind: Kind, digest: &Digest) -> bool {
-        self.items.contains(&(kind, *digest))
+        self.items.contains_key(&(kind, *digest))
+    }
+
+    /// Whether a use by upstream `by` may take the item's charge: it is
+    /// not pinned, or `by` pins it too.
+    pub fn charge_follows(&self, kind: Kind, digest: &Digest, by: &str) -> bool {
+        self.items.get(&(kind, *digest)).is_none_or(|pinners| pinners.iter().any(|p| p == by))
     }
 
     pub fn len(&self) -> usize {
@@ -36,10 +47,11 @@ impl Pins {
     }
 }
 
-/// An image whose content is pinned: a manifest (or index) by digest and,
-/// for an index, the platforms chosen (empty: all of them).
+/// An image whose content is pinned: a manifest (or index) by digest of
+/// `upstream` and, for an index, the platforms chosen (empty: all of them).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PinnedImage {
+    pub upstream: String,
     pub digest: Digest,
     pub platforms: Vec<String>,
 }
@@ -49,7 +61,8 @@ pub struct PinnedImage {
 pub struct PinnedUsage {
     /// Bytes of pinned content in the cache.
     pub bytes: u64,
-    /// The same, per upstream charged (see [`index::Charged`]).
+    /// The same, per upstream that pins it (the one it is charged to, see
+    /// [`index::Charged`]).
     pub by_upstream: Vec<(String, u64)>,
     /// One sentence per limit pinned content alone is above; empty when
     /// eviction has room.
@@ -80,26 +93,55 @@ impl Cache {
     /// pinned again after its fetch. Returns how much is pinned, which is
     /// also logged when the verdict on the limits changes.
     pub async fn pin(&self, images: &[PinnedImage]) -> Result<PinnedUsage, Error> {
-        let mut items = HashSet::new();
+        let mut items: HashMap<(Kind, Digest), Vec<String>> = HashMap::new();
+        let mut add = |item: (Kind, Digest), upstream: &str| {
+            let pinners = items.entry(item).or_default();
+            if !pinners.iter().any(|p| p == upstream) {
+                pinners.push(upstream.to_owned());
+            }
+        };
         for image in images {
-            items.insert((Kind::Manifest, image.digest));
+            let upstream = image.upstream.as_str();
+            add((Kind::Manifest, image.digest), upstream);
             let Some(top) = self.stored_manifest(&image.digest).await? else { continue };
             let (_, refs) = inspect_manifest(&top.bytes, Some(top.media_type)).map_err(Error::Internal)?;
-            items.extend(refs.blobs.iter().map(|d| (Kind::Blob, *d)));
+            refs.blobs.iter().for_each(|d| add((Kind::Blob, *d), upstream));
             for (child, platform) in refs.manifests.iter().zip(&refs.platforms) {
                 if !platform_selected(platform.as_deref(), &image.platforms) {
                     continue;
                 }
-                items.insert((Kind::Manifest, *child));
+                add((Kind::Manifest, *child), upstream);
                 let Some(m) = self.stored_manifest(child).await? else { continue };
                 let (_, child_refs) = inspect_manifest(&m.bytes, Some(m.media_type)).map_err(Error::Internal)?;
-                items.extend(child_refs.blobs.iter().map(|d| (Kind::Blob, *d)));
+                child_refs.blobs.iter().for_each(|d| add((Kind::Blob, *d), upstream));
             }
         }
-        let pinned: Vec<(Kind, Digest)> = items.iter().copied().collect();
+        for pinners in items.values_mut() {
+            pinners.sort();
+        }
+        let by_pinner: Vec<((Kind, Digest), Vec<String>)> = items.iter().map(|(k, v)| (*k, v.clone())).collect();
         *self.pins.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(Pins { items });
+        // Charged to an upstream that pins it (a write only when one is
+        // not), then counted by that one.
         let index = Arc::clone(&self.index);
-        let charges = blocking(move || Ok(index.charges_of(&pinned)?)).await?;
+        let charges = blocking(move || {
+            let pinned: Vec<(Kind, Digest)> = by_pinner.iter().map(|(item, _)| *item).collect();
+            let charges = index.charges_of(&pinned)?;
+            let elsewhere: Vec<((Kind, Digest), Vec<String>)> = by_pinner
+                .into_iter()
+                .zip(&charges)
+                .filter(|((_, pinners), charge)| {
+                    charge.as_ref().is_some_and(|(_, owner)| owner.as_ref().is_none_or(|o| !pinners.contains(o)))
+                })
+                .map(|(item, _)| item)
+                .collect();
+            if elsewhere.is_empty() {
+                return Ok(charges);
+            }
+            index.charge_to(&elsewhere)?;
+            Ok(index.charges_of(&pinned)?)
+        })
+        .await?;
         let usage = self.pinned_usage(charges.into_iter().flatten());
         let m = metrics();
         m.cache_pinned_bytes.set(i64::try_from(usage.bytes).unwrap_or(i64::MAX));
@@ -220,7 +262,10 @@ mod tests {
         );
         let newest = blob(&cache, 6, 100 * KB, 9);
 
-        let usage = cache.pin(&[PinnedImage { digest: index, platforms: vec!["linux/amd64".into()] }]).await.unwrap();
+        let usage = cache
+            .pin(&[PinnedImage { upstream: "hub".into(), digest: index, platforms: vec!["linux/amd64".into()] }])
+            .await
+            .unwrap();
         assert_eq!(cache.pins().len(), 4, "the index, the amd64 manifest, its config and layer");
         assert_eq!(
             usage.bytes,
@@ -268,7 +313,8 @@ mod tests {
         .await;
         let (config, layer) = (blob(&cache, 1, 1024, 1), blob(&cache, 2, 1 << 20, 2));
         let top = image(&cache, config, layer, 3);
-        let usage = cache.pin(&[PinnedImage { digest: top, platforms: Vec::new() }]).await.unwrap();
+        let usage =
+            cache.pin(&[PinnedImage { upstream: "hub".into(), digest: top, platforms: Vec::new() }]).await.unwrap();
         assert_eq!(usage.over_limit.len(), 1, "{:?}", usage.over_limit);
         assert!(usage.over_limit[0].contains("upstream \"hub\""), "{:?}", usage.over_limit);
         assert_eq!(cache.pinned(), usage, "kept for /status");
@@ -277,6 +323,26 @@ mod tests {
         assert!(cached(&cache, &layer) && cached(&cache, &config));
         let usage = cache.pin(&[]).await.unwrap();
         assert!(usage.over_limit.is_empty() && usage.bytes == 0);
+    }
+
+    #[tokio::test]
+    async fn pinned_content_is_charged_to_and_reported_by_the_upstream_that_pins_it() {
+        let (_dir, cache) = temporary_with(|c| c.upstream_max_size = vec![("hub".to_owned(), 4 << 20)]).await;
+        // Fetched through hub (another team's image of the same layers)...
+        let (config, layer) = (blob(&cache, 1, 1024, 1), blob(&cache, 2, 100 * 1024, 2));
+        let top = image(&cache, config, layer, 3);
+        let all = cache.evictor.charged("hub");
+        // ... and kept warm for mirror.
+        let usage =
+            cache.pin(&[PinnedImage { upstream: "mirror".into(), digest: top, platforms: Vec::new() }]).await.unwrap();
+        assert_eq!(usage.by_upstream, vec![("mirror".to_owned(), all)], "reported by the pinning upstream");
+        assert_eq!((cache.evictor.charged("hub"), cache.evictor.charged("mirror")), (0, all), "and charged to it");
+        // Hub's pulls use the layer every day: its access time moves, its charge stays.
+        cache.evictor.record_access(Kind::Blob, layer, &Arc::from("hub"), 50);
+        cache.flush_accesses().await.unwrap();
+        assert_eq!((cache.evictor.charged("hub"), cache.evictor.charged("mirror")), (0, all));
+        let order = cache.index.least_recently_used(u64::MAX, &|_, _| false).unwrap();
+        assert_eq!(order.last().map(|e| (e.digest, e.accessed_ms)), Some((layer, 50)), "its use counted");
     }
 
     #[test]

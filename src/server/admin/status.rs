@@ -76,12 +76,15 @@ pub struct UpstreamStatus {
     pub last_success_ms: Option<u64>,
     pub rate_limit: Option<RateLimitStatus>,
     /// Bytes of the cache charged to this upstream (shared content counts
-    /// once, for the upstream that fetched it first).
+    /// once, for the upstream that used it most recently, or that pins it).
     #[serde(default)]
     pub cache_bytes: u64,
     /// Its own `max_size`, if it has one.
     #[serde(default)]
     pub max_size_bytes: Option<u64>,
+    /// Its `max_bandwidth` (bytes per second for all its fills), if it has one.
+    #[serde(default)]
+    pub max_bandwidth_bytes_per_second: Option<u64>,
     /// `client_credentials = "verify"`: every client's own credentials are
     /// checked with this upstream before anything of it is served.
     #[serde(default)]
@@ -234,6 +237,7 @@ pub async fn gather(app: &App, holdings: &HoldingsCache, started: Instant) -> Re
                 rate_limit: figures.rate_limit,
                 cache_bytes: app.cache.upstream_usage(&c.name),
                 max_size_bytes: app.cache.upstream_max_size(&c.name),
+                max_bandwidth_bytes_per_second: c.max_bandwidth,
                 verifies_clients: c.client_credentials.verifies(),
             }
         })

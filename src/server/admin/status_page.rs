@@ -225,7 +225,8 @@ pub fn render(s: &Status) -> String {
 
     out.push_str(
         "<section style=\"grid-column:1/-1\"><h2>Upstreams</h2><table><tr><th>name</th><th>url</th>\
-         <th class=n>cached</th><th class=n>requests</th><th class=n>errors</th><th>last error</th><th>rate limit</th></tr>",
+         <th class=n>cached</th><th class=n>bandwidth</th><th class=n>requests</th><th class=n>errors</th>\
+         <th>last error</th><th>rate limit</th></tr>",
     );
     for u in &s.upstreams {
         let last_error = match &u.last_error {
@@ -247,9 +248,13 @@ pub fn render(s: &Status) -> String {
             Some(max) => format!("{} of {}", bytes(u.cache_bytes), bytes(max)),
             None => bytes(u.cache_bytes),
         };
+        let bandwidth = match u.max_bandwidth_bytes_per_second {
+            Some(max) => format!("{}/s", bytes(max)),
+            None => "<span class=muted>unlimited</span>".to_owned(),
+        };
         let _ = write!(
             out,
-            "<tr><td><b>{}</b>{}{}</td><td><code>{}</code></td><td class=n>{cached}</td><td class=n>{}</td><td class=n>{}</td><td>{last_error}</td><td>{rate}</td></tr>",
+            "<tr><td><b>{}</b>{}{}</td><td><code>{}</code></td><td class=n>{cached}</td><td class=n>{bandwidth}</td><td class=n>{}</td><td class=n>{}</td><td>{last_error}</td><td>{rate}</td></tr>",
             escape(&u.name),
             if u.default { " <span class=muted>(default)</span>" } else { "" },
             if u.verifies_clients { " <span class=muted>(verifies clients)</span>" } else { "" },
@@ -260,7 +265,8 @@ pub fn render(s: &Status) -> String {
     }
     out.push_str(
         "</table><p class=muted>Cached: bytes each upstream is charged for (shared content counts once, for \
-                  the upstream that fetched it first), of its own max_size where it has one. Verifies clients: \
+                  the upstream that used it most recently or pins it), of its own max_size where it has one. \
+                  Bandwidth: its max_bandwidth, shared by all its downloads, clients' first. Verifies clients: \
                   each client's own credentials are checked with that upstream before anything of it is served \
                   (client_credentials = \"verify\").</p></section>",
     );

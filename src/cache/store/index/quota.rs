@@ -3,20 +3,28 @@
 //!
 //! Content is stored once however many repositories and upstreams
 //! reference it, so each blob or manifest is charged to **one** upstream:
-//! the one it was first fetched for. The upstreams' totals then add up to
-//! the cache's usage (minus the few files adopted at start-up without a
-//! repository, which count in the total only), and a quota is about what
-//! the cache holds because of that upstream, not about bytes another
-//! upstream put there first. Charging every referencing upstream in full
-//! would count shared bytes twice and let one upstream's eviction take
-//! content away from another upstream that is within its share.
+//! the one that uses it, that is, whose request served it most recently
+//! (first the one it was fetched for). When another upstream's use is the
+//! most recent, the charge moves to it with the access time: a base layer
+//! that upstream B pulls all day is in B's share, not in that of A, which
+//! fetched it once. The upstreams' totals then add up to the cache's usage
+//! (a file adopted at start-up or by `verify --repair` counts in the total
+//! only until the first upstream serves it, which it is then charged to).
+//! Charging every referencing upstream in full would count shared bytes
+//! twice and let one upstream's eviction take content away from another.
+//!
+//! Pinned content stays charged to an upstream that pins it (`pins`):
+//! another upstream's use moves only its access time, so that one
+//! upstream's pins never fill another's share.
 //!
 //! When an upstream's quota evicts an item that another upstream's
-//! repositories also reference, the item is handed over instead: charged
-//! to the first of those upstreams that has room for it under its own
-//! quota (or has none), so the bytes stay for the upstream still using
-//! them. Only when none has room is it removed. A purge that leaves an
-//! item referenced elsewhere hands it over the same way.
+//! repositories also reference, the item is handed over instead of being
+//! deleted: to the first of those upstreams that has room for it under its
+//! own quota (or has none), else to the first that holds something used
+//! less recently than it (that upstream's own eviction takes that first).
+//! Only when every other upstream using it holds nothing older is it
+//! removed: then it is the least recently used content of all of them.
+//! A purge that leaves an item referenced elsewhere hands it over too.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -118,6 +126,24 @@ pub(super) fn referencing_upstreams(
 }
 
 impl Content<'_> {
+    /// When the least recently used item charged to `upstream` was last used.
+    pub(super) fn oldest_use_of(&self, upstream: &str) -> Result<Option<u64>, redb::Error> {
+        let Some(row) = self.upstream_access.range((upstream, 0, 0, "")..)?.next() else { return Ok(None) };
+        let (key, _) = row?;
+        let (owner, at, _, _) = key.value();
+        Ok((owner == upstream).then_some(at))
+    }
+
+    /// Charges a row that no upstream is charged for (an adopted file) to
+    /// `to`, its access time kept.
+    pub(super) fn charge_unowned(&mut self, kind: Kind, hex: &str, to: &str) -> Result<(), redb::Error> {
+        let Some((size, accessed_ms)) = self.get(kind, hex)? else { return Ok(()) };
+        self.upstream_access.insert((to, accessed_ms, kind.code(), hex), ())?;
+        self.charged.insert((kind.code(), hex), to)?;
+        self.charges.add(to, size as i64);
+        Ok(())
+    }
+
     /// Charges a row to `to` instead of `from`, its access time kept.
     pub(super) fn recharge(&mut self, kind: Kind, hex: &str, from: &str, to: &str) -> Result<(), redb::Error> {
         let Some((size, accessed_ms)) = self.get(kind, hex)? else { return Ok(()) };
@@ -172,8 +198,9 @@ impl Index {
     /// Evicts `victims` for `upstream`'s quota, in one transaction: each one
     /// still charged to `upstream` that another upstream's repositories
     /// reference is handed over to the first of them `takes(name, size)`
-    /// accepts; the others are removed. Returns what was removed and what
-    /// was handed over.
+    /// accepts (it has room), or else to the first of them that is charged
+    /// for an item used less recently than the victim; the others are
+    /// removed. Returns what was removed and what was handed over.
     pub fn evict_for_upstream(
         &self,
         upstream: &str,
@@ -190,9 +217,23 @@ impl Index {
                 if content.charged_to(*kind, hex.as_str())?.as_deref() != Some(upstream) {
                     continue;
                 }
-                let Some((size, _)) = content.get(*kind, hex.as_str())? else { continue };
+                let Some((size, accessed_ms)) = content.get(*kind, hex.as_str())? else { continue };
                 let others = referencing_upstreams(&by_digest, hex.as_str())?;
-                match others.iter().filter(|o| o.as_str() != upstream).find(|o| takes(o, size)) {
+                let others: Vec<&String> = others.iter().filter(|o| o.as_str() != upstream).collect();
+                let with_room = others.iter().find(|o| takes(o, size)).copied();
+                let with_older = || -> Result<Option<&String>, redb::Error> {
+                    for other in &others {
+                        if content.oldest_use_of(other)?.is_some_and(|oldest| oldest < accessed_ms) {
+                            return Ok(Some(*other));
+                        }
+                    }
+                    Ok(None)
+                };
+                let to = match with_room {
+                    Some(to) => Some(to),
+                    None => with_older()?,
+                };
+                match to {
                     Some(to) => {
                         content.recharge(*kind, hex.as_str(), upstream, to)?;
                         done.handed_over += 1;
@@ -205,6 +246,28 @@ impl Index {
         };
         self.commit(txn, changes)?;
         Ok(done)
+    }
+
+    /// Charges each item to its upstream, unless it is charged to one of
+    /// the upstreams `allowed` names for it already (pinned content goes to
+    /// an upstream that pins it). One transaction; rows that are gone are
+    /// skipped.
+    pub fn charge_to(&self, items: &[((Kind, Digest), Vec<String>)]) -> Result<(), redb::Error> {
+        let txn = begin_write(&self.db)?;
+        let changes = {
+            let mut content = Content::open(&txn)?;
+            for ((kind, digest), allowed) in items {
+                let hex = digest.hex();
+                let Some(to) = allowed.first() else { continue };
+                match content.charged_to(*kind, hex.as_str())? {
+                    Some(owner) if allowed.contains(&owner) => {}
+                    Some(owner) => content.recharge(*kind, hex.as_str(), &owner, to)?,
+                    None => content.charge_unowned(*kind, hex.as_str(), to)?,
+                }
+            }
+            content.close()?
+        };
+        self.commit(txn, changes)
     }
 
     /// The size of each item and the upstream it is charged to (`None`

@@ -57,7 +57,7 @@ fn the_first_open_after_a_crash_needs_no_repair() {
     let d = Digest::of(b"blob");
     let index = Index::open(&path).unwrap();
     index.insert_blob(&d, 4, &format!("u\0r\0{}", d.hex().as_str()), 1).unwrap();
-    index.touch(&[(Kind::Blob, d, 2)]).unwrap();
+    index.touch(&[Use { kind: Kind::Blob, digest: d, at_ms: 2, by: None }]).unwrap();
     // The file as a crash right now leaves it: open, never closed.
     std::fs::copy(&path, &crashed).unwrap();
     drop(index);
@@ -86,7 +86,12 @@ fn eviction_reads_the_access_order_not_every_row() {
         index.insert_blob(&d(n), 10, &format!("u\0r\0{}", d(n).hex().as_str()), 100 + u64::from(n)).unwrap();
     }
     // Touching the oldest makes it the newest.
-    index.touch(&[(Kind::Blob, d(0), 500), (Kind::Blob, d(1), 50)]).unwrap();
+    index
+        .touch(&[
+            Use { kind: Kind::Blob, digest: d(0), at_ms: 500, by: None },
+            Use { kind: Kind::Blob, digest: d(1), at_ms: 50, by: None },
+        ])
+        .unwrap();
     let lru: Vec<u64> = index.least_recently_used(25, &|_, _| false).unwrap().iter().map(|e| e.accessed_ms).collect();
     assert_eq!(lru, [101, 102, 103], "an older access time never moves a row back");
     assert!(index.least_recently_used(0, &|_, _| false).unwrap().is_empty());
@@ -150,7 +155,12 @@ fn the_byte_total_follows_every_change_and_survives_reopening() {
 
         // Committed again, touched, adopted again: counted once.
         index.insert_blob(&a, 100, &member(&a), 2).unwrap();
-        index.touch(&[(Kind::Blob, b, 9), (Kind::Manifest, m, 9)]).unwrap();
+        index
+            .touch(&[
+                Use { kind: Kind::Blob, digest: b, at_ms: 9, by: None },
+                Use { kind: Kind::Manifest, digest: m, at_ms: 9, by: None },
+            ])
+            .unwrap();
         assert_eq!(index.adopt_blobs(&[(b, 20)], 10).unwrap(), 0, "b was indexed already");
         assert_eq!(index.usage().unwrap(), 122);
 
@@ -189,8 +199,12 @@ fn keep_none(_: Kind, _: &Digest) -> bool {
     false
 }
 
+fn used(kind: Kind, digest: Digest, at_ms: u64, by: &str) -> Use {
+    Use { kind, digest, at_ms, by: Some(std::sync::Arc::from(by)) }
+}
+
 #[test]
-fn content_is_charged_to_the_upstream_that_fetched_it_first_and_totals_survive_reopening() {
+fn content_is_charged_to_the_upstream_whose_use_is_the_most_recent_and_totals_survive_reopening() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("index.redb");
     let (a, b, m) = (Digest::of(b"a"), Digest::of(b"b"), Digest::of(b"{}"));
@@ -199,16 +213,24 @@ fn content_is_charged_to_the_upstream_that_fetched_it_first_and_totals_survive_r
         index.insert_blob(&a, 100, &member("hub", "r", &a), 1).unwrap();
         index.insert_blob(&b, 20, &member("ghcr", "r", &b), 2).unwrap();
         index.insert_manifest(&m, MediaType::OciManifest, b"{}", None, &[member("ghcr", "r", &m)], 3).unwrap();
-        // The same blob fetched again for another upstream stays charged to the first.
+        // Fetched again for another upstream: charged to it now.
         index.insert_blob(&a, 100, &member("ghcr", "other", &a), 4).unwrap();
-        index.touch(&[(Kind::Blob, a, 9)]).unwrap();
+        assert_eq!((index.charged().get("hub"), index.charged().get("ghcr")), (0, 122));
+        // Used by hub since: back to hub. A use older than the last moves nothing.
+        index.touch(&[used(Kind::Blob, a, 9, "hub"), used(Kind::Manifest, m, 2, "hub")]).unwrap();
         assert_eq!((index.charged().get("hub"), index.charged().get("ghcr")), (100, 22));
         assert_eq!(index.usage().unwrap(), 122, "the upstreams add up to the whole");
-        // Adopted files belong to no upstream.
+        // An adopted file belongs to no upstream until one serves it.
         let adopted = Digest::of(b"adopted");
         index.adopt_blobs(&[(adopted, 5)], 5).unwrap();
         assert_eq!(index.usage().unwrap(), 127);
         assert_eq!(index.charged().get("hub") + index.charged().get("ghcr"), 122);
+        index.touch(&[used(Kind::Blob, adopted, 6, "ghcr")]).unwrap();
+        assert_eq!((index.charged().get("hub"), index.charged().get("ghcr")), (100, 27));
+        // A use without an upstream (pinned elsewhere) moves only the time.
+        index.touch(&[Use { kind: Kind::Blob, digest: adopted, at_ms: 7, by: None }]).unwrap();
+        assert_eq!(index.charged().get("ghcr"), 27);
+        index.remove_content(&[(Kind::Blob, adopted)]).unwrap();
     }
     let index = Index::open(&path).unwrap();
     assert_eq!((index.charged().get("hub"), index.charged().get("ghcr")), (100, 22), "read back at open");
@@ -218,6 +240,9 @@ fn content_is_charged_to_the_upstream_that_fetched_it_first_and_totals_survive_r
     let ghcr: Vec<u64> =
         index.least_recently_used_of("ghcr", u64::MAX, &keep_none).unwrap().iter().map(|e| e.accessed_ms).collect();
     assert_eq!(ghcr, [2, 3]);
+    let hub: Vec<u64> =
+        index.least_recently_used_of("hub", u64::MAX, &keep_none).unwrap().iter().map(|e| e.accessed_ms).collect();
+    assert_eq!(hub, [9], "in hub's order at the time of its use");
     index.remove_content(&[(Kind::Blob, a)]).unwrap();
     assert_eq!(index.charged().get("hub"), 0, "removal gives it back");
     assert!(index.least_recently_used_of("hub", u64::MAX, &keep_none).unwrap().is_empty());
@@ -256,7 +281,11 @@ fn a_quota_hands_shared_content_to_an_upstream_with_room_and_removes_the_rest() 
     let done = index.evict_for_upstream("hub", &victims, &mut takes).unwrap();
     assert_eq!(asked, [("mirror".to_owned(), 20), ("full".to_owned(), 30)]);
     let removed: Vec<Digest> = done.removed.iter().map(|e| e.digest).collect();
-    assert_eq!(removed, [own, crowded], "no one else uses `own`; `full` has no room for `crowded`");
+    assert_eq!(
+        removed,
+        [own, crowded],
+        "no one else uses `own`; `full` has no room for `crowded`, and nothing older to give up for it"
+    );
     assert_eq!((done.handed_over, done.handed_over_bytes), (1, 20));
     assert_eq!(index.blob_size(&shared).unwrap(), Some(20), "the shared blob stays");
     assert_eq!((index.charged().get("hub"), index.charged().get("mirror")), (0, 20));
@@ -265,6 +294,21 @@ fn a_quota_hands_shared_content_to_an_upstream_with_room_and_removes_the_rest() 
     // Evicting again for `hub` finds nothing it is charged for.
     let again = index.evict_for_upstream("hub", &[(Kind::Blob, shared)], &mut |_: &str, _: u64| true).unwrap();
     assert!(again.removed.is_empty() && again.handed_over == 0);
+}
+
+#[test]
+fn a_quota_hands_shared_content_without_room_to_an_upstream_that_holds_older_content() {
+    let (_dir, index) = index();
+    let (older, shared) = (Digest::of(b"older"), Digest::of(b"shared"));
+    index.insert_blob(&older, 10, &member("full", "r", &older), 1).unwrap();
+    index.insert_blob(&shared, 20, &member("hub", "r", &shared), 5).unwrap();
+    index.add_members(&[member("full", "r", &shared)], 5).unwrap();
+    let done = index.evict_for_upstream("hub", &[(Kind::Blob, shared)], &mut |_: &str, _: u64| false).unwrap();
+    assert!(done.removed.is_empty(), "`full` still uses it and has older content to evict first");
+    assert_eq!((index.charged().get("hub"), index.charged().get("full")), (0, 30));
+    let order: Vec<Digest> =
+        index.least_recently_used_of("full", u64::MAX, &keep_none).unwrap().iter().map(|e| e.digest).collect();
+    assert_eq!(order, [older, shared], "its own eviction takes the older first");
 }
 
 #[test]
