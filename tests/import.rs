@@ -1014,3 +1014,67 @@ async fn an_import_that_began_before_a_purge_of_its_destination_is_refused_whole
     assert_eq!(status, 200, "{answer}");
     assert_eq!(served(&larder, "v1", &blobs).await, (true, blobs.len()), "imported again, whole");
 }
+
+/// A tmpfs mounted over a folder for a test (needs root); unmounted when
+/// dropped (lazily, if something still has files open on it).
+struct Tmpfs {
+    dir: PathBuf,
+}
+
+impl Tmpfs {
+    fn mount(dir: &Path, size: &str) -> Tmpfs {
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir)
+            .output()
+            .expect("run mount");
+        assert!(out.status.success(), "cannot mount a tmpfs (this test needs root): {}", text(&out.stderr));
+        Tmpfs { dir: dir.to_owned() }
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let unmounted = std::process::Command::new("umount").arg(&self.dir).status().is_ok_and(|s| s.success());
+        if !unmounted {
+            let _ = std::process::Command::new("umount").arg("-l").arg(&self.dir).status();
+        }
+    }
+}
+
+/// The staging area's disk fills up (the cache is on an 8 MiB tmpfs, the
+/// layout is 12 MiB): a 503 saying the disk is full, the staging area
+/// removed, and the next import that fits works. Before, the write's
+/// ENOSPC was answered as a broken layout (400, "not an OCI image
+/// layout: ... No space left on device").
+#[tokio::test(flavor = "multi_thread")]
+async fn a_disk_that_fills_while_an_import_stages_is_a_503_not_a_broken_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut big = Layout::create(&dir.path().join("big"));
+    let config = br#"{"architecture":"amd64","os":"linux"}"#.to_vec();
+    let config_digest = big.blob(&config);
+    let layers: Vec<(String, usize)> =
+        (0..12).map(|_| (big.blob(&common::push::random(1024 * KIB)), 1024 * KIB)).collect();
+    let manifest = image_manifest((&config_digest, config.len()), &layers);
+    let manifest_digest = big.blob(&manifest);
+    big.image(OCI_MANIFEST, &manifest_digest, manifest.len(), json!({REF_NAME: "v1"}));
+    let mut small = Layout::create(&dir.path().join("small"));
+    let (_, blobs) = many_layers(&mut small, 4, "v2", 5);
+    let (mut larder, admin) = larder_without_origin(|b| b).await;
+    larder.stop();
+    let _disk = Tmpfs::mount(&larder.cache_dir(), "8m");
+    larder.restart().await;
+
+    let out = larder_cli(&larder, &["import", &big.path(), "--as", &format!("{ORIGIN_NAME}/team/app")]);
+
+    assert_eq!(out.status.code(), Some(1), "refused");
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("503 UNAVAILABLE: the cache disk is full"), "{stderr}");
+    assert!(!stderr.contains("not an OCI image layout"), "the layout is fine: {stderr}");
+    let tmp = larder.cache_dir().join("tmp");
+    wait_until("the staging area is removed", Duration::from_secs(30), || files_under(&tmp) == 0).await;
+    let out = larder_cli(&larder, &["import", &small.path(), "--as", &format!("{ORIGIN_NAME}/team/app")]);
+    assert!(out.status.success(), "a layout that fits imports");
+    assert_eq!(served(&larder, "v2", &blobs).await.1, blobs.len());
+    drop(admin);
+}

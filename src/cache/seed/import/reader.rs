@@ -335,10 +335,12 @@ fn end_of_tar(meter: &Meter) -> Result<(), ImportError> {
 }
 
 /// An error from a visitor or a read inside an entry: a bound the meter
-/// refused wins over the I/O error it caused.
+/// refused wins over the I/O error it caused; any other I/O error (the
+/// staging area's disk full, a failed read or write) stays one, never a
+/// fault of the layout.
 fn refusal_in(meter: &Meter, e: ImportError) -> ImportError {
     match e {
-        ImportError::Io(io) => meter.refusal_or(io, "reading the layout's tar"),
+        ImportError::Io(io) => meter.refusal.borrow_mut().take().unwrap_or(ImportError::Io(io)),
         e => e,
     }
 }
