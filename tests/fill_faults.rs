@@ -102,8 +102,10 @@ async fn assert_not_served(addr: SocketAddr, blob: &[u8]) -> String {
             }
         }
         Ok(streaming) => format!("status {}", streaming.status()),
+        // Cut off before its head: closed, or reset (a reset can overtake
+        // the closing, and on a loaded machine sometimes does).
         Err(e) => {
-            assert!(e.contains("closed before a response head"), "{e}");
+            assert!(e.contains("closed before a response head") || e.starts_with("reading the response head"), "{e}");
             e
         }
     }

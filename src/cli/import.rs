@@ -21,6 +21,7 @@ use http::Method;
 use super::client::{AdminClient, CallError, RequestBody, read_body};
 use super::progress::Progress;
 use crate::cache::Cache;
+use crate::cache::export::tar_file_header;
 use crate::cache::import::reader::{self, Visitor};
 use crate::cache::import::{ImportError, ImportLimits, ImportWatch, Imported, LayoutSource, Phase};
 use crate::config::Config;
@@ -173,20 +174,11 @@ struct Sender<W: Write> {
     progress: SharedProgress,
 }
 
-fn file_header(size: u64) -> tar::Header {
-    let mut header = tar::Header::new_ustar();
-    header.set_size(size);
-    header.set_mode(0o644);
-    header.set_mtime(0);
-    header.set_entry_type(tar::EntryType::Regular);
-    header
-}
-
 impl<W: Write> Visitor for Sender<W> {
     fn index(&mut self, _index: LayoutIndex, bytes: &[u8]) -> Result<(), ImportError> {
         let layout = OCI_LAYOUT.as_bytes();
-        self.tar.append_data(&mut file_header(layout.len() as u64), "oci-layout", layout)?;
-        self.tar.append_data(&mut file_header(bytes.len() as u64), "index.json", bytes)?;
+        self.tar.append_data(&mut tar_file_header(layout.len() as u64), "oci-layout", layout)?;
+        self.tar.append_data(&mut tar_file_header(bytes.len() as u64), "index.json", bytes)?;
         Ok(())
     }
 
@@ -194,7 +186,7 @@ impl<W: Write> Visitor for Sender<W> {
         self.progress.item(path);
         let counted = Counted { inner: data, progress: &mut self.progress };
         let name = format!("blobs/sha256/{}", named.hex().as_str());
-        self.tar.append_data(&mut file_header(size), name, counted)?;
+        self.tar.append_data(&mut tar_file_header(size), name, counted)?;
         Ok(())
     }
 }

@@ -89,6 +89,31 @@ impl Default for Resolved {
     }
 }
 
+impl Resolved {
+    /// Remembers that the client of `key` (whose resolutions were
+    /// `recent`) resolved `manifest` with `layers`. An image of fewer than
+    /// two layers starts no fills ahead, so it is not remembered: each
+    /// entry would weigh one layer yet hold an image's worth of memory,
+    /// and a million such entries (a client resolving a repository of
+    /// layerless artifacts, or clients at many addresses) would cost far
+    /// more than the bound says.
+    fn remember(
+        &self,
+        key: (IpAddr, u64),
+        recent: Option<Recent>,
+        manifest: Digest,
+        layers: Vec<(Digest, Option<u64>)>,
+    ) {
+        if layers.len() < 2 {
+            return;
+        }
+        let image = Arc::new(Image { manifest, layers, started: AtomicBool::new(false) });
+        let earlier = recent.iter().flat_map(|r| r.iter()).filter(|i| i.manifest != manifest).cloned();
+        let list: Recent = std::iter::once(image).chain(earlier).take(RESOLVED_PER_CLIENT).collect();
+        self.clients.insert(key, list);
+    }
+}
+
 /// The key of `client`'s resolutions in `repo` of `upstream`.
 fn client_key(client: IpAddr, upstream: &str, repo: &RepoName) -> (IpAddr, u64) {
     use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
@@ -112,14 +137,7 @@ impl Cache {
             return;
         }
         let Ok((_, refs)) = inspect_manifest(&manifest.bytes, Some(manifest.media_type)) else { return };
-        let image = Arc::new(Image {
-            manifest: manifest.digest,
-            layers: refs.layers().take(MAX_AHEAD_LAYERS).collect(),
-            started: AtomicBool::new(false),
-        });
-        let earlier = recent.iter().flat_map(|r| r.iter()).filter(|i| i.manifest != manifest.digest).cloned();
-        let list: Recent = std::iter::once(image).chain(earlier).take(RESOLVED_PER_CLIENT).collect();
-        self.resolved.clients.insert(key, list);
+        self.resolved.remember(key, recent, manifest.digest, refs.layers().take(MAX_AHEAD_LAYERS).collect());
     }
 
     /// A client at `client` asked for blob `digest` of `repo`: if it is a
@@ -201,5 +219,37 @@ impl Cache {
         if let Attach::Started(mut rx) = attach {
             let _ = fill::wait_until_committed(&mut rx).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn digest(n: u8) -> Digest {
+        Digest::of(&[n])
+    }
+
+    fn key(n: u32) -> (IpAddr, u64) {
+        (IpAddr::from([10, 0, (n >> 8) as u8, n as u8]), 7)
+    }
+
+    #[test]
+    fn an_image_of_fewer_than_two_layers_is_not_remembered() {
+        let resolved = Resolved::default();
+        // Thousands of clients resolve an image with one layer (or none):
+        // nothing of theirs can ever start a fill ahead.
+        for n in 0..4096 {
+            resolved.remember(key(n), None, digest(1), vec![(digest(2), Some(10))]);
+            resolved.remember(key(n), None, digest(3), vec![]);
+        }
+        resolved.clients.run_pending_tasks();
+        assert_eq!(resolved.clients.entry_count(), 0, "nothing remembered for images that start nothing");
+
+        // An image of two layers is.
+        resolved.remember(key(1), None, digest(4), vec![(digest(5), Some(10)), (digest(6), Some(10))]);
+        resolved.clients.run_pending_tasks();
+        assert_eq!(resolved.clients.entry_count(), 1);
+        assert_eq!(resolved.clients.weighted_size(), 3);
     }
 }

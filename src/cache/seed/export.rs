@@ -50,7 +50,10 @@ pub fn layout_index(plan: &Plan, platform_chosen: bool, name: &str, reference: &
     LayoutIndex { manifests: vec![descriptor], ..LayoutIndex::default() }
 }
 
-fn header(size: u64) -> tar::Header {
+/// The header of a regular file of `size` bytes in a layout's tar, as
+/// `larder export` and the `larder import` upload write them (mode 0644,
+/// no time, so the same layout is the same bytes).
+pub fn tar_file_header(size: u64) -> tar::Header {
     let mut header = tar::Header::new_ustar();
     header.set_size(size);
     header.set_mode(0o644);
@@ -70,13 +73,15 @@ impl Cache {
     pub fn write_layout(&self, plan: &Plan, index: &LayoutIndex, out: impl Write) -> Result<(), Error> {
         let io = |e: std::io::Error| Error::Internal(format!("writing the layout: {e}"));
         let mut tar = tar::Builder::new(out);
-        tar.append_data(&mut header(OCI_LAYOUT.len() as u64), "oci-layout", OCI_LAYOUT.as_bytes()).map_err(io)?;
+        tar.append_data(&mut tar_file_header(OCI_LAYOUT.len() as u64), "oci-layout", OCI_LAYOUT.as_bytes())
+            .map_err(io)?;
         let json = serde_json::to_vec(index).map_err(|e| Error::Internal(format!("index.json: {e}")))?;
-        tar.append_data(&mut header(json.len() as u64), "index.json", json.as_slice()).map_err(io)?;
+        tar.append_data(&mut tar_file_header(json.len() as u64), "index.json", json.as_slice()).map_err(io)?;
         let image_is_top = index.manifests.first().is_some_and(|d| d.digest == plan.top.digest.to_string());
         let manifests = plan.children.iter().chain(image_is_top.then_some(&plan.top));
         for m in manifests {
-            tar.append_data(&mut header(m.bytes.len() as u64), blob_name(&m.digest), m.bytes.as_ref()).map_err(io)?;
+            tar.append_data(&mut tar_file_header(m.bytes.len() as u64), blob_name(&m.digest), m.bytes.as_ref())
+                .map_err(io)?;
         }
         for digest in &plan.blobs {
             let file = self.store.open_blob(digest).map_err(|e| match e.kind() {
@@ -84,7 +89,7 @@ impl Cache {
                 _ => io(e),
             })?;
             let size = file.metadata().map_err(io)?.len();
-            tar.append_data(&mut header(size), blob_name(digest), file).map_err(io)?;
+            tar.append_data(&mut tar_file_header(size), blob_name(digest), file).map_err(io)?;
         }
         tar.into_inner().map_err(io)?.flush().map_err(io)
     }
