@@ -11,7 +11,6 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Output;
 use std::time::Duration;
 
 use common::origin::{ORIGIN_NAME, sha256_digest};
@@ -24,24 +23,6 @@ const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
 const OCI_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
 const OCI_LAYER: &str = "application/vnd.oci.image.layer.v1.tar";
 const REF_NAME: &str = "org.opencontainers.image.ref.name";
-
-/// Runs `larder <args> --config <larder's config>` (stdout not a terminal).
-fn larder_cli(larder: &Larder, args: &[&str]) -> Output {
-    let out = std::process::Command::new(common::larder::binary())
-        .args(args)
-        .arg("--config")
-        .arg(larder.config_path())
-        .output()
-        .expect("run larder");
-    eprintln!(
-        "larder {}: {}\n{}{}",
-        args.join(" "),
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
 
 /// Waits (polling every 10 ms) until `done`, at most `within`.
 async fn wait_until(what: &str, within: Duration, mut done: impl FnMut() -> bool) {
@@ -207,7 +188,7 @@ async fn a_layout_that_only_names_another_tenants_cached_blob_gets_nothing_of_it
     let manifest = image_manifest((&config_digest, config.len()), &[(layer.digest.clone(), layer.size as usize)]);
     let manifest_digest = layout.blob(&manifest);
     layout.image(OCI_MANIFEST, &manifest_digest, manifest.len(), json!({REF_NAME: "v1"}));
-    let out = larder_cli(&larder, &["import", &layout.path(), "--as", &format!("{ORIGIN_NAME}/team-a/app")]);
+    let out = larder.cli(&["import", &layout.path(), "--as", &format!("{ORIGIN_NAME}/team-a/app")]);
 
     assert_eq!(out.status.code(), Some(1), "refused");
     let stderr = text(&out.stderr);
@@ -237,7 +218,7 @@ async fn a_blob_the_layout_lacks_is_imported_when_upstream_or_the_cache_vouches_
     let as_name = format!("{ORIGIN_NAME}/team-a/app");
 
     let mark = origin.log_mark().await;
-    let out = larder_cli(&larder, &["import", &layout.display().to_string(), "--as", &as_name]);
+    let out = larder.cli(&["import", &layout.display().to_string(), "--as", &as_name]);
     assert!(out.status.success(), "imported: upstream confirms team-a/app has the base layer");
     assert!(text(&out.stdout).contains("(1 blob the layout lacks, which upstream confirmed)"), "{}", text(&out.stdout));
     let asked = origin.requests_since(&mark).await;
@@ -252,7 +233,7 @@ async fn a_blob_the_layout_lacks_is_imported_when_upstream_or_the_cache_vouches_
     let mut index: Value = serde_json::from_slice(&std::fs::read(layout.join("index.json")).unwrap()).unwrap();
     index["manifests"][0]["annotations"][REF_NAME] = json!("v2");
     std::fs::write(layout.join("index.json"), index.to_string()).unwrap();
-    let out = larder_cli(&larder, &["import", &layout.display().to_string(), "--as", &as_name]);
+    let out = larder.cli(&["import", &layout.display().to_string(), "--as", &as_name]);
     assert!(out.status.success(), "imported with the origin gone: team-a/app holds the base layer already");
     let pulled = skopeo::pull(&larder.image_ref("team-a/app:v2"), false).await.expect("pull v2");
     assert_eq!(pulled.manifest_digest, image.digest);
@@ -391,7 +372,7 @@ async fn larder_killed_while_it_commits_an_import_serves_all_of_it_or_none_after
     );
     larder.send_sigterm();
     assert!(larder.wait_exit(Duration::from_secs(40)).await.is_some_and(|s| s.success()), "larder stopped");
-    let verify = larder_cli(&larder, &["verify"]);
+    let verify = larder.cli(&["verify"]);
     assert!(verify.status.success(), "larder verify finds nothing wrong: {}", text(&verify.stdout));
 }
 
@@ -509,7 +490,7 @@ async fn a_manifest_declared_with_another_media_type_is_refused_and_the_cached_o
         layout.blob(bytes);
     }
     layout.image(OCI_INDEX, &digest, manifest.len(), json!({REF_NAME: "v1"}));
-    let out = larder_cli(&larder, &["import", &layout.path(), "--as", &format!("{ORIGIN_NAME}/other/app")]);
+    let out = larder.cli(&["import", &layout.path(), "--as", &format!("{ORIGIN_NAME}/other/app")]);
 
     assert_eq!(out.status.code(), Some(1), "refused");
     let stderr = text(&out.stderr);
@@ -551,12 +532,12 @@ async fn as_decides_where_every_image_goes_and_the_answer_lists_each_destination
     let layout_path = layout.display().to_string();
 
     annotate(json!({REF_NAME: "v1?ns=other.local"}));
-    let out = larder_cli(&larder, &["import", &layout_path, "--as", "team-a/app"]);
+    let out = larder.cli(&["import", &layout_path, "--as", "team-a/app"]);
     assert_eq!(out.status.code(), Some(1), "a tag that routes is no tag");
     assert!(text(&out.stderr).contains(r#""v1?ns=other.local", which is not a tag"#), "{}", text(&out.stderr));
 
     annotate(json!({REF_NAME: "v1", "io.containerd.image.name": "other.local/team-a/app:v1"}));
-    let out = larder_cli(&larder, &["import", &layout_path, "--as", "team-a/app"]);
+    let out = larder.cli(&["import", &layout_path, "--as", "team-a/app"]);
     assert!(out.status.success(), "imported where --as says");
     let destination = format!("{ORIGIN_NAME}/team-a/app:v1@{}", image.digest);
     assert!(text(&out.stdout).lines().any(|l| l.trim() == destination), "the command lists {destination}");
@@ -724,7 +705,7 @@ async fn post_import_refuses_a_destination_policy_refuses_before_it_reads_the_bl
     let dir = tempfile::tempdir().unwrap();
     let mut layout = Layout::create(&dir.path().join("layout"));
     let (_, _) = many_layers(&mut layout, 3, "v1", 5);
-    let out = larder_cli(&larder, &["import", &layout.path(), "--as", &format!("{ORIGIN_NAME}/private/x")]);
+    let out = larder.cli(&["import", &layout.path(), "--as", &format!("{ORIGIN_NAME}/private/x")]);
     assert_eq!(out.status.code(), Some(1), "refused");
     assert!(
         text(&out.stderr).contains("403 DENIED") && text(&out.stderr).contains("deny rule"),
@@ -754,7 +735,7 @@ async fn post_import_answers_a_body_past_max_import_size_with_a_413() {
     let manifest = image_manifest((&config_digest, config.len()), &[(big_digest, big.len())]);
     let manifest_digest = layout.blob(&manifest);
     layout.image(OCI_MANIFEST, &manifest_digest, manifest.len(), json!({REF_NAME: "v1"}));
-    let out = larder_cli(&larder, &["import", &layout.path(), "--as", &format!("{ORIGIN_NAME}/team/app")]);
+    let out = larder.cli(&["import", &layout.path(), "--as", &format!("{ORIGIN_NAME}/team/app")]);
     assert_eq!(out.status.code(), Some(1), "refused");
     assert!(text(&out.stderr).contains("413 SIZE_INVALID"), "{}", text(&out.stderr));
     assert_eq!(files_under(&larder.cache_dir().join("blobs/sha256")), 0, "nothing committed");
@@ -793,7 +774,7 @@ async fn blobs_before_index_json_are_staged_within_a_quota_and_the_cli_sends_ind
     let message = answer["errors"][0]["message"].as_str().unwrap_or_default().to_owned();
     assert!(message.contains("over 2097152 bytes of blobs come before index.json"), "{message}");
 
-    let out = larder_cli(&larder, &["import", &archive.display().to_string(), "--as", "team/tool"]);
+    let out = larder.cli(&["import", &archive.display().to_string(), "--as", "team/tool"]);
     assert!(out.status.success(), "the CLI sends index.json first");
     drop(origin);
     let pulled = skopeo::pull(&larder.image_ref("team/tool:2.0"), false).await.expect("pull with the origin gone");
@@ -844,7 +825,7 @@ async fn imports_at_once_of_overlapping_layouts_each_commit_whole() {
     }
     larder.send_sigterm();
     assert!(larder.wait_exit(Duration::from_secs(40)).await.is_some_and(|s| s.success()), "larder stopped");
-    let verify = larder_cli(&larder, &["verify"]);
+    let verify = larder.cli(&["verify"]);
     assert!(verify.status.success(), "larder verify finds nothing wrong: {}", text(&verify.stdout));
 }
 
@@ -880,7 +861,7 @@ async fn a_layout_cannot_be_first_to_give_a_manifest_another_media_type_than_its
         layout.blob(bytes);
     }
     layout.image(DOCKER_MANIFEST, &digest, manifest.len(), json!({REF_NAME: "v1"}));
-    let out = larder_cli(&larder, &["import", &layout.path(), "--as", &format!("{ORIGIN_NAME}/team-a/app")]);
+    let out = larder.cli(&["import", &layout.path(), "--as", &format!("{ORIGIN_NAME}/team-a/app")]);
 
     assert_eq!(out.status.code(), Some(1), "refused");
     let stderr = text(&out.stderr);
@@ -892,7 +873,7 @@ async fn a_layout_cannot_be_first_to_give_a_manifest_another_media_type_than_its
     // Declared as what its shape is, the same layout imports.
     layout.images.clear();
     layout.image(OCI_MANIFEST, &digest, manifest.len(), json!({REF_NAME: "v1"}));
-    let out = larder_cli(&larder, &["import", &layout.path(), "--as", &format!("{ORIGIN_NAME}/team-a/app")]);
+    let out = larder.cli(&["import", &layout.path(), "--as", &format!("{ORIGIN_NAME}/team-a/app")]);
     assert!(out.status.success(), "imported");
     let pulled = skopeo::pull(&larder.image_ref("team-a/app:v1"), false).await.expect("pull team-a/app:v1");
     assert_eq!(pulled.manifest_digest, digest);
@@ -943,7 +924,7 @@ async fn a_layout_whose_blob_folder_links_into_the_store_carries_nothing_of_it()
     let store_folder = larder.blob_file(&layer.digest).parent().unwrap().to_owned();
     std::os::unix::fs::symlink(&store_folder, layout.dir.join("blobs/sha256")).unwrap();
     layout.image(OCI_MANIFEST, &manifest_digest, manifest.len(), json!({REF_NAME: "v1"}));
-    let out = larder_cli(&larder, &["import", &layout.path(), "--as", &format!("{ORIGIN_NAME}/team-a/app")]);
+    let out = larder.cli(&["import", &layout.path(), "--as", &format!("{ORIGIN_NAME}/team-a/app")]);
 
     assert!(!out.status.success(), "refused");
     assert!(text(&out.stderr).contains("blobs/sha256 is a link or a file, not a folder"), "{}", text(&out.stderr));
@@ -1065,7 +1046,7 @@ async fn a_disk_that_fills_while_an_import_stages_is_a_503_not_a_broken_layout()
     let _disk = Tmpfs::mount(&larder.cache_dir(), "8m");
     larder.restart().await;
 
-    let out = larder_cli(&larder, &["import", &big.path(), "--as", &format!("{ORIGIN_NAME}/team/app")]);
+    let out = larder.cli(&["import", &big.path(), "--as", &format!("{ORIGIN_NAME}/team/app")]);
 
     assert_eq!(out.status.code(), Some(1), "refused");
     let stderr = text(&out.stderr);
@@ -1073,7 +1054,7 @@ async fn a_disk_that_fills_while_an_import_stages_is_a_503_not_a_broken_layout()
     assert!(!stderr.contains("not an OCI image layout"), "the layout is fine: {stderr}");
     let tmp = larder.cache_dir().join("tmp");
     wait_until("the staging area is removed", Duration::from_secs(30), || files_under(&tmp) == 0).await;
-    let out = larder_cli(&larder, &["import", &small.path(), "--as", &format!("{ORIGIN_NAME}/team/app")]);
+    let out = larder.cli(&["import", &small.path(), "--as", &format!("{ORIGIN_NAME}/team/app")]);
     assert!(out.status.success(), "a layout that fits imports");
     assert_eq!(served(&larder, "v2", &blobs).await.1, blobs.len());
     drop(admin);

@@ -7,31 +7,12 @@
 
 mod common;
 
-use std::process::Output;
 use std::time::Duration;
 
 use common::origin::ORIGIN_NAME;
 use common::{Admin, ImageBuilder, KIB, Larder, Origin, PulledImage, PushedImage, skopeo};
 
 const LAYERS: [usize; 2] = [48 * KIB, 200 * KIB];
-
-/// Runs `larder <args> --config <larder's config>`.
-fn larder_cli(larder: &Larder, args: &[&str]) -> Output {
-    let out = std::process::Command::new(common::larder::binary())
-        .args(args)
-        .arg("--config")
-        .arg(larder.config_path())
-        .output()
-        .expect("run larder");
-    eprintln!(
-        "larder {}: {}\n{}{}",
-        args.join(" "),
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
 
 async fn skopeo_copy(args: &[&str]) {
     let mut all = vec!["copy".to_owned(), "--src-tls-verify=false".to_owned(), "--dest-tls-verify=false".to_owned()];
@@ -62,8 +43,7 @@ async fn a_layout_from_skopeo_imported_while_larder_runs_pulls_with_the_origin_g
     drop(origin);
 
     // skopeo names the image by its tag alone: --as says where it goes.
-    let out =
-        larder_cli(&larder, &["import", &layout.display().to_string(), "--as", &format!("{ORIGIN_NAME}/team/app")]);
+    let out = larder.cli(&["import", &layout.display().to_string(), "--as", &format!("{ORIGIN_NAME}/team/app")]);
     assert!(out.status.success(), "import through the admin listener");
     // Its progress, a line per phase (stdout is not a terminal), and where the image went.
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -102,8 +82,7 @@ async fn an_archive_imported_into_a_stopped_cache_pulls_after_the_start() {
     larder.send_sigterm();
     assert!(larder.wait_exit(Duration::from_secs(10)).await.is_some_and(|s| s.success()), "larder stopped");
 
-    let out =
-        larder_cli(&larder, &["import", &archive.display().to_string(), "--as", &format!("{ORIGIN_NAME}/team/tool")]);
+    let out = larder.cli(&["import", &archive.display().to_string(), "--as", &format!("{ORIGIN_NAME}/team/tool")]);
     assert!(out.status.success(), "import into the stopped cache");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let expected = [
@@ -147,7 +126,7 @@ async fn a_tampered_layout_is_refused_and_nothing_of_it_is_imported() {
     drop(origin);
 
     let as_name = format!("{ORIGIN_NAME}/team/app");
-    let out = larder_cli(&larder, &["import", &layout.display().to_string(), "--as", &as_name]);
+    let out = larder.cli(&["import", &layout.display().to_string(), "--as", &as_name]);
     assert_eq!(out.status.code(), Some(1), "refused through the admin listener");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains(&layer.digest[7..]), "the refusal names the tampered blob: {stderr}");
@@ -158,7 +137,7 @@ async fn a_tampered_layout_is_refused_and_nothing_of_it_is_imported() {
     // The same on a stopped cache folder.
     larder.send_sigterm();
     assert!(larder.wait_exit(Duration::from_secs(10)).await.is_some_and(|s| s.success()), "larder stopped");
-    let out = larder_cli(&larder, &["import", &layout.display().to_string(), "--as", &as_name]);
+    let out = larder.cli(&["import", &layout.display().to_string(), "--as", &as_name]);
     assert_eq!(out.status.code(), Some(1), "refused offline");
     assert_eq!(cached_blob_files(&larder, &image), 0, "nothing committed offline either");
 }
@@ -172,8 +151,7 @@ async fn an_export_is_a_layout_skopeo_copies_on_and_another_larder_imports_by_na
     let larder = builder.start().await;
     let dir = tempfile::tempdir().unwrap();
     let layout = dir.path().join("export");
-    let out =
-        larder_cli(&larder, &["export", "team/app:v1", "team/tool:2.0", "--output", &layout.display().to_string()]);
+    let out = larder.cli(&["export", "team/app:v1", "team/tool:2.0", "--output", &layout.display().to_string()]);
     assert!(out.status.success(), "export of two images into one folder");
     assert_eq!(origin.blob_gets(), app.blob_digests().len() + tool.blob_digests().len(), "each blob fetched once");
     // Manifests are counted as manifests, not among the new blobs (an
@@ -206,7 +184,7 @@ async fn an_export_is_a_layout_skopeo_copies_on_and_another_larder_imports_by_na
     let gone = common::larder::Upstream::new(ORIGIN_NAME, "http://127.0.0.1:9").default(true);
     let (builder, _other_admin) = Admin::open(Larder::builder().upstream(gone));
     let other = builder.start().await;
-    let out = larder_cli(&other, &["import", &layout.display().to_string()]);
+    let out = other.cli(&["import", &layout.display().to_string()]);
     assert!(out.status.success(), "import without --as: names from io.containerd.image.name");
     let pulled = skopeo::pull(&other.image_ref("team/app:v1"), true).await.expect("pull the app");
     assert_same_image(&pulled, &app, "the exported app");

@@ -362,6 +362,21 @@ impl Larder {
         &self.config_path
     }
 
+    /// Runs `larder <args> --config <this larder's config>` (stdout not a
+    /// terminal) and prints what it said, for the test's log.
+    pub fn cli(&self, args: &[&str]) -> Output {
+        let out =
+            Command::new(binary()).args(args).arg("--config").arg(&self.config_path).output().expect("run larder");
+        eprintln!(
+            "larder {}: {}\n{}{}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    }
+
     /// The config file as written.
     pub fn config_text(&self) -> String {
         super::process::read_lossy(&self.config_path)
