@@ -514,9 +514,8 @@ async fn a_manifest_declared_with_another_media_type_is_refused_and_the_cached_o
     assert_eq!(out.status.code(), Some(1), "refused");
     let stderr = text(&out.stderr);
     assert!(
-        stderr.contains(&format!(
-            "manifest {digest} is cached as {OCI_MANIFEST}, and the layout declares it {OCI_INDEX}"
-        )),
+        stderr.contains(&format!("manifest {digest} has no mediaType of its own, so it is a {OCI_MANIFEST}"))
+            && stderr.contains(&format!("the layout declares it a {OCI_INDEX}")),
         "{stderr}"
     );
     drop(origin);
@@ -847,4 +846,235 @@ async fn imports_at_once_of_overlapping_layouts_each_commit_whole() {
     assert!(larder.wait_exit(Duration::from_secs(40)).await.is_some_and(|s| s.success()), "larder stopped");
     let verify = larder_cli(&larder, &["verify"]);
     assert!(verify.status.success(), "larder verify finds nothing wrong: {}", text(&verify.stdout));
+}
+
+// ---- review (session 2): what an import must not do either ---------------------------
+
+/// A manifest without `mediaType` of its own (OCI allows that) that the
+/// origin has, never pulled through larder yet, imported declared as a
+/// Docker manifest (Docker's types carry theirs). Before, the import was
+/// the first to store it, under the layout's type, and every repository
+/// was then served it so: skopeo refused the origin's own `public/x` by
+/// digest ("unsupported docker v2s2 media type").
+#[tokio::test(flavor = "multi_thread")]
+async fn a_layout_cannot_be_first_to_give_a_manifest_another_media_type_than_its_shape() {
+    const DOCKER_MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
+    let origin = Origin::start().await;
+    let config = br#"{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}"#.to_vec();
+    let layer = common::push::random(16 * KIB);
+    let (config_digest, layer_digest) =
+        (origin.push_blob("public/x", &config).await, origin.push_blob("public/x", &layer).await);
+    let manifest = json!({
+        "schemaVersion": 2,
+        "config": {"mediaType": OCI_CONFIG, "digest": config_digest, "size": config.len()},
+        "layers": [{"mediaType": OCI_LAYER, "digest": layer_digest, "size": layer.len()}],
+    })
+    .to_string()
+    .into_bytes();
+    let digest = origin.push_manifest("public/x", "v1", OCI_MANIFEST, &manifest).await;
+    let (larder, _admin) = larder_with_admin(&origin, |b| b).await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut layout = Layout::create(&dir.path().join("layout"));
+    for bytes in [&config, &layer, &manifest] {
+        layout.blob(bytes);
+    }
+    layout.image(DOCKER_MANIFEST, &digest, manifest.len(), json!({REF_NAME: "v1"}));
+    let out = larder_cli(&larder, &["import", &layout.path(), "--as", &format!("{ORIGIN_NAME}/team-a/app")]);
+
+    assert_eq!(out.status.code(), Some(1), "refused");
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains(&format!("manifest {digest} has no mediaType of its own")), "{stderr}");
+    assert!(stderr.contains(&format!("the layout declares it a {DOCKER_MANIFEST}")), "{stderr}");
+    let pulled = skopeo::pull(&larder.image_ref(&format!("public/x@{digest}")), false).await;
+    assert_eq!(pulled.expect("the origin's image pulls through larder").manifest_digest, digest);
+
+    // Declared as what its shape is, the same layout imports.
+    layout.images.clear();
+    layout.image(OCI_MANIFEST, &digest, manifest.len(), json!({REF_NAME: "v1"}));
+    let out = larder_cli(&larder, &["import", &layout.path(), "--as", &format!("{ORIGIN_NAME}/team-a/app")]);
+    assert!(out.status.success(), "imported");
+    let pulled = skopeo::pull(&larder.image_ref("team-a/app:v1"), false).await.expect("pull team-a/app:v1");
+    assert_eq!(pulled.manifest_digest, digest);
+}
+
+/// A layout folder whose `blobs/sha256` is a link to a folder of larder's
+/// own store (`blobs/sha256/<first two hex digits>`), as a tenant's tar of
+/// a layout unpacks it: the tenant's manifest, ground to share the first
+/// two digits with tenant B's cached layer and pulled through larder as a
+/// blob of team-a/app, names that layer. Before, every file of the linked
+/// folder counted as carried, so team-a/app got B's layer with no byte
+/// of it in the layout.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_layout_whose_blob_folder_links_into_the_store_carries_nothing_of_it() {
+    let origin = Origin::start().await;
+    let private = ImageBuilder::oci().layers(&[64 * KIB]).push(&origin, "private/b", "v1").await;
+    let layer = private.manifests[0].layers[0].clone();
+    let (larder, _admin) = larder_with_admin(&origin, |b| b).await;
+    skopeo::pull(&larder.image_ref("private/b:v1"), false).await.expect("B's image is cached");
+    let prefix = layer.digest[7..9].to_owned();
+    assert!(larder.blob_file(&layer.digest).exists(), "B's layer is cached");
+
+    // team-a's config upstream, and a manifest naming it and B's layer,
+    // its annotation chosen so that its digest starts as the layer's does.
+    let config = br#"{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}"#.to_vec();
+    let config_digest = origin.push_blob("team-a/app", &config).await;
+    let manifest = (0u64..)
+        .map(|n| {
+            let mut m: Value = serde_json::from_slice(&image_manifest(
+                (&config_digest, config.len()),
+                &[(layer.digest.clone(), layer.size as usize)],
+            ))
+            .unwrap();
+            m["annotations"] = json!({"n": n.to_string()});
+            m.to_string().into_bytes()
+        })
+        .find(|m| sha256_digest(m)[7..9] == prefix)
+        .unwrap();
+    let manifest_digest = origin.push_blob("team-a/app", &manifest).await;
+    let url = format!("{}/v2/team-a/app/blobs/{manifest_digest}", larder.url());
+    assert_eq!(http::client().get(&url).send().await.unwrap().status(), 200, "pulled through as a blob");
+    let cached = larder.blob_file(&manifest_digest);
+    wait_until("the manifest is cached as a blob", Duration::from_secs(10), || cached.exists()).await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut layout = Layout::create(&dir.path().join("layout"));
+    std::fs::remove_dir(layout.dir.join("blobs/sha256")).unwrap();
+    let store_folder = larder.blob_file(&layer.digest).parent().unwrap().to_owned();
+    std::os::unix::fs::symlink(&store_folder, layout.dir.join("blobs/sha256")).unwrap();
+    layout.image(OCI_MANIFEST, &manifest_digest, manifest.len(), json!({REF_NAME: "v1"}));
+    let out = larder_cli(&larder, &["import", &layout.path(), "--as", &format!("{ORIGIN_NAME}/team-a/app")]);
+
+    assert!(!out.status.success(), "refused");
+    assert!(text(&out.stderr).contains("blobs/sha256 is a link or a file, not a folder"), "{}", text(&out.stderr));
+    let layer_url = format!("{}/v2/team-a/app/blobs/{}", larder.url(), layer.digest);
+    let status = http::client().get(&layer_url).send().await.unwrap().status();
+    assert_eq!(status, 404, "team-a/app does not get B's layer");
+}
+
+/// An import into team/app that began before a purge of team/app (its
+/// upload held back while the purge ran) is refused whole, as a fill
+/// from before a purge commits without its membership. Before, the
+/// import committed its rows after the purge and team/app served the
+/// image again.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_import_that_began_before_a_purge_of_its_destination_is_refused_whole() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let mut layout = Layout::create(&dir.path().join("layout"));
+    let (_, blobs) = many_layers(&mut layout, 20, "v1", 3);
+    let mut files = vec![
+        ("oci-layout".to_owned(), std::fs::read(layout.dir.join("oci-layout")).unwrap()),
+        ("index.json".to_owned(), std::fs::read(layout.dir.join("index.json")).unwrap()),
+    ];
+    for entry in std::fs::read_dir(layout.dir.join("blobs/sha256")).unwrap() {
+        let entry = entry.unwrap();
+        files.push((
+            format!("blobs/sha256/{}", entry.file_name().to_string_lossy()),
+            std::fs::read(entry.path()).unwrap(),
+        ));
+    }
+    let tar = tar_of(&files);
+    let (larder, admin) = larder_without_origin(|b| b).await;
+
+    let mut socket = tokio::net::TcpStream::connect(("127.0.0.1", admin.port)).await.unwrap();
+    socket.write_all(import_head(&format!("?as={ORIGIN_NAME}/team/app"), tar.len() as u64).as_bytes()).await.unwrap();
+    socket.write_all(&tar[..tar.len() / 2]).await.unwrap();
+    socket.flush().await.unwrap();
+    let tmp = larder.cache_dir().join("tmp");
+    wait_until("the import stages blobs", Duration::from_secs(30), || files_under(&tmp) > 0).await;
+    let purge = http::client()
+        .post(format!("{}/purge?upstream={ORIGIN_NAME}&repo=team/app", admin.url()))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .expect("POST /purge");
+    assert_eq!(purge.status(), 200);
+    socket.write_all(&tar[tar.len() / 2..]).await.unwrap();
+    socket.flush().await.unwrap();
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    let read = tokio::time::timeout(Duration::from_secs(30), async {
+        while !(answer.windows(4).any(|w| w == b"\r\n\r\n") && answer.ends_with(b"}")) {
+            match socket.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => answer.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    let answer = text(&answer);
+    assert!(read.is_ok(), "an answer: {answer}");
+
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(answer.contains(&format!("{ORIGIN_NAME}/team/app was purged while the import ran")), "{answer}");
+    assert_eq!(served(&larder, "v1", &blobs).await, (false, 0), "nothing of it is served after the purge");
+
+    let (status, answer) = post_import(&admin, Some(&format!("{ORIGIN_NAME}/team/app")), tar).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(served(&larder, "v1", &blobs).await, (true, blobs.len()), "imported again, whole");
+}
+
+/// A tmpfs mounted over a folder for a test (needs root); unmounted when
+/// dropped (lazily, if something still has files open on it).
+struct Tmpfs {
+    dir: PathBuf,
+}
+
+impl Tmpfs {
+    fn mount(dir: &Path, size: &str) -> Tmpfs {
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir)
+            .output()
+            .expect("run mount");
+        assert!(out.status.success(), "cannot mount a tmpfs (this test needs root): {}", text(&out.stderr));
+        Tmpfs { dir: dir.to_owned() }
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let unmounted = std::process::Command::new("umount").arg(&self.dir).status().is_ok_and(|s| s.success());
+        if !unmounted {
+            let _ = std::process::Command::new("umount").arg("-l").arg(&self.dir).status();
+        }
+    }
+}
+
+/// The staging area's disk fills up (the cache is on an 8 MiB tmpfs, the
+/// layout is 12 MiB): a 503 saying the disk is full, the staging area
+/// removed, and the next import that fits works. Before, the write's
+/// ENOSPC was answered as a broken layout (400, "not an OCI image
+/// layout: ... No space left on device").
+#[tokio::test(flavor = "multi_thread")]
+async fn a_disk_that_fills_while_an_import_stages_is_a_503_not_a_broken_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut big = Layout::create(&dir.path().join("big"));
+    let config = br#"{"architecture":"amd64","os":"linux"}"#.to_vec();
+    let config_digest = big.blob(&config);
+    let layers: Vec<(String, usize)> =
+        (0..12).map(|_| (big.blob(&common::push::random(1024 * KIB)), 1024 * KIB)).collect();
+    let manifest = image_manifest((&config_digest, config.len()), &layers);
+    let manifest_digest = big.blob(&manifest);
+    big.image(OCI_MANIFEST, &manifest_digest, manifest.len(), json!({REF_NAME: "v1"}));
+    let mut small = Layout::create(&dir.path().join("small"));
+    let (_, blobs) = many_layers(&mut small, 4, "v2", 5);
+    let (mut larder, admin) = larder_without_origin(|b| b).await;
+    larder.stop();
+    let _disk = Tmpfs::mount(&larder.cache_dir(), "8m");
+    larder.restart().await;
+
+    let out = larder_cli(&larder, &["import", &big.path(), "--as", &format!("{ORIGIN_NAME}/team/app")]);
+
+    assert_eq!(out.status.code(), Some(1), "refused");
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("503 UNAVAILABLE: the cache disk is full"), "{stderr}");
+    assert!(!stderr.contains("not an OCI image layout"), "the layout is fine: {stderr}");
+    let tmp = larder.cache_dir().join("tmp");
+    wait_until("the staging area is removed", Duration::from_secs(30), || files_under(&tmp) == 0).await;
+    let out = larder_cli(&larder, &["import", &small.path(), "--as", &format!("{ORIGIN_NAME}/team/app")]);
+    assert!(out.status.success(), "a layout that fits imports");
+    assert_eq!(served(&larder, "v2", &blobs).await.1, blobs.len());
+    drop(admin);
 }

@@ -49,6 +49,7 @@ use crate::cache::index::{ImportCommitError, ImportRows};
 use crate::cache::membership::{Content, member_key};
 use crate::cache::store::disk::Store;
 use crate::cache::store::memory::TagEntry;
+use crate::cache::upkeep::purges::lock_purges;
 use crate::cache::{Cache, Via, unix_ms};
 use crate::error::Error;
 use crate::oci::layout::{LayoutImage, LayoutIndex};
@@ -240,6 +241,9 @@ impl Cache {
                 queue.acquire_owned().await.map_err(|_| Error::Internal("the import queue closed".into()))?
             }
         };
+        // Purges from here on are barriers: the checks below (memberships,
+        // the tags replaced) are from before them (see `commit_import`).
+        let purges_seen = lock_purges(&self.purges).count();
         let limits = ImportLimits::of(&self.config);
         let store = self.store.clone();
         let (staged, plan, mut watch) = blocking(move || {
@@ -269,7 +273,7 @@ impl Cache {
         let cache = Arc::clone(self);
         tokio::spawn(async move {
             let _permit = permit;
-            cache.commit_import(staged, plan, watch).await
+            cache.commit_import(staged, plan, purges_seen, watch).await
         })
         .await
         .map_err(|e| Error::Internal(format!("the import's commit failed: {e}")))?
@@ -310,11 +314,15 @@ impl Cache {
     }
 
     /// Commits a planned import: its blob files into place, then every
-    /// row in one transaction; then what memory and the shared tier learn.
+    /// row in one transaction, unless a purge of a destination began after
+    /// the import did (`purges_seen`): then nothing (the files stay, members
+    /// of no repository, as a fill's do); then what memory and the shared
+    /// tier learn.
     async fn commit_import(
         self: Arc<Self>,
         staged: Staged,
         plan: Plan,
+        purges_seen: u64,
         mut watch: Box<dyn ImportWatch>,
     ) -> Result<Imported, Error> {
         let what =
@@ -328,7 +336,7 @@ impl Cache {
             }
         };
         let now = SystemTime::now();
-        let (store, index) = (self.store.clone(), Arc::clone(&self.index));
+        let (store, index, purges) = (self.store.clone(), Arc::clone(&self.index), Arc::clone(&self.purges));
         let (staged, plan, committed) = blocking(move || {
             let manifests: Vec<(Digest, MediaType, &str)> =
                 plan.manifests.iter().map(|m| (m.digest, m.media_type, m.upstream.as_str())).collect();
@@ -352,18 +360,25 @@ impl Cache {
                 Ok(bytes) => Ok(bytes),
                 Err(_) => std::fs::read(store.blob_path(d)).map_err(|e| e.to_string()),
             };
-            let committed = index.commit_import(&rows, &mut read).map_err(ImportError::Conflict)?;
+            let purged = |key: &str| lock_purges(&purges).purged_since(key, purges_seen);
+            let committed = index.commit_import(&rows, &mut read, &purged).map_err(ImportError::Conflict)?;
             drop((blobs, manifests));
             Ok((staged, plan, committed))
         })
         .await?;
         drop(reserved);
 
-        for key in &plan.members {
-            self.memory.insert_member(key.clone());
-        }
-        for (key, digest) in &plan.tags {
-            self.memory.insert_tag(key.clone(), TagEntry { digest: *digest, confirmed: now });
+        {
+            // Under the purges' lock, which a purge holds while it forgets
+            // the memory's rows: what it removed from the index after this
+            // commit cannot come back here.
+            let purges = lock_purges(&self.purges);
+            for key in plan.members.iter().filter(|k| !purges.purged_since(k, purges_seen)) {
+                self.memory.insert_member(key.clone());
+            }
+            for (key, digest) in plan.tags.iter().filter(|(k, _)| !purges.purged_since(k, purges_seen)) {
+                self.memory.insert_tag(key.clone(), TagEntry { digest: *digest, confirmed: now });
+            }
         }
         for a in &plan.absent {
             let t = &staged.targets[a.target];

@@ -217,6 +217,14 @@ impl Walk<'_> {
         let bytes = (self.read)(digest)?;
         let (media_type, refs) = inspect_manifest(&bytes, declared)
             .map_err(|e| ImportError::NotALayout(format!("manifest {digest}: {e}")))?;
+        if let Some(implied) = implied_type(&bytes).filter(|t| *t != media_type) {
+            return Err(ImportError::NotALayout(format!(
+                "manifest {digest} has no mediaType of its own, so it is a {} by its shape (Docker's types carry \
+                 theirs), and the layout declares it a {}: stored so, every repository would be served it so",
+                implied.as_str(),
+                media_type.as_str()
+            )));
+        }
         let held = refs.blobs.len() + refs.manifests.len();
         if held > self.limits.max_manifest_references {
             return Err(ImportError::TooLarge(format!(
@@ -235,6 +243,25 @@ impl Walk<'_> {
         let children = refs.manifests.into_iter().filter(|d| seen.insert(*d)).collect();
         let blobs = refs.blobs.into_iter().zip(refs.blob_sizes).collect();
         Ok(Node { media_type, size: bytes.len() as u64, blobs, children })
+    }
+}
+
+/// The type a manifest without a `mediaType` of its own is by its shape:
+/// an OCI index if it lists manifests, else an OCI image manifest (Docker's
+/// manifest and manifest list must carry theirs). `None` when it carries
+/// one (then [`inspect_manifest`] held the declared type to it).
+fn implied_type(bytes: &[u8]) -> Option<MediaType> {
+    #[derive(serde::Deserialize)]
+    struct Shape {
+        #[serde(rename = "mediaType")]
+        media_type: Option<serde::de::IgnoredAny>,
+        manifests: Option<serde::de::IgnoredAny>,
+    }
+    let shape: Shape = serde_json::from_slice(bytes).ok()?;
+    match (shape.media_type, shape.manifests) {
+        (Some(_), _) => None,
+        (None, Some(_)) => Some(MediaType::OciIndex),
+        (None, None) => Some(MediaType::OciManifest),
     }
 }
 

@@ -335,10 +335,12 @@ fn end_of_tar(meter: &Meter) -> Result<(), ImportError> {
 }
 
 /// An error from a visitor or a read inside an entry: a bound the meter
-/// refused wins over the I/O error it caused.
+/// refused wins over the I/O error it caused; any other I/O error (the
+/// staging area's disk full, a failed read or write) stays one, never a
+/// fault of the layout.
 fn refusal_in(meter: &Meter, e: ImportError) -> ImportError {
     match e {
-        ImportError::Io(io) => meter.refusal_or(io, "reading the layout's tar"),
+        ImportError::Io(io) => meter.refusal.borrow_mut().take().unwrap_or(ImportError::Io(io)),
         e => e,
     }
 }
@@ -400,7 +402,8 @@ pub fn read_archive(path: &Path, limits: &ImportLimits, visitor: &mut dyn Visito
 }
 
 /// Reads a layout folder: `oci-layout`, `index.json`, then the regular
-/// files of `blobs/sha256/` (links and folders there are passed over).
+/// files of `blobs/sha256/` (links and folders there are passed over; a
+/// `blobs` or `blobs/sha256` that is a link refuses the layout).
 pub fn read_dir(dir: &Path, limits: &ImportLimits, visitor: &mut dyn Visitor) -> Result<(), ImportError> {
     let meter = Meter::new(limits);
     let open = |name: &str| -> Result<Metered<File>, ImportError> {
@@ -415,6 +418,18 @@ pub fn read_dir(dir: &Path, limits: &ImportLimits, visitor: &mut dyn Visitor) ->
     check_layout_file(&mut open("oci-layout")?).map_err(|e| refusal_in(&meter, e))?;
     let json = read_index(&mut open("index.json")?).map_err(|e| refusal_in(&meter, e))?;
     visitor.index(json.index, &json.bytes)?;
+    // The folders are the layout's own, never links: `blobs/sha256` linked
+    // to a folder of larder's store would "carry" every cached blob there,
+    // and a manifest naming another tenant's blob would get it with no
+    // byte of it in the layout.
+    for folder in ["blobs", "blobs/sha256"] {
+        match std::fs::symlink_metadata(dir.join(folder)) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => return Err(ImportError::NotALayout(format!("{folder} is a link or a file, not a folder"))),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(e.into()),
+        }
+    }
     let folder = dir.join("blobs/sha256");
     let listing = match std::fs::read_dir(&folder) {
         Ok(listing) => listing,

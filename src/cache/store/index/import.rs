@@ -46,6 +46,11 @@ pub enum ImportCommitError {
          digest, so nothing was imported"
     )]
     Conflict { digest: Digest, stored: String, declared: &'static str },
+    /// A purge of a destination began after the import did: what the
+    /// import checked (a membership it relied on, the tag it replaces) is
+    /// from before it, and committing would bring back what it removed.
+    #[error("{0} was purged while the import ran; nothing was imported: import the layout again")]
+    Purged(String),
     /// Reading a manifest's bytes for its row failed.
     #[error("manifest {0}: {1}")]
     Read(Digest, String),
@@ -80,13 +85,26 @@ impl Index {
     }
 
     /// Writes an import's rows in one transaction; `read` gives a
-    /// manifest's bytes. On any error nothing is written.
+    /// manifest's bytes. `purged` says whether a purge that began after the
+    /// import started covers a membership or tag key: asked inside the
+    /// write transaction, which a purge's own is ordered with, so a purge
+    /// either removes the import's rows or refuses the import. On any
+    /// error nothing is written.
     pub fn commit_import(
         &self,
         rows: &ImportRows<'_>,
         read: &mut dyn FnMut(&Digest) -> Result<Vec<u8>, String>,
+        purged: &dyn Fn(&str) -> bool,
     ) -> Result<ImportCommitted, ImportCommitError> {
         let txn = begin_write(&self.db)?;
+        let keys = rows.members.iter().map(String::as_str).chain(rows.tags.iter().map(|(k, _)| k.as_str()));
+        for key in keys {
+            if purged(key) {
+                let mut parts = key.split('\0');
+                let (upstream, repo) = (parts.next().unwrap_or_default(), parts.next().unwrap_or_default());
+                return Err(ImportCommitError::Purged(format!("{upstream}/{repo}")));
+            }
+        }
         let mut committed = ImportCommitted::default();
         let mut content = Content::open(&txn)?;
         for (digest, media_type, upstream) in rows.manifests {

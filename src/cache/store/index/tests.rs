@@ -488,7 +488,7 @@ fn an_imported_manifest_declares_its_sizes_for_its_repository_and_a_refused_impo
         tags: &[],
         now_ms: 1,
     };
-    index.commit_import(&rows, &mut |_| Ok(bytes.clone())).unwrap();
+    index.commit_import(&rows, &mut |_| Ok(bytes.clone()), &|_| false).unwrap();
     assert_eq!(index.declared_size(&member("hub", "team/app", &layer)).unwrap(), Some(4321));
     assert_eq!(index.declared_size(&member("hub", "other", &layer)).unwrap(), None, "not another repository's");
     // The same manifest declared as an index is refused whole: no membership, no declared size.
@@ -500,7 +500,7 @@ fn an_imported_manifest_declares_its_sizes_for_its_repository_and_a_refused_impo
         tags: &[],
         now_ms: 2,
     };
-    assert!(index.commit_import(&refused, &mut |_| Ok(bytes.clone())).is_err());
+    assert!(index.commit_import(&refused, &mut |_| Ok(bytes.clone()), &|_| false).is_err());
     assert!(!index.is_member(&elsewhere[0]).unwrap());
     assert_eq!(index.declared_size(&member("hub", "team/b", &layer)).unwrap(), None);
 
