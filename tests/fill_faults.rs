@@ -17,6 +17,10 @@
 //!   declared size is the only size the blob may have, and it never raises
 //!   the bound above `max_blob_size`.
 //! - A purge of a repository during a fill is not undone by the commit.
+//! - Fills ahead meet the same faults (a `200` or a shifted `206` to a
+//!   part, a trickle, a failed read-back or commit) and end as cleanly:
+//!   no flight left, nothing committed, the next pull fills again; one
+//!   held below the minimum rate by `max_bandwidth` is not cut.
 //!
 //! The fake upstream injects the upstream's faults; larder's own disk
 //! faults are injected by its debug build (`fake::INJECT_FAULTS`).
@@ -305,6 +309,162 @@ async fn a_fill_slower_than_the_minimum_rate_fails_at_its_deadline() {
     wait_for_commits(&larder).await;
     assert!(larder.log().contains("deadline"), "the fill failed at its deadline");
     assert_eq!(temp_files(&larder), 0);
+}
+
+// ---- fills ahead, and under `max_bandwidth` ------------------------------
+
+/// larder in front of `up` with fills ahead on (as shipped), blobs of
+/// 16 MiB or more in parallel parts, `lines` in the upstream's table.
+fn larder_ahead(up: &FakeUpstream, lines: &[&str]) -> LarderBuilder {
+    let upstream = lines.iter().fold(Upstream::new(UPSTREAM_NAME, &up.url()).default(true), |u, l| u.line(l));
+    Larder::builder().upstream(upstream).cache_line(r#"parallel_fill_min = "16MiB""#).server_line(ADMIN_LISTEN)
+}
+
+/// Pulls `test/app:v1`'s manifest and its first layer (`first`), which
+/// starts the fill ahead of the image's other layer; waits until it has.
+async fn pull_first_layer(larder: &Larder, first: &[u8]) {
+    let addr = address(larder);
+    get_manifest(addr).await;
+    assert_served(addr, first).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while metric(larder, r#"larder_fills_total{reason="ahead"}"#).await < 1.0 {
+        assert!(tokio::time::Instant::now() < deadline, "the fill ahead never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Whether `blob` was asked of `up` with a `Range` (as a ranged fill's part).
+fn asked_for_parts(up: &FakeUpstream, blob: &[u8]) -> bool {
+    up.log().iter().any(|r| r.path == blob_path(&digest(blob)) && r.range.is_some())
+}
+
+/// Waits (up to `limit`) until no fill is in flight.
+async fn wait_for_no_fills(larder: &Larder, limit: Duration) {
+    let deadline = tokio::time::Instant::now() + limit;
+    while metric(larder, "larder_fills_in_flight").await != 0.0 {
+        assert!(tokio::time::Instant::now() < deadline, "a fill still in flight after {limit:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fill_ahead_answered_200_to_a_later_part_commits_and_the_pull_after_it_is_a_hit() {
+    let (first, second) = (random_bytes(MIB, 20), large_layer(21));
+    let up = v1(&[&first, &second], &[]).start().await;
+    up.set_faults(&digest(&second), answering(Ranges::FirstOnly));
+    let larder = larder_ahead(&up, &[]).start().await;
+    pull_first_layer(&larder, &first).await;
+
+    wait_for_no_fills(&larder, Duration::from_secs(60)).await;
+    assert!(asked_for_parts(&up, &second), "the fill ahead asked for parts");
+    assert!(larder.blob_file(&digest(&second)).exists(), "the fill ahead went on as one stream and committed");
+    let gets = up.blob_gets(&digest(&second));
+    assert_served(address(&larder), &second).await;
+    assert_eq!(up.blob_gets(&digest(&second)), gets, "the pull was a hit");
+    assert_eq!(temp_files(&larder), 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fill_ahead_answered_with_shifted_206s_fails_alone_and_the_next_pull_works() {
+    let (first, second) = (random_bytes(MIB, 22), large_layer(23));
+    let up = v1(&[&first, &second], &[]).start().await;
+    up.set_faults(&digest(&second), answering(Ranges::Shifted(100)));
+    let larder = larder_ahead(&up, &[]).start().await;
+    pull_first_layer(&larder, &first).await;
+
+    // The fill ahead fails (bytes other than asked are never used) and
+    // leaves nothing behind: no flight, no temp file, no entry.
+    wait_for_no_fills(&larder, Duration::from_secs(60)).await;
+    assert!(asked_for_parts(&up, &second), "the fill ahead asked for parts");
+    assert!(!larder.blob_file(&digest(&second)).exists());
+    assert_eq!(temp_files(&larder), 0);
+    // The client's own pull of it goes as one stream, and is served.
+    assert_served(address(&larder), &second).await;
+    wait_for_no_fills(&larder, Duration::from_secs(30)).await;
+    assert!(larder.blob_file(&digest(&second)).exists());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fill_ahead_that_trickles_under_a_cap_fails_at_its_deadline_and_its_client_is_cut() {
+    // 2 MiB at 32 KiB/s would take 64 s; its deadline is 30 s plus 2 MiB at
+    // 256 KiB/s, 38 s. The cap (64 MiB/s) never holds it back.
+    let (first, second) = (random_bytes(MIB, 24), random_bytes(2 * MIB, 25));
+    let d = digest(&second);
+    let up = v1(&[&first, &second], &[]).start().await;
+    up.set_faults(&d, Faults { trickle: Some((16 * KIB, Duration::from_millis(500))), ..Faults::default() });
+    let larder = larder_ahead(&up, &[r#"max_bandwidth = "64MiB""#]).start().await;
+    pull_first_layer(&larder, &first).await;
+
+    // A client asking for the layer joins the fill ahead, and is cut off
+    // with it at the deadline.
+    let why = tokio::time::timeout(Duration::from_secs(90), assert_not_served(address(&larder), &second)).await;
+    let why = why.expect("the trickling fill ahead still ran after 90 s");
+    assert_eq!(up.bodies_finished(&d), 0, "cut off before upstream's body ended ({why})");
+    wait_for_no_fills(&larder, Duration::from_secs(30)).await;
+    assert!(larder.log().contains("deadline"), "the fill failed at its deadline");
+    assert_eq!(temp_files(&larder), 0);
+
+    // Upstream is asked again on the next pull, which is served.
+    let gets = up.blob_gets(&d);
+    up.heal(&d);
+    assert_served(address(&larder), &second).await;
+    assert_eq!(up.blob_gets(&d), gets + 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fill_ahead_held_below_the_minimum_rate_by_max_bandwidth_is_not_cut() {
+    // At 64 KiB/s the 4 MiB layer takes about 64 s; its allowance at the
+    // minimum rate is 30 s + 16 s. The cap, not the source, holds it.
+    let (first, second) = (random_bytes(64 * KIB, 26), random_bytes(4 * MIB, 27));
+    let d = digest(&second);
+    let up = v1(&[&first, &second], &[]).start().await;
+    let larder = larder_ahead(&up, &[r#"max_bandwidth = "64KiB""#]).start().await;
+    let started = tokio::time::Instant::now();
+    pull_first_layer(&larder, &first).await;
+
+    wait_for_no_fills(&larder, Duration::from_secs(150)).await;
+    let took = started.elapsed();
+    assert!(took > Duration::from_secs(46), "the cap held the fill past its allowance ({took:?})");
+    assert!(!larder.log().contains("deadline"), "not cut at its deadline");
+    assert!(larder.blob_file(&d).exists(), "the fill ahead committed after {took:?}");
+    assert_eq!(up.blob_gets(&d), 1);
+    assert_served(address(&larder), &second).await;
+    assert_eq!(up.blob_gets(&d), 1, "the pull was a hit");
+}
+
+/// A fill ahead meets the local fault `rule` (the client's own fill of
+/// the first layer, 1 MiB in one stream, has long committed when it
+/// does): the fill ahead fails, nothing of it is committed or left in
+/// flight or in `tmp/`, and the layer's next pull fills it again.
+async fn a_fill_ahead_meeting(rule: &str, seed: u64) {
+    let (first, second) = (random_bytes(MIB, seed), large_layer(seed + 1));
+    let d = digest(&second);
+    let up = v1(&[&first, &second], &[]).faults_for_all(answering(Ranges::Honoured)).start().await;
+    up.set_faults(&d, Faults { delay_body: Some(Duration::from_secs(1)), ..answering(Ranges::Honoured) });
+    let larder = larder_ahead(&up, &[]).inject_faults(rule).start().await;
+    pull_first_layer(&larder, &first).await;
+
+    wait_for_no_fills(&larder, Duration::from_secs(60)).await;
+    assert!(larder.log().contains("injected I/O error"), "the fault was injected");
+    assert!(!larder.blob_file(&d).exists(), "nothing of the failed fill ahead committed");
+    assert_eq!(temp_files(&larder), 0, "its temp file is gone");
+    let gets = up.blob_gets(&d);
+    up.heal(&d);
+    assert_served(address(&larder), &second).await;
+    assert!(up.blob_gets(&d) > gets, "upstream asked again");
+    wait_for_no_fills(&larder, Duration::from_secs(30)).await;
+    assert!(larder.blob_file(&d).exists(), "committed this time");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fill_ahead_whose_hash_read_back_fails_leaves_nothing_behind() {
+    a_fill_ahead_meeting("temp_read:EIO:0:1", 30).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fill_ahead_whose_commit_fails_leaves_nothing_behind() {
+    // The first commit is the client's layer; the second the fill ahead's.
+    a_fill_ahead_meeting("commit:ENOSPC:1:1", 32).await;
 }
 
 // ---- declared sizes --------------------------------------------------------

@@ -7,7 +7,9 @@
 //! counted as `missing_upstream` and still served, one that never existed
 //! as `not_found`, each warned about once. Clients go first: a warm download
 //! that stalls never holds a client back. Per-upstream `max_size`: an
-//! upstream over its share evicts only its own content.
+//! upstream over its share evicts only its own content; one over it because
+//! a shared base layer moved to it evicts neither another upstream's images
+//! on that base nor its own pinned image.
 
 mod common;
 mod fake;
@@ -573,4 +575,57 @@ async fn a_warm_image_with_referrers_keeps_its_signature_served_with_the_origin_
     assert_eq!(resp.status(), 200, "the signature manifest");
     let resp = http::client().get(format!("{base}/v2/team/signed/blobs/{payload}")).send().await.unwrap();
     assert_eq!(resp.status(), 200, "its payload");
+}
+
+#[tokio::test]
+async fn a_shared_base_layer_moving_to_a_tight_upstream_evicts_neither_the_others_images_nor_pinned_content() {
+    // Two upstreams (two teams' names for one registry), each with a tight
+    // max_size; their images share a 768 KiB base layer, and mirror.test
+    // keeps team/b:1 warm (pinned).
+    let origin = Origin::start().await;
+    let base = common::push::random(768 * KIB);
+    let own = |n: u64| common::push::random(128 * KIB + n as usize);
+    let mut team_a = Vec::new();
+    for n in 1..=3 {
+        team_a.push(common::push::image(&origin, "team/a", &n.to_string(), vec![base.clone(), own(n)]).await);
+    }
+    let pinned = common::push::image(&origin, "team/b", "1", vec![base.clone(), own(4)]).await;
+    let unpinned = common::push::image(&origin, "team/b", "2", vec![base.clone(), own(5)]).await;
+    let cached = |larder: &Larder, image: &common::push::RawImage| {
+        std::iter::once(&image.config).chain(&image.layers).all(|b| larder.blob_file(&b.digest).exists())
+    };
+    let (builder, admin) = Admin::with_token(
+        Larder::builder()
+            .upstream(Upstream::from(&origin).line(r#"max_size = "2MiB""#))
+            .upstream(Upstream::new("mirror.test", &origin.url()).line(r#"max_size = "1MiB""#))
+            .append_toml("[[warm]]\nimage = \"mirror.test/team/b:1\""),
+        TOKEN,
+    );
+    let larder = builder.start().await;
+    wait_until("team/b:1 is ready", || async { metric(&larder, READY).await == 1.0 }).await;
+
+    // Team A pulls its three images: the base layer's use is A's now.
+    for n in 1..=3 {
+        skopeo::pull(&larder.image_ref(&format!("team/a:{n}")), false).await.expect("pull through origin.test");
+        wait_for_commits(&larder).await;
+    }
+    // Team B pulls an image on the same base: the base's use is B's, and B
+    // (1 MiB) has no room for the base, its pinned image and this one.
+    skopeo::pull(&larder.prefixed_ref("mirror.test", "team/b:2"), false).await.expect("pull through mirror.test");
+    wait_for_commits(&larder).await;
+    // mirror.test is over its max_size: it evicts (its own unpinned blobs).
+    wait_until("mirror.test evicted", || async { metric(&larder, EVICTED_BLOBS).await >= 1.0 }).await;
+    wait_for_commits(&larder).await;
+
+    for (n, image) in team_a.iter().enumerate() {
+        assert!(cached(&larder, image), "team/a:{} (origin.test's, recently pulled) is whole", n + 1);
+    }
+    assert!(cached(&larder, &pinned), "the pinned team/b:1 is whole");
+    assert!(larder.blob_file(&unpinned.layers[0].digest).exists(), "the shared base stays");
+    let report = status(&admin).await;
+    let upstreams = report["upstreams"].as_array().unwrap();
+    let total: u64 = upstreams.iter().map(|u| u["cache_bytes"].as_u64().unwrap()).sum();
+    assert_eq!(total, report["cache"]["size_bytes"].as_u64().unwrap(), "the charges add up: {report}");
+    let mirror = upstreams.iter().find(|u| u["name"] == "mirror.test").unwrap()["cache_bytes"].as_u64().unwrap();
+    assert!(mirror > 768 * KIB as u64, "the base layer is mirror.test's, the most recent user: {report}");
 }
