@@ -88,6 +88,23 @@ fn image_manifest(config: (&str, usize), layers: &[(String, usize)]) -> Vec<u8> 
     .into_bytes()
 }
 
+/// The layout's files as a tar, `oci-layout` and `index.json` first (as
+/// the CLI sends them), then its blobs.
+fn layout_tar(layout: &Layout) -> Vec<u8> {
+    let mut files = vec![
+        ("oci-layout".to_owned(), std::fs::read(layout.dir.join("oci-layout")).unwrap()),
+        ("index.json".to_owned(), std::fs::read(layout.dir.join("index.json")).unwrap()),
+    ];
+    for entry in std::fs::read_dir(layout.dir.join("blobs/sha256")).unwrap() {
+        let entry = entry.unwrap();
+        files.push((
+            format!("blobs/sha256/{}", entry.file_name().to_string_lossy()),
+            std::fs::read(entry.path()).unwrap(),
+        ));
+    }
+    tar_of(&files)
+}
+
 /// A tar of `files` (path, bytes), in that order, as a client would post it.
 fn tar_of(files: &[(String, Vec<u8>)]) -> Vec<u8> {
     let mut tar = tar::Builder::new(Vec::new());
@@ -384,18 +401,7 @@ async fn a_client_gone_mid_upload_leaves_nothing_and_the_next_import_works() {
     let dir = tempfile::tempdir().unwrap();
     let mut layout = Layout::create(&dir.path().join("layout"));
     let (_, blobs) = many_layers(&mut layout, 200, "v1", 2);
-    let mut files = vec![
-        ("oci-layout".to_owned(), std::fs::read(layout.dir.join("oci-layout")).unwrap()),
-        ("index.json".to_owned(), std::fs::read(layout.dir.join("index.json")).unwrap()),
-    ];
-    for entry in std::fs::read_dir(layout.dir.join("blobs/sha256")).unwrap() {
-        let entry = entry.unwrap();
-        files.push((
-            format!("blobs/sha256/{}", entry.file_name().to_string_lossy()),
-            std::fs::read(entry.path()).unwrap(),
-        ));
-    }
-    let tar = tar_of(&files);
+    let tar = layout_tar(&layout);
     let (larder, admin) = larder_without_origin(|b| b).await;
 
     let mut socket = tokio::net::TcpStream::connect(("127.0.0.1", admin.port)).await.unwrap();
@@ -431,18 +437,7 @@ async fn a_connection_that_ends_while_its_import_commits_still_gets_all_of_it() 
     let dir = tempfile::tempdir().unwrap();
     let mut layout = Layout::create(&dir.path().join("layout"));
     let (_, blobs) = many_layers(&mut layout, 1500, "v1", 3);
-    let mut files = vec![
-        ("oci-layout".to_owned(), std::fs::read(layout.dir.join("oci-layout")).unwrap()),
-        ("index.json".to_owned(), std::fs::read(layout.dir.join("index.json")).unwrap()),
-    ];
-    for entry in std::fs::read_dir(layout.dir.join("blobs/sha256")).unwrap() {
-        let entry = entry.unwrap();
-        files.push((
-            format!("blobs/sha256/{}", entry.file_name().to_string_lossy()),
-            std::fs::read(entry.path()).unwrap(),
-        ));
-    }
-    let tar = tar_of(&files);
+    let tar = layout_tar(&layout);
     let (larder, admin) = larder_without_origin(|b| b).await;
 
     let mut socket = tokio::net::TcpStream::connect(("127.0.0.1", admin.port)).await.unwrap();
@@ -944,18 +939,7 @@ async fn an_import_that_began_before_a_purge_of_its_destination_is_refused_whole
     let dir = tempfile::tempdir().unwrap();
     let mut layout = Layout::create(&dir.path().join("layout"));
     let (_, blobs) = many_layers(&mut layout, 20, "v1", 3);
-    let mut files = vec![
-        ("oci-layout".to_owned(), std::fs::read(layout.dir.join("oci-layout")).unwrap()),
-        ("index.json".to_owned(), std::fs::read(layout.dir.join("index.json")).unwrap()),
-    ];
-    for entry in std::fs::read_dir(layout.dir.join("blobs/sha256")).unwrap() {
-        let entry = entry.unwrap();
-        files.push((
-            format!("blobs/sha256/{}", entry.file_name().to_string_lossy()),
-            std::fs::read(entry.path()).unwrap(),
-        ));
-    }
-    let tar = tar_of(&files);
+    let tar = layout_tar(&layout);
     let (larder, admin) = larder_without_origin(|b| b).await;
 
     let mut socket = tokio::net::TcpStream::connect(("127.0.0.1", admin.port)).await.unwrap();
