@@ -522,6 +522,27 @@ async fn a_token_answer_trickled_byte_by_byte_ends_at_the_response_timeout() {
     }
 }
 
+/// A fake registry behind a token realm holding `REPO:v1`, an image of a
+/// random config and layer (seeded from `seed`), and its tag list; it
+/// accepts the token its realm hands out to anyone. Returns it, the
+/// config, the layer and the manifest.
+async fn token_registry(seed: u64) -> (fake::FakeUpstream, bytes::Bytes, bytes::Bytes, bytes::Bytes) {
+    use fake::{FakeUpstream, OCI_MANIFEST, REPO, digest, image_manifest, random_bytes};
+    let (config, layer) = (random_bytes(256, seed), random_bytes(4096, seed + 1));
+    let manifest = image_manifest((&digest(&config), config.len()), &[(&digest(&layer), layer.len())]);
+    let up = FakeUpstream::builder()
+        .manifest(REPO, "v1", OCI_MANIFEST, manifest.clone())
+        .blob(config.clone())
+        .blob(layer.clone())
+        .tag_list(REPO, &["v1"])
+        .token_response(r#"{"token":"tok","expires_in":300}"#)
+        .accept_authorization("Bearer tok")
+        .start()
+        .await;
+    up.set_challenge(Some(&format!(r#"Bearer realm="{}/token",service="fake""#, up.url())));
+    (up, config, layer, manifest)
+}
+
 /// Alice pulls each of `blobs` of `REPO` through `larder` (upstream `ns`),
 /// so that everything is cached and no fill is left running: faults set
 /// next are met by the checks alone.
@@ -586,19 +607,8 @@ async fn no_spelling_of_the_path_reaches_another_tenants_cached_image() {
 /// storage (the `HEAD` redirected, the tag list answered) is granted.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_check_answered_with_a_redirect_grants_nothing() {
-    use fake::{FakeUpstream, OCI_MANIFEST, REPO, digest, image_manifest, random_bytes};
-    let (config, layer) = (random_bytes(256, 31), random_bytes(4096, 32));
-    let manifest = image_manifest((&digest(&config), config.len()), &[(&digest(&layer), layer.len())]);
-    let up = FakeUpstream::builder()
-        .manifest(REPO, "v1", OCI_MANIFEST, manifest.clone())
-        .blob(config.clone())
-        .blob(layer.clone())
-        .tag_list(REPO, &["v1"])
-        .token_response(r#"{"token":"tok","expires_in":300}"#)
-        .accept_authorization("Bearer tok")
-        .start()
-        .await;
-    up.set_challenge(Some(&format!(r#"Bearer realm="{}/token",service="fake""#, up.url())));
+    use fake::{REPO, digest};
+    let (up, config, layer, manifest) = token_registry(31).await;
     let larder = Larder::builder()
         .upstream(
             Upstream::new("door.test", &up.url())
@@ -637,19 +647,8 @@ async fn a_check_answered_with_a_redirect_grants_nothing() {
 /// decides. Each answer costs its own check: none is taken for another.
 #[tokio::test(flavor = "multi_thread")]
 async fn every_answer_upstream_gives_a_check_proves_only_what_it_says() {
-    use fake::{FakeUpstream, OCI_MANIFEST, REPO, digest, image_manifest, random_bytes};
-    let (config, layer) = (random_bytes(256, 41), random_bytes(4096, 42));
-    let manifest = image_manifest((&digest(&config), config.len()), &[(&digest(&layer), layer.len())]);
-    let up = FakeUpstream::builder()
-        .manifest(REPO, "v1", OCI_MANIFEST, manifest.clone())
-        .blob(config.clone())
-        .blob(layer.clone())
-        .tag_list(REPO, &["v1"])
-        .token_response(r#"{"token":"tok","expires_in":300}"#)
-        .accept_authorization("Bearer tok")
-        .start()
-        .await;
-    up.set_challenge(Some(&format!(r#"Bearer realm="{}/token",service="fake""#, up.url())));
+    use fake::REPO;
+    let (up, config, layer, manifest) = token_registry(41).await;
     let larder = Larder::builder()
         .upstream(Upstream::new("faults.test", &up.url()).line("client_credentials = \"verify\""))
         .ready_on_tcp()
