@@ -63,7 +63,8 @@ fn method_name(method: &Method) -> &'static str {
     }
 }
 
-/// The route template of an endpoint label (`crate::server::routes`).
+/// The route template of an endpoint label (the registry listener's
+/// metrics labels).
 fn route_template(label: &str) -> Option<&'static str> {
     match label {
         "base" => Some("/v2/"),
@@ -75,8 +76,9 @@ fn route_template(label: &str) -> Option<&'static str> {
     }
 }
 
-/// Longest request path recorded on a span (longer ones are cut).
-const MAX_RECORDED_PATH: usize = crate::server::routes::MAX_PATH_LEN;
+/// Longest request path recorded on a span (longer ones are cut): as long
+/// as the longest path the registry listener considers at all.
+const MAX_RECORDED_PATH: usize = 2048;
 
 fn cut(s: &str, max: usize) -> &str {
     if s.len() <= max {
@@ -91,12 +93,14 @@ fn cut(s: &str, max: usize) -> &str {
 
 /// The server span of a request on `listener` (`registry` or `peer`),
 /// continuing the client's trace when its `traceparent` is valid;
-/// `request_id` is its `X-Request-Id` (hex digits).
+/// `request_id` is its `X-Request-Id` (hex digits); `label_of_path` gives
+/// a path's endpoint label (the listener's own routing, called only when
+/// tracing is on, so this module does not depend on the server's).
 pub fn server(
     method: &Method,
     uri: &Uri,
     headers: &HeaderMap,
-    listener: &'static str,
+    (listener, label_of_path): (&'static str, fn(&str) -> &'static str),
     request_id: Option<&[u8]>,
 ) -> Span {
     if !enabled() {
@@ -105,7 +109,7 @@ pub fn server(
     let request_id = request_id.and_then(|id| std::str::from_utf8(id).ok());
     let path = uri.path();
     let method = method_name(method);
-    let route = route_template(crate::server::routes::label_of_path(path));
+    let route = route_template(label_of_path(path));
     let name = match route {
         Some(route) => format!("{method} {route}"),
         None => method.to_owned(),

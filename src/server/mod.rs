@@ -92,7 +92,8 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>, peer: std::net::IpAdd
     let span = tracing::info_span!("request", id = %id);
     let hex = id.hex();
     let namespace = routes::namespace_echo(req.uri());
-    let trace = crate::otel::server(req.method(), req.uri(), req.headers(), "registry", Some(&hex));
+    let trace =
+        crate::otel::server(req.method(), req.uri(), req.headers(), ("registry", routes::label_of_path), Some(&hex));
     // Boxed where it is made: the request's state machine (every handler
     // and cache path inline, about 10 KiB) was otherwise copied whole each
     // time it moved (into `instrument`, into this future, into hyper's

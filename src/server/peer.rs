@@ -95,7 +95,8 @@ async fn handle(app: Arc<App>, secret: [u8; 32], req: Request<Incoming>) -> Resp
         path if path.contains("/blobs/") => "blob",
         _ => "manifest",
     };
-    let trace = crate::otel::server(&parts.method, &parts.uri, &parts.headers, "peer", None);
+    let trace =
+        crate::otel::server(&parts.method, &parts.uri, &parts.headers, ("peer", super::routes::label_of_path), None);
     let (resp, result) = match serve_peer(&app, &secret, &parts).instrument(trace.clone()).await {
         Ok(resp) => (resp, "ok"),
         Err(Refused::Refused(e @ Error::UnknownUpstream(_))) => {
